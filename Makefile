@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine:  make train  and  make test.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+WORKDIR ?= workdirs/default
+CONFIG ?= configs/default.py
+
+.PHONY: install train test clean
+
+install: $(STAMP)
+
+# Reinstalls only when pyproject.toml changes; otherwise this takes a second.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10 or newer is needed, found " + sys.version.split()[0])'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+train: install
+	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
+
+test: install
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) workdirs .pytest_cache

@@ -1,0 +1,53 @@
+"""The paper's WMT14 models: `--config configs/wmt14.py:ARG`.
+
+ARG is `base` or `big`, optionally with `,en-de` (default) or `,en-fr`:
+
+    python train.py --config configs/wmt14.py:base,en-de --workdir gs://BUCKET/base-ende
+    python eval.py  --config configs/wmt14.py:base,en-de --workdir gs://BUCKET/base-ende \
+        --split test --average_last 5
+
+Hyperparameters are the paper's (PAPER.md): Adam(0.9, 0.98, 1e-9), warmup 4000,
+label smoothing 0.1, about 25,000 source and 25,000 target tokens per step, beam 4,
+alpha 0.6. Expected newstest2014 BLEU (tokenized, compound-split, the paper's
+protocol): base 27.3 / 38.1, big 28.4 / 41.8 (En-De / En-Fr).
+"""
+
+from transformer import config as config_lib
+
+_DATASETS = {
+    "en-de": ("wmt14_translate/de-en", 37000),  # shared BPE, about 37k tokens
+    "en-fr": ("wmt14_translate/fr-en", 32000),  # 32k word pieces
+}
+
+
+def get_config(arg="base,en-de"):
+  parts = [p.strip() for p in (arg or "base").split(",")]
+  size = parts[0]
+  direction = parts[1] if len(parts) > 1 else "en-de"
+  if size not in ("base", "big") or direction not in _DATASETS or len(parts) > 2:
+    raise ValueError(
+        f"configs/wmt14.py: argument {arg!r} must be base|big[,en-de|,en-fr]")
+
+  c = config_lib.base_config()
+  c.dataset, c.vocab_size = _DATASETS[direction]
+  c.direction = direction
+  c.vocab_type = "bpe"
+  c.max_len = 256
+  c.tokens_per_batch = 25_000  # per side per update (grad_accum_steps multiplies it)
+  c.eval_batch_size = 128
+  c.num_train_steps = 100_000
+  c.warmup_steps = 4000
+  c.log_every_steps = 100
+  c.eval_every_steps = 5000
+  c.checkpoint_every_steps = 0  # time-based, as in the paper: every 10 minutes
+  c.checkpoint_every_minutes = 10.0
+  c.keep_checkpoints = 20
+
+  m = c.model
+  m.num_layers, m.d_model, m.d_ff, m.num_heads, m.d_k, m.d_v = 6, 512, 2048, 8, 64, 64
+  m.dropout_rate = 0.1
+  if size == "big":
+    m.d_model, m.d_ff, m.num_heads = 1024, 4096, 16
+    m.dropout_rate = 0.3 if direction == "en-de" else 0.1
+    c.num_train_steps = 300_000
+  return c
