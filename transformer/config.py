@@ -7,6 +7,8 @@ naming the key (a `ConfigError`), which `train.py` prints before building anythi
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
 # Fixed token ids, shared by the tokenizer, the input pipeline, the model and decoding.
@@ -92,6 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every_steps = 1000
   c.checkpoint_every_minutes = 10.0  # the paper averaged checkpoints written every 10 minutes
   c.keep_checkpoints = 20
+  c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
 
   # Decoding (transformer/decoding.py).
   c.beam_size = 4
@@ -121,3 +124,94 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = model_config()
   return c
+
+
+def _flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+  if not condition:
+    raise ConfigError(f"config.{key}: {message}")
+
+
+def _check_choice(flat: dict, key: str, choices) -> None:
+  _check(flat[key] in choices, key, f"{flat[key]!r} is not one of {', '.join(choices)}")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the first bad key; cheap, runs before any compile."""
+  reference = _flatten(base_config())
+  flat = _flatten(config)
+  for key, value in flat.items():
+    if key not in reference:
+      close = difflib.get_close_matches(key, reference, n=1)
+      hint = f" (did you mean config.{close[0]}?)" if close else ""
+      raise ConfigError(f"config.{key}: unknown key{hint}")
+    expected = type(reference[key])
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+      continue
+    if reference[key] is not None and not isinstance(value, expected):
+      raise ConfigError(f"config.{key}: expected {expected.__name__}, got "
+                        f"{type(value).__name__} {value!r}")
+  for key in reference:
+    _check(key in flat, key, "missing (start config files from base_config())")
+
+  m = config.model
+  for key in ("num_layers", "d_model", "d_ff", "num_heads", "d_k", "d_v"):
+    _check(m[key] > 0, f"model.{key}", f"must be positive, got {m[key]}")
+  for key in ("dropout_rate", "attention_dropout_rate"):
+    _check(0.0 <= m[key] < 1.0, f"model.{key}", f"must be in [0, 1), got {m[key]}")
+  _check_choice(flat, "model.positional", POSITIONAL_KINDS)
+  _check_choice(flat, "model.norm", NORM_KINDS)
+  _check_choice(flat, "model.activation", ACTIVATIONS)
+  _check_choice(flat, "model.dtype", DTYPES)
+  _check_choice(flat, "model.param_dtype", DTYPES)
+  _check(m.d_model % 2 == 0 or m.positional != "sinusoidal", "model.d_model",
+         f"sinusoidal positions pair sin/cos channels: d_model must be even, got {m.d_model}")
+  _check(m.d_k % 2 == 0 or m.positional != "rope", "model.d_k",
+         f"rope rotates pairs of channels: d_k must be even, got {m.d_k}")
+
+  _check("-" in config.direction and len(config.direction.split("-")) == 2, "direction",
+         f"expected SRC-TGT language codes like en-de, got {config.direction!r}")
+  _check(bool(config.dataset), "dataset", "is empty")
+  _check_choice(flat, "vocab_type", VOCAB_TYPES)
+  _check_choice(flat, "batching", BATCHING_KINDS)
+  _check(config.vocab_size > UNK_ID + 1, "vocab_size", f"too small: {config.vocab_size}")
+  _check(config.max_len >= 2, "max_len", f"must be at least 2, got {config.max_len}")
+  _check(config.tokens_per_batch >= config.max_len, "tokens_per_batch",
+         f"{config.tokens_per_batch} is below max_len={config.max_len}: "
+         "not even one sentence fits in a batch")
+  _check(config.eval_batch_size > 0, "eval_batch_size", "must be positive")
+
+  _check(config.num_train_steps > 0, "num_train_steps", "must be positive")
+  _check(config.warmup_steps > 0, "warmup_steps",
+         "must be positive (the schedule divides by it)")
+  _check(config.learning_rate_scale > 0, "learning_rate_scale", "must be positive")
+  _check(config.grad_accum_steps >= 1, "grad_accum_steps", "must be at least 1")
+  _check(0.0 <= config.label_smoothing < 1.0, "label_smoothing", "must be in [0, 1)")
+  _check(config.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0 = off)")
+  _check(config.weight_decay >= 0, "weight_decay", "must be >= 0")
+  _check(config.log_every_steps > 0, "log_every_steps", "must be positive")
+  _check(config.eval_every_steps >= 0, "eval_every_steps", "must be >= 0 (0 = off)")
+  _check(config.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be >= 0 (0 = off)")
+  _check(config.checkpoint_every_minutes >= 0, "checkpoint_every_minutes", "must be >= 0")
+  _check(config.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
+  _check(config.beam_size >= 1, "beam_size", "must be at least 1")
+  _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")
+
+  for axis in MESH_AXES:
+    for key in (f"mesh.{axis}", f"mesh.dcn_{axis}"):
+      _check(flat[key] == -1 or flat[key] >= 1, key, f"must be -1 or positive, got {flat[key]}")
+  _check(sum(flat[f"mesh.{a}"] == -1 for a in MESH_AXES) <= 1, "mesh",
+         "at most one axis may be -1 (fill with the remaining devices)")
+  _check(m.num_heads % max(config.mesh.tensor, 1) == 0, "model.num_heads",
+         f"{m.num_heads} heads cannot be split over mesh.tensor={config.mesh.tensor}")
+  for rule in config.logical_axis_rules:
+    _check(len(rule) == 2, "logical_axis_rules", f"each rule is (logical, mesh axes): {rule!r}")

@@ -331,7 +331,6 @@ class InputEmbedding(nn.Module):
           (cfg.max_position, cfg.d_model), cfg.weight_dtype)
       x_BxLxD = x_BxLxD + jnp.take(table_PxD, positions_BxL, axis=0).astype(x_BxLxD.dtype)
     # rope: positions enter inside attention, nothing is added here.
-    x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
     return nn.Dropout(cfg.dropout_rate)(x_BxLxD, deterministic=deterministic)
 
 

@@ -1,0 +1,144 @@
+"""Schedule, label-smoothed loss, and the sharded train step on several meshes."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import config as config_lib
+from transformer import sharding, trainer
+
+
+def tiny_config():
+  c = config_lib.base_config()
+  c.vocab_size = 64
+  c.max_len = 16
+  c.model.num_layers, c.model.d_model, c.model.d_ff = 2, 32, 64
+  c.model.num_heads, c.model.d_k, c.model.d_v = 4, 8, 8
+  c.warmup_steps = 10
+  return c
+
+
+@pytest.mark.parametrize("step", [1, 4000, 100000])
+def test_schedule_equals_the_papers_formula(step):
+  config = config_lib.base_config()
+  config.model.d_model, config.warmup_steps = 512, 4000
+  expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+  # Optax counts updates from 0: update number `step` sees count step - 1.
+  got = float(trainer.learning_rate_schedule(config)(step - 1))
+  assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_schedule_peaks_at_warmup():
+  config = config_lib.base_config()
+  schedule = trainer.learning_rate_schedule(config)
+  values = [float(schedule(s - 1)) for s in (3999, 4000, 4001)]
+  assert values[1] > values[0] and values[1] > values[2]
+  assert values[1] == pytest.approx(7.0e-4, rel=0.01)  # PAPER.md: peak about 7.0e-4 (base)
+
+
+def test_label_smoothed_loss_by_hand():
+  logits = np.array([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4]]], np.float32)
+  targets = np.array([[1, 0]], np.int32)  # the second position is padding
+  eps, vocab = 0.1, 4
+  log_p = logits[0, 0] - np.log(np.sum(np.exp(logits[0, 0])))
+  q = np.full(vocab, eps / (vocab - 1))
+  q[1] = 1 - eps
+  expected_loss = -np.sum(q * log_p) + np.sum(q * np.log(q))  # KL(q || p)
+  sums = trainer.cross_entropy_sums(jnp.asarray(logits), jnp.asarray(targets), eps)
+  assert float(sums["num_tokens"]) == 1.0
+  assert float(sums["loss_sum"]) == pytest.approx(expected_loss, rel=1e-5)
+  assert float(sums["ce_sum"]) == pytest.approx(-log_p[1], rel=1e-5)
+  assert float(sums["correct_sum"]) == 0.0  # argmax is token 0, target is 1
+
+
+def test_no_smoothing_is_plain_cross_entropy():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32)
+  targets = jnp.asarray([[1, 2, 0], [3, 4, 5]], jnp.int32)
+  sums = trainer.cross_entropy_sums(logits, targets, 0.0)
+  assert float(sums["loss_sum"]) == pytest.approx(float(sums["ce_sum"]))
+
+
+def synthetic_batch(config, rows=8, length=12, seed=0):
+  rng = np.random.default_rng(seed)
+  target = rng.integers(4, config.vocab_size, (rows, length)).astype(np.int32)
+  target[:, -3:] = 0  # padding
+  target[np.arange(rows), length - 4] = config_lib.EOS_ID
+  decoder_input = np.concatenate([np.full((rows, 1), config_lib.BOS_ID), target[:, :-1]], 1)
+  decoder_input = np.where(target == 0, 0, decoder_input).astype(np.int32)
+  source = rng.integers(4, config.vocab_size, (rows, length)).astype(np.int32)
+  source[: rows // 2, -5:] = 0
+  return {"source": source, "decoder_input": decoder_input, "target": target}
+
+
+def run_steps(config, devices, num_steps=2):
+  mesh = sharding.create_mesh(config, devices)
+  rules = sharding.axis_rules(config)
+  model = trainer.build_model(config)
+  optimizer = trainer.make_optimizer(config)
+  _, shardings = trainer.state_shardings(model, optimizer, config, mesh)
+  state = trainer.create_train_state(model, optimizer, config, mesh, jax.random.key(0))
+  step = trainer.jit_train_step(model, optimizer, config, shardings, mesh)
+  losses = []
+  for i in range(num_steps):
+    batch = sharding.global_batch(synthetic_batch(config, seed=i), mesh, rules)
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return losses, jax.device_get(state.params), state
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 2, 4)])
+def test_meshes_agree_with_one_device(mesh_shape):
+  assert jax.device_count() == 8
+  config = tiny_config()
+  single_losses, single_params, _ = run_steps(config, jax.devices()[:1])
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
+  losses, params, state = run_steps(config, jax.devices())
+  np.testing.assert_allclose(losses, single_losses, rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               params, single_params)
+  # Parameters really are split over the mesh as the logical rules say.
+  embedding = state.params["shared_embedding"]["embedding"]
+  assert embedding.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+  shard_shape = embedding.addressable_shards[0].data.shape
+  assert shard_shape == (64 // mesh_shape[2], 32 // mesh_shape[1])
+
+
+def test_training_reduces_loss_and_accumulation_matches_big_batch():
+  config = tiny_config()
+  config.model.dropout_rate = 0.0
+  devices = jax.devices()[:1]
+  losses, _, _ = run_steps(config, devices, num_steps=6)
+  assert losses[-1] < losses[0]
+  # Two accumulated half batches make one update with the full batch's mean gradient
+  # (equal token counts per half here, so per-half means average to the full mean).
+  mesh = sharding.create_mesh(config, devices)
+  model = trainer.build_model(config)
+  batch = synthetic_batch(config)
+  params_after = {}
+  for accum in (1, 2):
+    config.grad_accum_steps = accum
+    optimizer = trainer.make_optimizer(config)
+    _, shardings = trainer.state_shardings(model, optimizer, config, mesh)
+    state = trainer.create_train_state(model, optimizer, config, mesh, jax.random.key(0))
+    step = trainer.jit_train_step(model, optimizer, config, shardings, mesh)
+    rules = sharding.axis_rules(config)
+    if accum == 1:
+      state, _ = step(state, sharding.global_batch(batch, mesh, rules))
+    else:
+      for half in (slice(0, 4), slice(4, 8)):
+        part = {k: v[half] for k, v in batch.items()}
+        state, _ = step(state, sharding.global_batch(part, mesh, rules))
+    params_after[accum] = jax.device_get(state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               params_after[1], params_after[2])
+
+
+def test_forced_nan_makes_the_loss_nan_at_that_step():
+  config = tiny_config()
+  config.debug_nan_step = 2
+  losses, _, _ = run_steps(config, jax.devices()[:1], num_steps=2)
+  assert math.isfinite(losses[0]) and math.isnan(losses[1])

@@ -1,0 +1,53 @@
+"""Train a Transformer: `python train.py --config configs/default.py --workdir DIR`.
+
+Config overrides go after the config, e.g. `--config.model.num_layers=4`. Rerunning
+the same command resumes from the newest checkpoint in DIR. `--dry_run` prints the
+model's size and cost as one JSON line and exits without touching data or devices'
+memory. For several hosts see README ("Multi-host").
+"""
+
+import json
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from transformer import cli, distributed
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
+                                          "Config file, optionally FILE:ARG.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the vocabulary go.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False,
+                             "Print parameters, FLOPs per token and the mesh as JSON; exit.")
+distributed.define_flags()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  distributed.initialize_from_flags()
+
+  # Imported after jax.distributed is up: nothing may touch devices before that.
+  from transformer import config as config_lib
+  from transformer import summary
+
+  config = _CONFIG.value
+  try:
+    config_lib.validate(config)
+    if _DRY_RUN.value:
+      print(json.dumps(summary.describe(config)))
+      return
+    if not _WORKDIR.value:
+      raise app.UsageError("--workdir is required (where checkpoints and logs go)")
+    from transformer import train_loop
+    result = train_loop.train_and_evaluate(config, _WORKDIR.value)
+  except (config_lib.ConfigError, RuntimeError) as e:
+    logging.error("%s", e)
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+  logging.info("finished: %s", result)
+
+
+if __name__ == "__main__":
+  cli.run(main)
