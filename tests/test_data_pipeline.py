@@ -1,0 +1,198 @@
+"""Training and evaluation streams on a small slice of the bundled corpus (tsv:PATH)."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from transformer import config as config_lib
+from transformer.config import EOS_ID
+from transformer.data import batching
+from transformer.data import pipeline
+from transformer.data import sources
+from transformer.data import tatoeba
+from transformer.data import tokenizer as tokenizer_lib
+
+
+@pytest.fixture(scope="module")
+def corpus_path(tmp_path_factory):
+  """Every 40th line of the bundled corpus: ~3,500 real pairs."""
+  with gzip.open(tatoeba.CORPUS_PATH, "rt", encoding="utf-8") as f:
+    lines = f.readlines()[::40]
+  path = tmp_path_factory.mktemp("corpus") / "small.tsv"
+  path.write_text("".join(lines), encoding="utf-8")
+  return str(path)
+
+
+def _config(corpus_path, cache_dir, **overrides):
+  config = config_lib.base_config()
+  config.dataset = f"tsv:{corpus_path}"
+  config.vocab_size = 300
+  config.vocab_cache_dir = str(cache_dir)
+  config.max_len = 24
+  config.tokens_per_batch = 384
+  config.eval_batch_size = 16
+  config.shuffle_buffer_size = 1000
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def setup(corpus_path, tmp_path_factory):
+  config = _config(corpus_path, tmp_path_factory.mktemp("vocab"))
+  source = sources.make_source(config)
+  return config, source, tokenizer_lib.load_or_train_tokenizer(config, source=source)
+
+
+def _take(config, setup, n, **kwargs):
+  _, source, tokenizer = setup
+  iterator = pipeline.make_train_iterator(config, tokenizer, source=source, **kwargs)
+  return [next(iterator) for _ in range(n)]
+
+
+def _assert_same(batches_a, batches_b):
+  assert len(batches_a) == len(batches_b)
+  for a, b in zip(batches_a, batches_b):
+    assert a.keys() == b.keys()
+    for key in a:
+      np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_tokenizer_round_trip_and_fixed_ids(setup):
+  _, _, tokenizer = setup
+  assert tokenizer.vocab_size == 300
+  ids = tokenizer.encode("I like cats.")
+  assert ids and min(ids) > 3
+  assert tokenizer.decode([2] + ids + [EOS_ID, 7, 8]) == "I like cats."
+  assert tokenizer.id_to_piece(0) == "<pad>" and tokenizer.id_to_piece(1) == "</s>"
+
+
+def test_vocab_cache_is_reused_and_copied_to_workdir(setup, monkeypatch, tmp_path):
+  config, source, tokenizer = setup
+  def no_training(*args, **kwargs):
+    raise AssertionError("the cached vocabulary should have been reused")
+  monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
+  again = tokenizer_lib.load_or_train_tokenizer(config, source=source)
+  assert again.model_proto == tokenizer.model_proto
+  other = config.copy_and_resolve_references()
+  other.vocab_size = 301
+  assert (tokenizer_lib.vocab_cache_path(other, source)
+          != tokenizer_lib.vocab_cache_path(config, source))
+  tokenizer_lib.copy_vocab_to_workdir(tokenizer, str(tmp_path))
+  assert tokenizer_lib.load_workdir_tokenizer(str(tmp_path)).model_proto == tokenizer.model_proto
+
+
+@pytest.mark.parametrize("batching", ["tokens", "packed"])
+def test_same_seed_same_batches_other_seed_differs(setup, batching):
+  config = setup[0].copy_and_resolve_references()
+  config.batching = batching
+  first = _take(config, setup, 4, row_multiple=2)
+  _assert_same(first, _take(config, setup, 4, row_multiple=2))
+  config.seed = 1
+  other = _take(config, setup, 4, row_multiple=2)
+  assert any(a["target"].shape != b["target"].shape or (a["target"] != b["target"]).any()
+             for a, b in zip(first, other))
+
+
+def test_token_batches_fit_budget_and_rows_divide(setup):
+  config = setup[0]
+  for batch in _take(config, setup, 30, row_multiple=4):
+    rows, source_len = batch["source"].shape
+    assert rows % 4 == 0 and rows * source_len <= config.tokens_per_batch
+    assert batch["target"].shape[0] * batch["target"].shape[1] <= config.tokens_per_batch
+    assert source_len <= config.max_len and batch["target"].shape[1] <= config.max_len
+
+
+@pytest.mark.parametrize("batching", ["tokens", "packed"])
+def test_two_processes_make_the_same_global_batches(setup, batching):
+  config = setup[0].copy_and_resolve_references()
+  config.batching = batching
+  single = _take(config, setup, 5, row_multiple=2)
+  parts = [_take(config, setup, 5, process_index=p, process_count=2, row_multiple=2)
+           for p in range(2)]
+  joined = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*parts)]
+  assert parts[0][0]["target"].shape == parts[1][0]["target"].shape
+  _assert_same(single, joined)
+
+
+def test_restored_state_gives_the_same_next_batches_across_epochs(setup):
+  config = setup[0].copy_and_resolve_references()
+  config.batching = "packed"
+  config.tokens_per_batch = 24 * 96  # big batches: an epoch is about ten steps
+  _, source, tokenizer = setup
+  iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
+  epoch_length = None
+  for step in range(25):
+    next(iterator)
+    if epoch_length is None and iterator.get_state()["epoch"] == 1:
+      epoch_length = step
+  assert epoch_length is not None  # the stream went on past the end of an epoch
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = [next(iterator) for _ in range(3)]
+  resumed = pipeline.make_train_iterator(config, tokenizer, source=source)
+  resumed.set_state(state)
+  _assert_same(expected, [next(resumed) for _ in range(3)])
+
+
+def test_decoder_only_batches(setup):
+  config = setup[0].copy_and_resolve_references()
+  config.model.decoder_only = True
+  batch = _take(config, setup, 1)[0]
+  assert set(batch) == {"decoder_input", "target"}
+  # The loss covers exactly one segment per row: the target after the prompt's EOS.
+  first_row_input = batch["decoder_input"][0]
+  prompt_end = list(first_row_input).index(EOS_ID)  # decoder_input = BOS, prompt ... EOS
+  assert (batch["target"][0][:prompt_end] == 0).all()
+  assert batch["target"][0][prompt_end] != 0
+
+
+@pytest.mark.parametrize("process_count", [1, 2])
+def test_each_evaluation_sentence_exactly_once(setup, process_count):
+  config, source, tokenizer = setup
+  pairs = pipeline.load_raw_pairs(config, "validation", source=source)
+  assert len(pairs) > config.eval_batch_size  # several batches, the last one partial
+  indices, rows_by_index = [], {}
+  for p in range(process_count):
+    batches = pipeline.make_eval_batches(config, tokenizer, "validation", source=source,
+                                         process_index=p, process_count=process_count)
+    for batch in batches:
+      assert batch["source"].shape == (config.eval_batch_size // process_count, config.max_len)
+      for row, index in enumerate(batch["index"]):
+        indices.append(index)
+        rows_by_index[index] = batch["source"][row]
+  real = sorted(i for i in indices if i >= 0)
+  assert real == list(range(len(pairs)))
+  assert all(i == -1 for i in indices if i < 0)
+  assert not rows_by_index.get(-1, np.zeros(1)).any()  # fill rows are all padding
+  for index in (0, len(pairs) - 1):
+    expected = tokenizer.encode(pairs[index][0])[:config.max_len - 1] + [EOS_ID]
+    assert list(rows_by_index[index][:len(expected)]) == expected
+
+
+def test_long_pairs_are_dropped_or_clipped_keeping_eos():
+  ids = np.array([5, 6, 7, 8, EOS_ID], np.int32)
+  assert pipeline._fit(ids, 5, clip=False) is ids
+  assert pipeline._fit(ids, 4, clip=False) is None
+  np.testing.assert_array_equal(pipeline._fit(ids, 4, clip=True), [5, 6, 7, EOS_ID])
+
+
+def test_get_tokenizer_copies_to_workdir_and_resumes_from_it(setup, tmp_path):
+  config, source, tokenizer = setup
+  workdir = tmp_path / "run"
+  got = tokenizer_lib.get_tokenizer(config, str(workdir), process_index=0, process_count=1,
+                                    source=source)
+  assert (workdir / "vocab.model").read_bytes() == tokenizer.model_proto == got.model_proto
+  # A resumed run uses the workdir's copy even if the settings now point elsewhere.
+  other = config.copy_and_resolve_references()
+  other.vocab_cache_dir = str(tmp_path / "empty_cache")
+  resumed = tokenizer_lib.get_tokenizer(other, str(workdir), process_index=1, process_count=2)
+  assert resumed.model_proto == tokenizer.model_proto
+
+
+def test_pad_batch_fills_rows_and_rounds_length():
+  padded = batching.pad_batch([[5, EOS_ID], [6, 7, 8, EOS_ID]], rows=3)
+  np.testing.assert_array_equal(padded, [[5, EOS_ID, 0, 0, 0, 0, 0, 0],
+                                         [6, 7, 8, EOS_ID, 0, 0, 0, 0],
+                                         [0] * 8])

@@ -1,0 +1,28 @@
+"""Input pipeline: datasets, the SentencePiece vocabulary, training and evaluation batches.
+
+    source = data.make_source(config)                 # tfds name or tsv:PATH
+    tokenizer = data.load_or_train_tokenizer(config, source=source)
+    train_iter = data.make_train_iterator(config, tokenizer, source=source,
+                                          process_index=..., process_count=...,
+                                          row_multiple=...)
+    eval_batches = data.make_eval_batches(config, tokenizer, "validation", source=source)
+
+Batch format and token ids: batching.py and docs/data.md.
+"""
+
+from transformer.data.batching import pad_batch
+from transformer.data.batching import shift_right
+from transformer.data.pipeline import TrainIterator
+from transformer.data.pipeline import load_raw_pairs
+from transformer.data.pipeline import make_eval_batches
+from transformer.data.pipeline import make_train_iterator
+from transformer.data.sources import make_source
+from transformer.data.tokenizer import Tokenizer
+from transformer.data.tokenizer import copy_vocab_to_workdir
+from transformer.data.tokenizer import get_tokenizer
+from transformer.data.tokenizer import load_or_train_tokenizer
+from transformer.data.tokenizer import load_workdir_tokenizer
+
+# Shorter names used by the training and evaluation loops.
+eval_texts = load_raw_pairs
+load_tokenizer = load_workdir_tokenizer

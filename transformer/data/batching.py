@@ -1,0 +1,153 @@
+"""Turning tokenized examples into batches: length buckets, packing, shifting right.
+
+An example is a dict of 1-D int32 arrays that already end in EOS: {'source', 'target'}
+for translation, or {'target', 'loss_mask'} for a decoder-only LM. Keys starting with
+'source' are the encoder side; all others share the decoder side's length.
+
+Batch format (numpy int32; the model and the trainer rely on it):
+  'source' [B,S], 'decoder_input' [B,T], 'target' [B,T]; PAD_ID = 0 everywhere padded.
+  Packed: also 'source_segment_ids', 'source_positions' [B,S] and 'target_segment_ids',
+  'target_positions' [B,T] (segments count from 1, 0 = padding; positions restart at 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from transformer.config import BOS_ID, PAD_ID
+
+LENGTH_MULTIPLE = 8  # bucket lengths are multiples of this: few, static shapes
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def side_of(key: str) -> str:
+  return "source" if key.startswith("source") else "target"
+
+
+def shift_right(target_BxT: np.ndarray, segment_ids_BxT: np.ndarray | None = None) -> np.ndarray:
+  """Decoder input: BOS followed by the target, one step late, restarting per segment.
+
+  The only place targets are shifted. Without segment ids the non-pad tokens of a row
+  form one segment. Positions where the target is padding stay PAD_ID.
+  """
+  target_BxT = np.asarray(target_BxT, np.int32)
+  if segment_ids_BxT is None:
+    segment_ids_BxT = (target_BxT != PAD_ID).astype(np.int32)
+  shifted_BxT = np.zeros_like(target_BxT)
+  shifted_BxT[:, 1:] = target_BxT[:, :-1]
+  previous_segment_BxT = np.zeros_like(segment_ids_BxT)
+  previous_segment_BxT[:, 1:] = segment_ids_BxT[:, :-1]
+  starts_segment_BxT = segment_ids_BxT != previous_segment_BxT
+  decoder_input_BxT = np.where(starts_segment_BxT, BOS_ID, shifted_BxT)
+  return np.where(segment_ids_BxT != 0, decoder_input_BxT, PAD_ID).astype(np.int32)
+
+
+def pad_stack(arrays: list[np.ndarray], length: int) -> np.ndarray:
+  """[len(arrays), length] int32, each row left-aligned and padded with PAD_ID."""
+  out = np.full((len(arrays), length), PAD_ID, np.int32)
+  for row, a in enumerate(arrays):
+    out[row, :len(a)] = a
+  return out
+
+
+def pad_batch(sequences: list[list[int]], rows: int, length: int | None = None) -> np.ndarray:
+  """[rows, length] int32 from ragged id lists, fill rows all PAD_ID; length defaults to
+  the longest sequence rounded up to a multiple of 8 (few shapes to compile)."""
+  if len(sequences) > rows:
+    raise ValueError(f"{len(sequences)} sequences do not fit {rows} rows")
+  longest = max((len(s) for s in sequences), default=1)
+  length = length or round_up(max(longest, 1), LENGTH_MULTIPLE)
+  return pad_stack([np.asarray(s, np.int32) for s in sequences] + [[]] * (rows - len(sequences)),
+                   length)
+
+
+def finalize(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Adds 'decoder_input' and turns an LM's loss_mask into zeros in 'target'."""
+  batch = dict(arrays)
+  batch["decoder_input"] = shift_right(batch["target"], batch.get("target_segment_ids"))
+  if "loss_mask" in batch:  # decoder-only: no loss on the prompt (source + EOS)
+    batch["target"] = batch["target"] * batch.pop("loss_mask")
+  return {k: v.astype(np.int32) for k, v in batch.items()}
+
+
+def bucket_rows(tokens_per_batch: int, length: int, row_multiple: int) -> int:
+  """Rows of a bucket: as many as fit the token budget, rounded down to row_multiple."""
+  return (tokens_per_batch // length) // row_multiple * row_multiple
+
+
+class TokenBucketer:
+  """Groups examples by padded length; a bucket is emitted once it holds its row count.
+
+  Every batch has rows * length <= tokens_per_batch on each side and rows % row_multiple
+  == 0. What is left in the buckets at the end of an epoch is dropped.
+  """
+
+  def __init__(self, tokens_per_batch: int, max_len: int, row_multiple: int):
+    self.rows = {}
+    for length in range(LENGTH_MULTIPLE, round_up(max_len, LENGTH_MULTIPLE) + 1,
+                        LENGTH_MULTIPLE):
+      self.rows[length] = bucket_rows(tokens_per_batch, length, row_multiple)
+    self._waiting = {length: [] for length in self.rows}
+
+  def add(self, example: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """Adds one example; returns a finished batch or None."""
+    length = round_up(max(len(a) for a in example.values()), LENGTH_MULTIPLE)
+    waiting = self._waiting[length]
+    waiting.append(example)
+    if len(waiting) < self.rows[length]:
+      return None
+    self._waiting[length] = []
+    return finalize({k: pad_stack([ex[k] for ex in waiting], length) for k in example})
+
+
+class Packer:
+  """Packs several examples per row (first fit over a few open rows), `rows` per batch.
+
+  Rows are [row_len] per side. Each example becomes one segment on each side, with the
+  same segment id on both; a full batch is emitted as soon as it has `rows` rows.
+  """
+
+  def __init__(self, rows: int, row_len: int, max_open_rows: int = 8):
+    self.num_rows = rows
+    self.row_len = row_len
+    self.max_open_rows = max_open_rows
+    self._open = []  # rows being filled: lists of examples
+    self._done = []  # finished rows, waiting for a full batch
+
+  def _fits(self, row: list[dict], example: dict) -> bool:
+    return all(sum(len(ex[k]) for ex in row) + len(example[k]) <= self.row_len
+               for k in example)
+
+  def add(self, example: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    for row in self._open:
+      if self._fits(row, example):
+        row.append(example)
+        break
+    else:
+      if len(self._open) == self.max_open_rows:
+        self._done.append(self._open.pop(0))  # the oldest row has had its chances
+      self._open.append([example])
+    if len(self._done) < self.num_rows:
+      return None
+    rows, self._done = self._done[:self.num_rows], self._done[self.num_rows:]
+    return self._batch(rows)
+
+  def _batch(self, rows: list[list[dict]]) -> dict[str, np.ndarray]:
+    arrays = {}
+    for key in rows[0][0]:
+      arrays[key] = pad_stack([np.concatenate([ex[key] for ex in row]) for row in rows],
+                              self.row_len)
+      side = side_of(key)
+      if f"{side}_segment_ids" in arrays:
+        continue
+      segment_ids, positions = [], []
+      for row in rows:
+        lengths = [len(ex[key]) for ex in row]
+        segment_ids.append(np.repeat(np.arange(1, len(row) + 1), lengths))
+        positions.append(np.concatenate([np.arange(n) for n in lengths]))
+      arrays[f"{side}_segment_ids"] = pad_stack(segment_ids, self.row_len)
+      arrays[f"{side}_positions"] = pad_stack(positions, self.row_len)
+    return finalize(arrays)

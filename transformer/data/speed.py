@@ -1,0 +1,64 @@
+"""Throughput of the input pipeline alone (no model): examples/s and tokens/s.
+
+    python -m transformer.data.speed --config configs/default.py
+    python -m transformer.data.speed --config configs/default.py --mock_wmt
+
+--mock_wmt reads wmt14_translate/de-en through tfds.testing.mock_data (random text, no
+download) at the paper's base settings: max_len 256, 25,000 tokens per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+import numpy as np
+import tensorflow_datasets as tfds
+
+from transformer.data import pipeline
+from transformer.data import sources
+from transformer.data import tokenizer as tokenizer_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+_MOCK_WMT = flags.DEFINE_bool("mock_wmt", False, "Mock wmt14_translate/de-en, base sizes.")
+_NUM_BATCHES = flags.DEFINE_integer("num_batches", 200, "Batches to time (after one warm-up).")
+_MOCK_EXAMPLES = flags.DEFINE_integer("mock_examples", 100_000, "Examples per mock split.")
+
+
+def count(batch: dict[str, np.ndarray]) -> tuple[int, int]:
+  """(sentence pairs, non-pad source + target tokens) in a batch."""
+  pairs = int(batch["target_segment_ids"].max(axis=1).sum()) if (
+      "target_segment_ids" in batch) else int((batch["target"] != 0).any(axis=1).sum())
+  tokens = sum(int((batch[k] != 0).sum()) for k in ("source", "target") if k in batch)
+  return pairs, tokens
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  mock = contextlib.nullcontext()
+  if _MOCK_WMT.value:
+    config.dataset, config.direction = "wmt14_translate/de-en", "en-de"
+    config.max_len, config.tokens_per_batch = 256, 25_000
+    mock = tfds.testing.mock_data(num_examples=_MOCK_EXAMPLES.value)
+  with mock:
+    source = sources.make_source(config)
+    tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
+    iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
+    next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
+    pairs = tokens = 0
+    start = time.perf_counter()
+    for _ in range(_NUM_BATCHES.value):
+      batch_pairs, batch_tokens = count(next(iterator))
+      pairs, tokens = pairs + batch_pairs, tokens + batch_tokens
+    seconds = time.perf_counter() - start
+  print(f"{config.dataset} ({config.direction}, {config.batching}, max_len {config.max_len}, "
+        f"tokens_per_batch {config.tokens_per_batch}): {_NUM_BATCHES.value} batches in "
+        f"{seconds:.1f}s: {pairs / seconds:,.0f} examples/s, {tokens / seconds:,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,187 @@
+"""One SentencePiece vocabulary shared by source and target, trained once and cached.
+
+Token ids are fixed (transformer/config.py): PAD=0, EOS=1, BOS=2, UNK=3. The model file is
+cached under config.vocab_cache_dir with a name that hashes everything it depends on
+(dataset, direction, type, size, sentence cap), and copied into each run's workdir as
+`vocab.model` so evaluation needs nothing but the workdir.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import os
+import time
+from typing import Iterable, Sequence
+
+from absl import logging
+import sentencepiece as spm
+import tensorflow as tf
+
+from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer.config import ConfigError
+from transformer.data import sources
+
+WORKDIR_VOCAB_NAME = "vocab.model"
+
+
+class Tokenizer:
+  """Text <-> ids with a SentencePiece model. `encode` adds no EOS; the pipeline does."""
+
+  def __init__(self, model_proto: bytes):
+    self.model_proto = model_proto
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    fixed = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
+    if fixed != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
+      raise ValueError(f"SentencePiece model has pad/eos/bos/unk ids {fixed}, "
+                       f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
+
+  @classmethod
+  def load(cls, path: str) -> "Tokenizer":
+    with tf.io.gfile.GFile(path, "rb") as f:
+      return cls(f.read())
+
+  def save(self, path: str) -> None:
+    """Writes atomically: a reader polling for `path` never sees half a file."""
+    tf.io.gfile.makedirs(os.path.dirname(path) or ".")
+    temporary = f"{path}.tmp-{os.getpid()}-{time.time_ns()}"
+    with tf.io.gfile.GFile(temporary, "wb") as f:
+      f.write(self.model_proto)
+    tf.io.gfile.rename(temporary, path, overwrite=True)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.get_piece_size()
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """Many sentences in one call; SentencePiece runs it in C++ without the GIL."""
+    return self._sp.encode(list(texts))
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of `ids` up to the first EOS; PAD and BOS are dropped."""
+    kept = []
+    for i in ids:
+      i = int(i)
+      if i == EOS_ID:
+        break
+      if i not in (PAD_ID, BOS_ID):
+        kept.append(i)
+    return self._sp.decode(kept)
+
+  def id_to_piece(self, i: int) -> str:
+    return self._sp.id_to_piece(int(i))
+
+
+def train_tokenizer(sentences: Iterable[str], *, vocab_size: int,
+                    vocab_type: str) -> Tokenizer:
+  """Trains a SentencePiece model in memory with the fixed special ids."""
+  writer = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(sentences),
+      model_writer=writer,
+      model_type=vocab_type,
+      vocab_size=vocab_size,
+      pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+      character_coverage=0.9995,
+      hard_vocab_limit=False,  # a small corpus gets a slightly smaller vocabulary, not an error
+      num_threads=os.cpu_count() or 1,
+      minloglevel=2,
+  )
+  return Tokenizer(writer.getvalue())
+
+
+def default_cache_dir(config) -> str:
+  base = config.data_dir or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "transformer_vocab")
+
+
+def vocab_cache_path(config, source) -> str:
+  """Cache file for this vocabulary; the hash covers every setting it depends on."""
+  settings = (f"{source.cache_key}|{config.direction}|{config.vocab_type}|"
+              f"{config.vocab_size}|{config.vocab_max_sentences}")
+  digest = hashlib.sha256(settings.encode()).hexdigest()[:12]
+  readable = "".join(c if c.isalnum() else "_" for c in source.name.split("/")[-1])[-40:]
+  name = f"{readable}_{config.direction}_{config.vocab_type}{config.vocab_size}_{digest}.model"
+  return os.path.join(config.vocab_cache_dir or default_cache_dir(config), name)
+
+
+def training_sentences(source, max_per_side: int) -> Iterable[str]:
+  """Both sides of the training split, alternating, up to `max_per_side` pairs."""
+  # A fixed file shuffle: WMT's files are ordered by sub-corpus, so the first N pairs
+  # in file order would all be Europarl.
+  pairs = source.text_dataset("train", shuffle_seed=0).take(max_per_side)
+  for source_bytes, target_bytes in pairs.batch(4096).as_numpy_iterator():
+    for s, t in zip(source_bytes, target_bytes):
+      yield s.decode("utf-8")
+      yield t.decode("utf-8")
+
+
+def load_or_train_tokenizer(config, *, process_index: int = 0, process_count: int = 1,
+                            source=None, wait_timeout_s: float = 3 * 3600,
+                            poll_s: float = 5.0) -> Tokenizer:
+  """The cached vocabulary, trained first if missing.
+
+  With several processes, process 0 trains and writes the file; the others wait for it,
+  so vocab_cache_dir must be on storage every host sees (e.g. the GCS data_dir).
+  """
+  source = source or sources.make_source(config)
+  path = vocab_cache_path(config, source)
+  if tf.io.gfile.exists(path):
+    logging.info("Vocabulary: reusing %s", path)
+    return Tokenizer.load(path)
+
+  if process_index == 0:
+    logging.info("Vocabulary: training %s %d on %s (%s)", config.vocab_type,
+                 config.vocab_size, source.name, config.direction)
+    start = time.time()
+    sentences = itertools.islice(training_sentences(source, config.vocab_max_sentences),
+                                 2 * config.vocab_max_sentences)
+    tokenizer = train_tokenizer(sentences, vocab_size=config.vocab_size,
+                                vocab_type=config.vocab_type)
+    tokenizer.save(path)
+    logging.info("Vocabulary: %d pieces in %.1fs -> %s", tokenizer.vocab_size,
+                 time.time() - start, path)
+    return tokenizer
+
+  deadline = time.time() + wait_timeout_s
+  while not tf.io.gfile.exists(path):
+    if time.time() > deadline:
+      raise ConfigError(f"vocab_cache_dir: process {process_index}/{process_count} waited "
+                        f"{wait_timeout_s:.0f}s for {path}; is the directory shared?")
+    time.sleep(poll_s)
+  return Tokenizer.load(path)
+
+
+def copy_vocab_to_workdir(tokenizer: Tokenizer, workdir: str) -> str:
+  """Writes WORKDIR/vocab.model (atomically) and returns its path."""
+  path = os.path.join(workdir, WORKDIR_VOCAB_NAME)
+  tokenizer.save(path)
+  return path
+
+
+def get_tokenizer(config, workdir: str, *, process_index: int | None = None,
+                  process_count: int | None = None, source=None) -> Tokenizer:
+  """The run's vocabulary: WORKDIR/vocab.model when resuming, else the cached one
+  (trained if needed), which process 0 then copies into the workdir."""
+  if tf.io.gfile.exists(os.path.join(workdir, WORKDIR_VOCAB_NAME)):
+    return load_workdir_tokenizer(workdir)
+  if process_index is None or process_count is None:
+    import jax  # pylint: disable=g-import-not-at-top  (only the trainer's path needs it)
+    process_index, process_count = jax.process_index(), jax.process_count()
+  tokenizer = load_or_train_tokenizer(config, process_index=process_index,
+                                      process_count=process_count, source=source)
+  if process_index == 0:
+    copy_vocab_to_workdir(tokenizer, workdir)
+  return tokenizer
+
+
+def load_workdir_tokenizer(workdir: str) -> Tokenizer:
+  """The vocabulary a run saved in its workdir; a one-line error if it is missing."""
+  path = os.path.join(workdir, WORKDIR_VOCAB_NAME)
+  if not tf.io.gfile.exists(path):
+    raise ConfigError(f"workdir: no {WORKDIR_VOCAB_NAME} in {workdir} (was it trained here?)")
+  return Tokenizer.load(path)
