@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
+# Trains the embedded default (or resumes it), then beam-searches the test split;
+# the last line printed is its sacreBLEU.
 train: install
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
+	$(PY) eval.py --workdir $(WORKDIR) --split test
 
 test: install
 	$(PY) -m pytest tests

@@ -92,3 +92,53 @@ def check_compatible(saved: dict, config: ml_collections.ConfigDict) -> None:
     if was is not None and was != now:
       raise ConfigError(f"config.{key}: the checkpoint was trained with {was!r}, "
                         f"the config says {now!r}")
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run in `workdir` was trained with (WORKDIR/config.json)."""
+  from transformer import config as config_lib  # the package's key list and types
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise ConfigError(f"{workdir} holds no trained run: {path} is missing")
+  with open(path) as f:
+    saved = json.load(f)
+  config = config_lib.base_config()
+  config.update(saved)
+  return config
+
+
+def restore_params(workdir: str, config: ml_collections.ConfigDict, mesh,
+                   step: Optional[int] = None, average_last: int = 1) -> tuple[Any, int]:
+  """Parameters of checkpoint `step` (default: newest), or the mean of the newest k.
+
+  Averaging follows the paper: the element-wise mean of the parameters of the last k
+  checkpoints (5 for base, 20 for big), accumulated in float32. Returns (params, step
+  of the newest checkpoint used).
+  """
+  from transformer import trainer  # heavy imports only where needed
+  checkpointer = Checkpointer(workdir, keep=10**6, async_save=False)
+  steps = checkpointer.all_steps()
+  if not steps:
+    raise ConfigError(f"{checkpoint_dir(workdir)} holds no checkpoint")
+  if step is not None and step not in steps:
+    raise ConfigError(f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; "
+                      f"there are {steps}")
+  upto = step if step is not None else steps[-1]
+  chosen = [s for s in steps if s <= upto][-average_last:]
+  if len(chosen) < average_last:
+    raise ConfigError(f"--average_last {average_last}: only {len(chosen)} checkpoints up to "
+                      f"step {upto} ({chosen})")
+  check_compatible(checkpointer.saved_config(chosen[-1]), config)
+  model = trainer.build_model(config)
+  optimizer = trainer.make_optimizer(config)
+  abstract, shardings = trainer.state_shardings(model, optimizer, config, mesh)
+  target = abstract_with_shardings(abstract, shardings)
+  total = None
+  for s in chosen:
+    state, _ = checkpointer.restore(s, target)
+    params = jax.tree.map(lambda x: x.astype("float32"), state.params)
+    total = params if total is None else jax.tree.map(lambda a, b: a + b, total, params)
+  checkpointer.close()
+  averaged = jax.tree.map(lambda x, ref: (x / len(chosen)).astype(ref.dtype), total,
+                          abstract.params)
+  return averaged, chosen[-1]

@@ -4,6 +4,8 @@ import sys
 
 from absl import app, flags
 
+UsageError = app.UsageError
+
 
 def _parse_flags(argv):
   """absl's parser, with bad `--config.KEY=VALUE` overrides reported in one line."""

@@ -15,7 +15,8 @@ PAD and BOS are never generated: the model never sees them as targets, and a PAD
 a decoder input would be masked as padding by the teacher-forced forward pass.
 
 Shape letters follow transformer/model.py; in addition N = B * beam (the flattened
-hypotheses fed through the model) and C1 = C + 1 (BOS followed by the C output slots).
+hypotheses fed through the model), C1 = C + 1 (BOS followed by the C output slots)
+and P the candidates taken from each beam.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _reorder_cache(cache: Any, flat_index_N: Array) -> Any:
   def gather(path, x):
     if x.ndim == 0 or any(getattr(key, "key", None) == "cross_kv" for key in path):
       return x
-    return jnp.take(x, flat_index_N, axis=0)
+    return x[flat_index_N]
   return jax.tree_util.tree_map_with_path(gather, cache)
 
 
@@ -154,23 +155,23 @@ def greedy_decode(model, params, source_BxS: Array, *, max_decode_extra_len: int
 
 def filter_logits(logits_BxV: Array, *, temperature: float, top_k: int, top_p: float) -> Array:
   """Divides by the temperature, then keeps the top_k largest (0 = all) and the
-  smallest set whose probability reaches top_p (1.0 = all); the rest become -inf."""
+  smallest set whose probability reaches top_p (1.0 = all); the rest become -inf.
+
+  Ties with the last kept logit are kept too.
+  """
   logits_BxV = logits_BxV / temperature
-  if top_k > 0:
-    kth_largest_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
-    logits_BxV = jnp.where(logits_BxV < kth_largest_Bx1, -jnp.inf, logits_BxV)
   sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-  mass_before_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1) - jax.nn.softmax(
-      sorted_BxV, axis=-1)
-  # The most likely token always survives (its mass before is 0); top_p >= 1 keeps all
+  probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+  mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+  rank_V = jnp.arange(logits_BxV.shape[-1])
+  # The most likely token always survives (rank 0, mass before 0); top_p >= 1 keeps all
   # even where rounding pushes the cumulative mass past 1.
-  kept_BxV = (mass_before_BxV < top_p) | (top_p >= 1.0)
+  kept_BxV = ((rank_V < top_k) | (top_k <= 0)) & ((mass_before_BxV < top_p) | (top_p >= 1.0))
   smallest_kept_Bx1 = jnp.min(jnp.where(kept_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
   return jnp.where(logits_BxV < smallest_kept_Bx1, -jnp.inf, logits_BxV)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("model", "max_decode_extra_len", "top_k", "use_cache"))
+@functools.partial(jax.jit, static_argnames=("model", "max_decode_extra_len", "use_cache"))
 def sample_decode(model, params, source_BxS: Array, rng: Array, *, max_decode_extra_len: int,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                   use_cache: bool = True) -> Array:
@@ -240,11 +241,17 @@ def beam_search_state(model, params, source_BxS: Array, *, beam_size: int, alpha
         s.live_seqs_BxKxC1.reshape(batch * k, cache_len + 1)[:, :-1], t, use_cache)
     logprobs_NxV = _forbid_special(jax.nn.log_softmax(logits_NxV, axis=-1))
     vocab = logprobs_NxV.shape[-1]
-    candidates_BxKV = (s.live_logprobs_BxK[:, :, None]
-                       + logprobs_NxV.reshape(batch, k, vocab)).reshape(batch, k * vocab)
-    # 2K candidates leave K that do not end in EOS, whatever the K best are.
-    top_logprobs_Bx2K, top_index_Bx2K = jax.lax.top_k(candidates_BxKV, 2 * k)
-    top_beam_Bx2K, top_token_Bx2K = top_index_Bx2K // vocab, top_index_Bx2K % vocab
+    # 2K candidates leave K that do not end in EOS, whatever the K best are. They are
+    # among each beam's own 2K best, so select in two stages: XLA on CPU otherwise
+    # sorts all K * V candidates, which costs more than the model's step.
+    per_beam = min(2 * k, vocab)
+    beam_best_NxP, beam_token_NxP = jax.lax.top_k(logprobs_NxV, per_beam)
+    candidates_BxKP = (s.live_logprobs_BxK[:, :, None]
+                       + beam_best_NxP.reshape(batch, k, per_beam)).reshape(batch, k * per_beam)
+    top_logprobs_Bx2K, top_index_Bx2K = jax.lax.top_k(candidates_BxKP, 2 * k)
+    top_beam_Bx2K = top_index_Bx2K // per_beam
+    top_token_Bx2K = jnp.take_along_axis(beam_token_NxP.reshape(batch, k * per_beam),
+                                         top_index_Bx2K, axis=1)
     top_seqs_Bx2KxC1 = jax.lax.dynamic_update_slice_in_dim(
         _gather_beams(s.live_seqs_BxKxC1, top_beam_Bx2K), top_token_Bx2K[:, :, None], t + 1,
         axis=2)
@@ -259,7 +266,8 @@ def beam_search_state(model, params, source_BxS: Array, *, beam_size: int, alpha
     # fairseq, so beam size 1 with alpha 0 is exactly greedy decoding), or when it
     # reaches its sentence's maximum length: then it competes as it stands, without EOS.
     penalty = length_penalty(t + 1, alpha)
-    ended_scores_BxK = jnp.where(ends_Bx2K[:, :k], top_logprobs_Bx2K[:, :k] / penalty, -jnp.inf)
+    ended_scores_BxK = jnp.where(ends_Bx2K[:, :k], top_logprobs_Bx2K[:, :k] / penalty,
+                                 -jnp.inf)
     capped_scores_BxK = jnp.where((t + 1 == max_len_B)[:, None], live_logprobs_BxK / penalty,
                                   -jnp.inf)
     finished_scores_BxK, keep_BxK = jax.lax.top_k(jnp.concatenate(
@@ -288,12 +296,13 @@ def beam_search_state(model, params, source_BxS: Array, *, beam_size: int, alpha
   return jax.lax.while_loop(cond, body, init)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_decode_extra_len",
-                                             "use_cache", "early_stop"))
 def beam_search(model, params, source_BxS: Array, *, beam_size: int, alpha: float,
                 max_decode_extra_len: int, use_cache: bool = True,
                 early_stop: bool = True) -> tuple[Array, Array]:
   """Beam search with GNMT's length penalty, the paper's decoding.
+
+  The search itself is compiled (`beam_search_state`); this picks each sentence's best
+  hypothesis from its final state, and may itself be called under `jax.jit`.
 
   Args:
     model: the `Transformer` (encoder-decoder).

@@ -163,7 +163,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_iter.set_state(iterator_state)
     logging.info("resumed from step %d", latest)
   else:
-    state = trainer.create_train_state(model, optimizer, config, mesh,
+    state = trainer.create_train_state(model, optimizer, config, state_shardings,
                                        jax.random.key(config.seed))
   num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
   logging.info("%s parameters", f"{num_params:,}")

@@ -123,12 +123,10 @@ def state_shardings(model, optimizer, config, mesh: Mesh) -> tuple[Any, Any]:
   return nn.unbox(boxed), shardings
 
 
-def create_train_state(model, optimizer, config, mesh: Mesh, rng: Array) -> TrainState:
+def create_train_state(model, optimizer, config, state_sharding_tree, rng: Array) -> TrainState:
   """Initializes parameters and Adam moments directly in their sharded places."""
-  _, shardings = state_shardings(model, optimizer, config, mesh)
   init = lambda r: nn.unbox(init_boxed_state(model, optimizer, config, r))
-  del mesh  # the shardings carry it
-  return jax.jit(init, out_shardings=shardings)(rng)
+  return jax.jit(init, out_shardings=state_sharding_tree)(rng)
 
 
 def loss_fn(params, batch: dict[str, Array], dropout_rng: Array, *, model: Transformer,
@@ -157,7 +155,7 @@ def train_step(state: TrainState, batch: dict[str, Array], *, model: Transformer
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   update_count = state.step // config.grad_accum_steps
-  metrics = dict(sums, loss=loss, grad_norm=optax.tree_utils.tree_l2_norm(grads),
+  metrics = dict(sums, loss=loss, grad_norm=optax.tree_utils.tree_norm(grads),
                  lr=learning_rate_schedule(config)(update_count))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
