@@ -80,7 +80,7 @@ def run_steps(config, devices, num_steps=2):
   model = trainer.build_model(config)
   optimizer = trainer.make_optimizer(config)
   _, shardings = trainer.state_shardings(model, optimizer, config, mesh)
-  state = trainer.create_train_state(model, optimizer, config, mesh, jax.random.key(0))
+  state = trainer.create_train_state(model, optimizer, config, shardings, jax.random.key(0))
   step = trainer.jit_train_step(model, optimizer, config, shardings, mesh)
   losses = []
   for i in range(num_steps):
@@ -123,7 +123,7 @@ def test_training_reduces_loss_and_accumulation_matches_big_batch():
     config.grad_accum_steps = accum
     optimizer = trainer.make_optimizer(config)
     _, shardings = trainer.state_shardings(model, optimizer, config, mesh)
-    state = trainer.create_train_state(model, optimizer, config, mesh, jax.random.key(0))
+    state = trainer.create_train_state(model, optimizer, config, shardings, jax.random.key(0))
     step = trainer.jit_train_step(model, optimizer, config, shardings, mesh)
     rules = sharding.axis_rules(config)
     if accum == 1:
