@@ -16,7 +16,11 @@ def get_config():
   c.direction = "en-es"
   c.vocab_size = 8000
   c.max_len = 64
-  c.tokens_per_batch = 4096
+  # Packing: Tatoeba sentences are short (about 10 subwords), so several pairs share a
+  # row; no padding is computed and there is a single batch shape to compile.
+  c.batching = "packed"
+  c.tokens_per_batch = 1024
+  c.eval_batch_size = 64
 
   c.model.num_layers = 3
   c.model.d_model = 256
@@ -24,14 +28,19 @@ def get_config():
   c.model.num_heads = 4
   c.model.d_k = 64
   c.model.d_v = 64
-  c.model.dropout_rate = 0.1
+  # The run sees each pair less than once, so there is nothing to regularize against:
+  # dropout would only slow learning. Label smoothing (0.1) stays, as in the paper.
+  c.model.dropout_rate = 0.0
 
-  c.num_train_steps = 6000
-  c.warmup_steps = 1000
-  c.learning_rate_scale = 1.0
+  # About 13 minutes on 2 CPU cores. Small batches and a short warmup give the most
+  # learning per FLOP at this budget; the schedule is the paper's, scaled by 0.5.
+  c.num_train_steps = 1000
+  c.warmup_steps = 300
+  c.learning_rate_scale = 0.5
   c.log_every_steps = 50
-  c.eval_every_steps = 1000
-  c.checkpoint_every_steps = 1000
-  c.checkpoint_every_minutes = 5.0
+  c.eval_every_steps = 500
+  c.eval_bleu_sentences = 0  # the test split is beam-searched after training instead
+  c.checkpoint_every_steps = 250
+  c.checkpoint_every_minutes = 0.0
   c.keep_checkpoints = 5
   return c

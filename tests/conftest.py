@@ -15,3 +15,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
   sys.path.insert(0, REPO_ROOT)
+
+
+import pytest  # noqa: E402  (after the environment is set)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+  """(tsv path, vocabulary cache dir) shared by the end-to-end tests."""
+  from tests import tiny_run
+  path = tiny_run.write_small_corpus(str(tmp_path_factory.mktemp("corpus")))
+  return path, str(tmp_path_factory.mktemp("vocab"))

@@ -69,7 +69,8 @@ def test_wmt_mock_data_en_de_puts_english_on_the_source_side(tmp_path):
     eval_batches = pipeline.make_eval_batches(config, tokenizer, "validation", source=source)
     train_batch = next(pipeline.make_train_iterator(config, tokenizer, source=source))
   assert pairs == expected  # (English, German): 'en-de' reversed tfds's (de, en)
-  first_source = eval_batches[0]["source"][0]
+  first_source = next(b["source"][list(b["index"]).index(0)] for b in eval_batches
+                      if 0 in b["index"])
   encoded = tokenizer.encode(pairs[0][0])[:config.max_len - 1] + [EOS_ID]
   np.testing.assert_array_equal(first_source[:len(encoded)], encoded)
   assert set(train_batch) == {"source", "decoder_input", "target"}

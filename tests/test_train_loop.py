@@ -4,8 +4,6 @@ A small slice of the bundled corpus (tsv:PATH) and a one-layer model keep each r
 seconds. Runs that must really die or span processes go through `train.py`.
 """
 
-import gzip
-import json
 import os
 import signal
 import socket
@@ -18,54 +16,7 @@ import numpy as np
 import pytest
 
 from transformer import checkpoints, sharding, train_loop, trainer
-from transformer import config as config_lib
-from transformer.data import tatoeba
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-  with gzip.open(tatoeba.CORPUS_PATH, "rt", encoding="utf-8") as f:
-    lines = f.readlines()[::50]
-  path = tmp_path_factory.mktemp("corpus") / "small.tsv"
-  path.write_text("".join(lines), encoding="utf-8")
-  return str(path), str(tmp_path_factory.mktemp("vocab"))
-
-
-OVERRIDES = {
-    "vocab_size": 256, "max_len": 24, "tokens_per_batch": 384, "eval_batch_size": 16,
-    "shuffle_buffer_size": 1000, "warmup_steps": 10, "log_every_steps": 1,
-    "eval_every_steps": 0, "checkpoint_every_steps": 2, "checkpoint_every_minutes": 0.0,
-    "num_train_steps": 6, "model.num_layers": 1, "model.d_model": 32, "model.d_ff": 64,
-    "model.num_heads": 2, "model.d_k": 16, "model.d_v": 16,
-}
-
-
-def make_config(corpus, **overrides):
-  path, vocab_dir = corpus
-  config = config_lib.base_config()
-  config.dataset = f"tsv:{path}"
-  config.vocab_cache_dir = vocab_dir
-  for key, value in {**OVERRIDES, **overrides}.items():
-    node, *rest = key.split(".")
-    if rest:
-      config[node][rest[0]] = value
-    else:
-      config[key] = value
-  return config
-
-
-def flag_overrides(corpus, **overrides):
-  config = make_config(corpus, **overrides)
-  flat = {"dataset": config.dataset, "vocab_cache_dir": config.vocab_cache_dir,
-          **OVERRIDES, **overrides}
-  return [f"--config.{k}={v}" for k, v in flat.items()]
-
-
-def read_metrics(workdir, kind="train"):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [r for r in map(json.loads, f) if r["kind"] == kind]
+from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
 
 
 def restored_params(workdir, config, step):
@@ -75,25 +26,25 @@ def restored_params(workdir, config, step):
   return jax.device_get(params)
 
 
-def test_stop_and_resume_equals_straight_run(corpus, tmp_path):
+def test_stop_and_resume_equals_straight_run(small_corpus, tmp_path):
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  train_loop.train_and_evaluate(make_config(corpus, num_train_steps=6), straight)
-  train_loop.train_and_evaluate(make_config(corpus, num_train_steps=3), resumed)
+  train_loop.train_and_evaluate(make_config(small_corpus, num_train_steps=6), straight)
+  train_loop.train_and_evaluate(make_config(small_corpus, num_train_steps=3), resumed)
   assert checkpoints.Checkpointer(resumed, keep=5).all_steps() == [2, 3]
-  train_loop.train_and_evaluate(make_config(corpus, num_train_steps=6), resumed)
+  train_loop.train_and_evaluate(make_config(small_corpus, num_train_steps=6), resumed)
 
   losses = {r["step"]: r["loss"] for r in read_metrics(straight)}
   resumed_losses = {r["step"]: r["loss"] for r in read_metrics(resumed)}
   assert sorted(resumed_losses) == [1, 2, 3, 4, 5, 6]
   assert resumed_losses == losses  # bitwise: same batches, same dropout, same math
-  config = make_config(corpus)
+  config = make_config(small_corpus)
   jax.tree.map(np.testing.assert_array_equal, restored_params(straight, config, 6),
                restored_params(resumed, config, 6))
 
 
-def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
+def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(small_corpus, tmp_path):
   workdir = str(tmp_path / "nan")
-  config = make_config(corpus, num_train_steps=8, debug_nan_step=5, log_every_steps=4)
+  config = make_config(small_corpus, num_train_steps=8, debug_nan_step=5, log_every_steps=4)
   with pytest.raises(train_loop.TrainingError, match="at step 5"):
     train_loop.train_and_evaluate(config, workdir)
   assert checkpoints.Checkpointer(workdir, keep=5).all_steps() == [2, 4]
@@ -101,11 +52,11 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(corpus, tmp_
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
-def test_unwritable_workdir_is_a_one_line_error(corpus, tmp_path):
+def test_unwritable_workdir_is_a_one_line_error(small_corpus, tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
   with pytest.raises(train_loop.TrainingError, match="not writable"):
-    train_loop.train_and_evaluate(make_config(corpus), str(blocker / "workdir"))
+    train_loop.train_and_evaluate(make_config(small_corpus), str(blocker / "workdir"))
 
 
 def _env(devices):
@@ -115,11 +66,11 @@ def _env(devices):
   return env
 
 
-def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):
+def test_sigterm_saves_the_current_step_and_exits_zero(small_corpus, tmp_path):
   workdir = str(tmp_path / "preempted")
-  command = [sys.executable, "train.py", "--config", "configs/default.py",
-             "--workdir", workdir] + flag_overrides(corpus, num_train_steps=10_000,
-                                                   checkpoint_every_steps=1000)
+  base = [sys.executable, "train.py", "--config", "configs/default.py", "--workdir", workdir]
+  command = base + flag_overrides(small_corpus, num_train_steps=10_000,
+                                  checkpoint_every_steps=1000)
   process = subprocess.Popen(command, cwd=REPO, env=_env(1), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
   metrics = os.path.join(workdir, "metrics.jsonl")
@@ -137,8 +88,8 @@ def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):
   assert len(steps) == 1 and steps[0] >= 3 and steps[0] >= last_logged
 
   # The same command resumes from that step.
-  rerun = subprocess.run(command[:-len(flag_overrides(corpus))] + flag_overrides(
-      corpus, num_train_steps=steps[0] + 2, checkpoint_every_steps=1000),
+  rerun = subprocess.run(base + flag_overrides(
+      small_corpus, num_train_steps=steps[0] + 2, checkpoint_every_steps=1000),
       cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=240)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert f"resumed from step {steps[0]}" in rerun.stderr
@@ -151,10 +102,10 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process_with_the_same_devices(corpus, tmp_path):
+def test_two_processes_match_one_process_with_the_same_devices(small_corpus, tmp_path):
   """2 hosts x 2 devices (gloo collectives) == 1 host x 4 devices, step for step."""
   base = [sys.executable, "train.py", "--config", "configs/default.py"]
-  overrides = flag_overrides(corpus, num_train_steps=4, checkpoint_every_steps=2)
+  overrides = flag_overrides(small_corpus, num_train_steps=4, checkpoint_every_steps=2)
   single = str(tmp_path / "single")
   result = subprocess.run(base + ["--workdir", single] + overrides, cwd=REPO, env=_env(4),
                           capture_output=True, text=True, timeout=300)
@@ -176,3 +127,19 @@ def test_two_processes_match_one_process_with_the_same_devices(corpus, tmp_path)
   assert len(single_losses) == 4
   np.testing.assert_allclose(multi_losses, single_losses, rtol=1e-5)
   assert checkpoints.Checkpointer(multi, keep=5).all_steps() == [2, 4]
+
+
+def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path):
+  workdir = str(tmp_path / "validated")
+  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
+                       eval_bleu_sentences=8, max_decode_extra_len=4)
+  result = train_loop.train_and_evaluate(config, workdir)
+  records = read_metrics(workdir, kind="validation")
+  assert [r["step"] for r in records] == [2, 4]
+  for r in records:
+    assert r["ppl"] > 1 and 0 <= r["bleu"] <= 100
+    assert r["ppl"] == pytest.approx(np.exp(r["ce"]), rel=1e-6)
+  assert result["step"] == 4 and result["ppl"] == records[-1]["ppl"]
+  train = read_metrics(workdir)
+  for key in ("step", "loss", "ce", "ppl", "lr", "tokens_per_sec", "mfu", "elapsed_s"):
+    assert key in train[-1], key

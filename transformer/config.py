@@ -91,6 +91,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every_steps = 100
   c.eval_every_steps = 1000
   c.num_eval_batches = 0  # validation batches per evaluation; 0 = the whole split
+  c.eval_bleu_sentences = 500  # beam-search BLEU on this many validation sentences; 0 = off
   c.checkpoint_every_steps = 1000
   c.checkpoint_every_minutes = 10.0  # the paper averaged checkpoints written every 10 minutes
   c.keep_checkpoints = 20
@@ -189,6 +190,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f"{config.tokens_per_batch} is below max_len={config.max_len}: "
          "not even one sentence fits in a batch")
   _check(config.eval_batch_size > 0, "eval_batch_size", "must be positive")
+  _check(config.eval_bleu_sentences >= 0, "eval_bleu_sentences", "must be >= 0 (0 = off)")
 
   _check(config.num_train_steps > 0, "num_train_steps", "must be positive")
   _check(config.warmup_steps > 0, "warmup_steps",

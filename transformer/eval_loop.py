@@ -15,11 +15,66 @@ from typing import Any, Iterable
 
 import jax
 import ml_collections
+from jax.experimental import multihost_utils
 import numpy as np
 
 from transformer import checkpoints, data, decoding, evaluation, sharding, trainer
 from transformer import config as config_lib
-from transformer.train_loop import evaluate_loss
+
+
+def sum_metrics(pending: list[dict]) -> dict[str, float]:
+  fetched = jax.device_get(pending)
+  return {k: float(np.sum([m[k] for m in fetched])) for k in fetched[0]}
+
+
+def evaluate_loss(p_eval_step, params, eval_batches, mesh, rules,
+                  max_batches: int = 0) -> dict[str, float]:
+  """Unsmoothed cross-entropy and perplexity over a split (or its first batches)."""
+  pending = []
+  for i, batch in enumerate(eval_batches):
+    if max_batches and i >= max_batches:
+      break
+    batch = {k: v for k, v in batch.items() if k != "index"}
+    pending.append(p_eval_step(params, sharding.global_batch(batch, mesh, rules)))
+  sums = sum_metrics(pending)
+  tokens = max(sums["num_tokens"], 1.0)
+  ce = sums["ce_sum"] / tokens
+  return {"loss": sums["loss_sum"] / tokens, "ce": ce, "ppl": math.exp(min(ce, 50.0)),
+          "accuracy": sums["correct_sum"] / tokens, "num_tokens": sums["num_tokens"]}
+
+
+def search_batch(model, params, config: ml_collections.ConfigDict, mesh, rules,
+                 source_BxS: np.ndarray) -> np.ndarray:
+  """Beam search (config's beam size and alpha) on padded source ids -> tokens [B, C]."""
+  rows = source_BxS.shape[0] // jax.process_count()  # every process holds the whole batch
+  local = source_BxS[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+  source = sharding.global_batch({"source": local}, mesh, rules)["source"]
+  tokens, _ = decoding.beam_search(
+      model, params, source, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
+      max_decode_extra_len=config.max_decode_extra_len)
+  if jax.process_count() > 1:
+    return np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
+  return np.asarray(jax.device_get(tokens))
+
+
+def beam_translate(model, params, tokenizer, config: ml_collections.ConfigDict, mesh,
+                   rules, lines: list[str]) -> list[str]:
+  """Beam-search translations of raw sentences, in order; an empty line stays empty.
+
+  Inputs longer than max_len are clipped to it (the model never saw longer ones).
+  """
+  outputs = [""] * len(lines)
+  batch_size = config.eval_batch_size
+  todo = [i for i, line in enumerate(lines) if line.strip()]
+  for start in range(0, len(todo), batch_size):
+    chunk = todo[start:start + batch_size]
+    ids = [tokenizer.encode(lines[i])[: config.max_len - 1] + [config_lib.EOS_ID]
+           for i in chunk]
+    tokens = search_batch(model, params, config, mesh, rules,
+                          data.pad_batch(ids, rows=batch_size))
+    for row, i in enumerate(chunk):
+      outputs[i] = tokenizer.decode(tokens[row].tolist())
+  return outputs
 
 
 class Translator:
@@ -41,34 +96,10 @@ class Translator:
         workdir, config, self.mesh, step=step, average_last=average_last)
     self.average_last = average_last
 
-  def search(self, source_BxS: np.ndarray) -> np.ndarray:
-    """Beam search on a padded batch of source ids -> token ids [B, C]."""
-    c = self.config
-    source = sharding.global_batch({"source": source_BxS}, self.mesh, self.rules)["source"]
-    tokens, _ = decoding.beam_search(
-        self.model, self.params, source, beam_size=c.beam_size,
-        alpha=c.length_penalty_alpha, max_decode_extra_len=c.max_decode_extra_len)
-    return np.asarray(jax.device_get(tokens))
-
   def translate_lines(self, lines: Iterable[str]) -> list[str]:
     """Detokenized translations of raw sentences, in order (an empty line stays empty)."""
-    lines = list(lines)
-    outputs = [""] * len(lines)
-    batch_size = self.config.eval_batch_size
-    ids = [self.encode_source(line) for line in lines]
-    todo = [i for i, line in enumerate(lines) if line.strip()]
-    for start in range(0, len(todo), batch_size):
-      chunk = todo[start:start + batch_size]
-      source = data.pad_batch([ids[i] for i in chunk], rows=batch_size)
-      tokens = self.search(source)
-      for row, i in enumerate(chunk):
-        outputs[i] = self.tokenizer.decode(tokens[row].tolist())
-    return outputs
-
-  def encode_source(self, text: str) -> list[int]:
-    """Subword ids + EOS, clipped to max_len so an over-long input still translates."""
-    ids = self.tokenizer.encode(text)[: self.config.max_len - 1]
-    return ids + [config_lib.EOS_ID]
+    return beam_translate(self.model, self.params, self.tokenizer, self.config, self.mesh,
+                          self.rules, list(lines))
 
 
 def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
@@ -79,7 +110,8 @@ def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
   started = time.time()
   generated_tokens = 0
   for batch in data.make_eval_batches(config, translator.tokenizer, split):
-    tokens = translator.search(batch["source"])
+    tokens = search_batch(translator.model, translator.params, config, translator.mesh,
+                          translator.rules, batch["source"])
     for row, index in enumerate(batch["index"]):
       if index >= 0:
         ids = tokens[row].tolist()

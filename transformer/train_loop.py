@@ -21,7 +21,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer import checkpoints, data, flops, reporting, sharding, trainer
+from transformer import (checkpoints, data, eval_loop, evaluation, flops, reporting, sharding,
+                         trainer)
 from transformer import config as config_lib
 from transformer.model import ModelConfig
 
@@ -60,11 +61,6 @@ def check_workdir_writable(workdir: str) -> None:
     raise TrainingError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
 
 
-def _sum_metrics(pending: list[dict]) -> dict[str, float]:
-  fetched = jax.device_get(pending)
-  return {k: float(np.sum([m[k] for m in fetched])) for k in fetched[0]}
-
-
 class _Progress:
   """Accumulates step metrics on device and turns them into a logged record."""
 
@@ -89,7 +85,7 @@ class _Progress:
             "the last checkpoint before it is intact")
 
   def record(self, step: int) -> dict[str, float]:
-    sums = _sum_metrics(self.pending)
+    sums = eval_loop.sum_metrics(self.pending)
     elapsed = max(time.time() - self.window_start, 1e-9)
     tokens = max(sums["num_tokens"], 1.0)
     ce = sums["ce_sum"] / tokens
@@ -108,22 +104,6 @@ class _Progress:
     }
     self.pending, self.pending_flops, self.window_start = [], 0, time.time()
     return record
-
-
-def evaluate_loss(p_eval_step, params, eval_batches, mesh, rules,
-                  max_batches: int = 0) -> dict[str, float]:
-  """Unsmoothed cross-entropy and perplexity over a split (or its first batches)."""
-  pending = []
-  for i, batch in enumerate(eval_batches):
-    if max_batches and i >= max_batches:
-      break
-    batch = {k: v for k, v in batch.items() if k != "index"}
-    pending.append(p_eval_step(params, sharding.global_batch(batch, mesh, rules)))
-  sums = _sum_metrics(pending)
-  tokens = max(sums["num_tokens"], 1.0)
-  ce = sums["ce_sum"] / tokens
-  return {"loss": sums["loss_sum"] / tokens, "ce": ce, "ppl": math.exp(min(ce, 50.0)),
-          "accuracy": sums["correct_sum"] / tokens, "num_tokens": sums["num_tokens"]}
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -177,7 +157,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   total_steps = config.num_train_steps * config.grad_accum_steps
   start_step = int(jax.device_get(state.step))
   progress = _Progress(peak, total_steps)
-  preemption = PreemptionSignal()
   if start_step >= total_steps:
     logging.info("already trained to step %d of %d", start_step, total_steps)
     checkpointer.close()
@@ -193,7 +172,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpointer.save(step, state, train_iter.get_state(), config)
     last_save_time = time.time()
 
+  eval_batches, bleu_pairs = [], []
+  if config.eval_every_steps:
+    eval_batches = data.make_eval_batches(config, tokenizer, "validation",
+                                          process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+    if config.eval_bleu_sentences and not config.model.decoder_only:
+      bleu_pairs = data.load_raw_pairs(config, "validation")[:config.eval_bleu_sentences]
+
+  def evaluate(step: int) -> dict[str, Any]:
+    """Validation loss and perplexity; BLEU of a beam-searched subset."""
+    metrics = eval_loop.evaluate_loss(p_eval_step, state.params, eval_batches, mesh, rules,
+                                      config.num_eval_batches)
+    if bleu_pairs:
+      hypotheses = eval_loop.beam_translate(model, state.params, tokenizer, config, mesh,
+                                            rules, [s for s, _ in bleu_pairs])
+      metrics["bleu"] = evaluation.sacre_bleu(hypotheses, [r for _, r in bleu_pairs]).score
+    writer.write(step, metrics, kind="validation")
+    if is_chief:
+      bleu = f" | BLEU {metrics['bleu']:.2f}" if "bleu" in metrics else ""
+      print(f"validation at step {step}: ce {metrics['ce']:.4f} | ppl {metrics['ppl']:.2f}"
+            f"{bleu}", flush=True)
+    return metrics
+
   # --- The loop. Metrics stay on device until a log step, so steps run back to back.
+  preemption = PreemptionSignal()
   try:
     for step in range(start_step + 1, total_steps + 1):
       local_batch = next(train_iter)
@@ -215,15 +218,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           print(reporting.progress_line(step, total_steps, record, started), flush=True)
 
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or is_last):
-        eval_batches = data.make_eval_batches(
-            config, tokenizer, "validation", process_index=jax.process_index(),
-            process_count=jax.process_count())
-        eval_metrics = evaluate_loss(p_eval_step, state.params, eval_batches, mesh, rules,
-                                     config.num_eval_batches)
-        writer.write(step, eval_metrics, kind="validation")
-        if is_chief:
-          print(f"validation at step {step}: ce {eval_metrics['ce']:.4f} | "
-                f"ppl {eval_metrics['ppl']:.2f}", flush=True)
+        eval_metrics = evaluate(step)
 
       by_steps = config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0
       by_time = (config.checkpoint_every_minutes and step % config.log_every_steps == 0 and

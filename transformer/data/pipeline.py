@@ -188,12 +188,15 @@ def load_raw_pairs(config, split: str, *, source=None) -> list[tuple[str, str]]:
 
 def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index: int = 0,
                       process_count: int = 1, source=None) -> list[dict[str, np.ndarray]]:
-  """Every sentence of a split once, in order, in padded batches of eval_batch_size rows.
+  """Every sentence of a split once, in padded batches of eval_batch_size rows.
 
-  Shapes are fixed ([B, max_len]; decoder-only 'target' [B, 2*max_len]); a sentence longer
-  than max_len is clipped for the model only (references come from load_raw_pairs), and
-  the count is logged. 'index' [B] is the position in the split, -1 on fill rows. With a
-  decoder-only model, 'source' is the prompt (source + EOS). Returns this process's rows.
+  Sentences are batched in order of source length, so each batch pads only to its own
+  longest sentence (rounded up to a multiple of 8: few shapes, little padding); 'index'
+  [B] gives each row's position in the split (-1 on fill rows), so outputs can be put
+  back in the split's order. A sentence longer than max_len is clipped for the model only
+  (references come from load_raw_pairs), and the count is logged. With a decoder-only
+  model, 'source' is the prompt (source + EOS). Returns this process's rows; every
+  process's batches have the same shapes.
   """
   global_rows = config.eval_batch_size
   if global_rows % process_count:
@@ -221,13 +224,20 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index
     return []
   local_rows = global_rows // process_count
   first = process_index * local_rows
+  by_length = sorted(range(len(examples)), key=lambda i: len(examples[i]["source"]))
   batches = []
   for start in range(0, len(examples), global_rows):
-    mine = examples[start + first:start + first + local_rows]
-    arrays = {k: batching.pad_stack([ex[k] for ex in mine] + [[]] * (local_rows - len(mine)),
-                                     n) for k, n in lengths.items() if k in examples[0]}
+    global_indices = by_length[start:start + global_rows]
+    mine = global_indices[first:first + local_rows]
+    arrays = {}
+    for key, max_length in lengths.items():
+      if key not in examples[0]:
+        continue
+      longest = max(len(examples[i][key]) for i in global_indices)
+      length = min(batching.round_up(longest, 8), max_length)
+      rows = [examples[i][key] for i in mine] + [[]] * (local_rows - len(mine))
+      arrays[key] = batching.pad_stack(rows, length)
     batch = batching.finalize(arrays)
-    index = np.arange(start + first, start + first + local_rows, dtype=np.int32)
-    batch["index"] = np.where(index < len(examples), index, -1).astype(np.int32)
+    batch["index"] = np.array(mine + [-1] * (local_rows - len(mine)), np.int32)
     batches.append(batch)
   return batches

@@ -1,0 +1,56 @@
+"""A tiny but real run for end-to-end tests: a slice of the bundled corpus as tsv:PATH
+and a one-layer model, so training, resuming and evaluating take seconds."""
+
+import gzip
+import json
+import os
+
+from transformer import config as config_lib
+from transformer.data import tatoeba
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+OVERRIDES = {
+    "vocab_size": 256, "max_len": 24, "tokens_per_batch": 384, "eval_batch_size": 16,
+    "shuffle_buffer_size": 1000, "warmup_steps": 10, "log_every_steps": 1,
+    "eval_every_steps": 0, "checkpoint_every_steps": 2, "checkpoint_every_minutes": 0.0,
+    "num_train_steps": 6, "model.num_layers": 1, "model.d_model": 32, "model.d_ff": 64,
+    "model.num_heads": 2, "model.d_k": 16, "model.d_v": 16,
+}
+
+
+def write_small_corpus(directory, every: int = 50) -> str:
+  """Every `every`-th line of the bundled corpus as a TSV file; returns its path."""
+  with gzip.open(tatoeba.CORPUS_PATH, "rt", encoding="utf-8") as f:
+    lines = f.readlines()[::every]
+  path = os.path.join(directory, "small.tsv")
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(lines)
+  return path
+
+
+def make_config(corpus, **overrides):
+  """corpus = (tsv path, vocabulary cache dir); overrides use dotted keys."""
+  path, vocab_dir = corpus
+  config = config_lib.base_config()
+  config.dataset = f"tsv:{path}"
+  config.vocab_cache_dir = vocab_dir
+  for key, value in {**OVERRIDES, **overrides}.items():
+    node, *rest = key.split(".")
+    if rest:
+      config[node][rest[0]] = value
+    else:
+      config[key] = value
+  return config
+
+
+def flag_overrides(corpus, **overrides) -> list[str]:
+  """The same run as `make_config` as train.py flags."""
+  path, vocab_dir = corpus
+  flat = {"dataset": f"tsv:{path}", "vocab_cache_dir": vocab_dir, **OVERRIDES, **overrides}
+  return [f"--config.{k}={v}" for k, v in flat.items()]
+
+
+def read_metrics(workdir, kind="train"):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [r for r in map(json.loads, f) if r["kind"] == kind]
