@@ -123,3 +123,15 @@ def test_eval_py_translates_to_stdout_and_reports_errors_in_one_line(trained, tm
   missing = _eval_py("--workdir", str(tmp_path / "nowhere"), "--split", "test")
   assert missing.returncode != 0
   assert missing.stderr.strip().splitlines()[-1].startswith("error: --workdir")
+
+
+def test_eval_py_writes_attention_maps(trained, tmp_path):
+  config, workdir = trained
+  out = tmp_path / "maps"
+  result = _eval_py("--workdir", workdir, "--attention_maps", "I like cats.",
+                    "--output_dir", str(out))
+  assert result.returncode == 0, result.stderr[-2000:]
+  pngs = sorted(p.name for p in out.glob("*.png"))
+  # One figure per layer for each of encoder self-, decoder self- and cross-attention.
+  assert len(pngs) == 3 * config.model.num_layers
+  assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

@@ -143,3 +143,23 @@ def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path)
   train = read_metrics(workdir)
   for key in ("step", "loss", "ce", "ppl", "lr", "tokens_per_sec", "mfu", "elapsed_s"):
     assert key in train[-1], key
+
+
+def test_time_based_checkpoints(small_corpus, tmp_path):
+  workdir = str(tmp_path / "timed")
+  config = make_config(small_corpus, num_train_steps=4, log_every_steps=2,
+                       checkpoint_every_steps=0, checkpoint_every_minutes=1e-6)
+  train_loop.train_and_evaluate(config, workdir)
+  # Time is checked at log steps (where hosts can agree on it), and the last step saves.
+  assert checkpoints.Checkpointer(workdir, keep=5).all_steps() == [2, 4]
+
+
+def test_decoder_only_language_model_trains_on_the_same_pairs(small_corpus, tmp_path):
+  workdir = str(tmp_path / "lm")
+  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=4,
+                       eval_bleu_sentences=0, **{"model.decoder_only": True})
+  result = train_loop.train_and_evaluate(config, workdir)
+  assert np.isfinite(result["ppl"]) and result["ppl"] > 1
+  params = restored_params(workdir, config, 4)
+  assert "encoder" not in params
+  assert all(np.isfinite(r["loss"]) for r in read_metrics(workdir))

@@ -142,3 +142,13 @@ def test_forced_nan_makes_the_loss_nan_at_that_step():
   config.debug_nan_step = 2
   losses, _, _ = run_steps(config, jax.devices()[:1], num_steps=2)
   assert math.isfinite(losses[0]) and math.isnan(losses[1])
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_adam_state():
+  config = tiny_config()
+  config.model.dtype = "bfloat16"
+  losses, params, state = run_steps(config, jax.devices()[:1])
+  assert all(math.isfinite(l) for l in losses)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+  assert moments and {x.dtype for x in moments} == {np.dtype("float32")}

@@ -29,7 +29,7 @@ class TatoebaEnEs(tfds.core.GeneratorBasedBuilder):
   @tfds.core.utils.classproperty
   @classmethod
   def code_path(cls) -> epath.Path:
-    # tfds derives this from the top-level package, which fails for namespace packages.
+    # tfds guesses a builder's location from its top-level package; name this file directly.
     return epath.Path(__file__)
 
   def _info(self) -> tfds.core.DatasetInfo:
