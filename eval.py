@@ -2,7 +2,7 @@
 
   python eval.py --workdir DIR [--split validation|test] [--average_last K]
                  [--beam_size B] [--alpha A] [--step S]
-      Beam-search the whole split once, in order; write DIR/eval/<split>-<step>.*
+      Beam-search the whole split once, in order; write DIR/eval/<split>-<step>[-avgK].*
       and print sacreBLEU (detokenized) as the last line.
   python eval.py --workdir DIR --translate "A sentence."   (or --input_file F, - = stdin)
       Print only the translations, one per line.

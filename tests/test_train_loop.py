@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from transformer import checkpoints, sharding, train_loop, trainer
+from transformer import checkpoints, sharding, train_loop
 from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
 
 

@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 
-import jax
 from absl import flags
 
 from transformer import checkpoints, cli, sharding, trainer

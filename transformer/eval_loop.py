@@ -103,13 +103,17 @@ class Translator:
 
 
 def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
-  """Translates `split` once, in order; writes hypotheses and scores; returns scores."""
+  """Translates `split` once, in order; writes hypotheses and scores; returns scores.
+
+  Files: WORKDIR/eval/<split>-<step>[-avg<k>].{src,ref,hyp}.txt and .json.
+  """
   config, workdir = translator.config, translator.workdir
   texts = data.eval_texts(config, split)  # [(source, reference)] in the split's order
   hypotheses: list[str | None] = [None] * len(texts)
   started = time.time()
   generated_tokens = 0
-  for batch in data.make_eval_batches(config, translator.tokenizer, split):
+  batches = data.make_eval_batches(config, translator.tokenizer, split)
+  for batch in batches:
     tokens = search_batch(translator.model, translator.params, config, translator.mesh,
                           translator.rules, batch["source"])
     for row, index in enumerate(batch["index"]):
@@ -145,17 +149,17 @@ def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
   p_eval_step = trainer.jit_eval_step(translator.model, config,
                                       jax.tree.map(lambda x: x.sharding, translator.params),
                                       translator.mesh)
-  loss = evaluate_loss(p_eval_step, translator.params,
-                       data.make_eval_batches(config, translator.tokenizer, split),
-                       translator.mesh, translator.rules)
+  loss = evaluate_loss(p_eval_step, translator.params, batches, translator.mesh,
+                       translator.rules)
   results["ppl"] = loss["ppl"]
   results["ce"] = loss["ce"]
 
   out_dir = os.path.join(workdir, "eval")
   os.makedirs(out_dir, exist_ok=True)
-  stem = os.path.join(out_dir, f"{split}-{translator.step}")
+  averaged = f"-avg{translator.average_last}" if translator.average_last > 1 else ""
+  stem = os.path.join(out_dir, f"{split}-{translator.step}{averaged}")
   for suffix, lines in (("src", sources), ("ref", references), ("hyp", hypotheses)):
-    with open(f"{stem}.{suffix}.txt", "w") as f:
+    with open(f"{stem}.{suffix}.txt", "w", encoding="utf-8") as f:
       f.writelines(line.replace("\n", " ") + "\n" for line in lines)
   with open(f"{stem}.json", "w") as f:
     json.dump(results, f, indent=2)

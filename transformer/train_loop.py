@@ -7,7 +7,6 @@ was, so an interrupted run ends with the same parameters as an uninterrupted one
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -18,7 +17,6 @@ from typing import Any
 import jax
 import jax.experimental.multihost_utils
 import ml_collections
-import numpy as np
 from absl import logging
 
 from transformer import (checkpoints, data, eval_loop, evaluation, flops, reporting, sharding,
