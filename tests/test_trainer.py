@@ -152,3 +152,33 @@ def test_bfloat16_compute_keeps_float32_parameters_and_adam_state():
   assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
   assert moments and {x.dtype for x in moments} == {np.dtype("float32")}
+
+
+def test_weight_decay_is_decoupled_and_skips_vectors():
+  config = tiny_config()
+  config.weight_decay = 0.1
+  optimizer = trainer.make_optimizer(config)
+  params = {"kernel": jnp.ones((3, 4)), "bias": jnp.ones((4,))}
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+  lr = float(trainer.learning_rate_schedule(config)(0))
+  np.testing.assert_allclose(updates["kernel"], -lr * 0.1 * np.ones((3, 4)), rtol=1e-6)
+  np.testing.assert_array_equal(updates["bias"], np.zeros(4))
+
+
+def test_gradient_clipping_clips_before_adam():
+  import optax
+  config = tiny_config()
+  config.grad_clip_norm = 1.0
+  clipped_adam = trainer.make_optimizer(config)
+  config.grad_clip_norm = 0.0
+  plain_adam = trainer.make_optimizer(config)
+  params = {"w": jnp.zeros(3)}
+  grads = [{"w": jnp.array([30.0, -40.0, 0.0])}, {"w": jnp.array([0.3, 0.1, -0.2])}]
+  state_clipped, state_plain = clipped_adam.init(params), plain_adam.init(params)
+  for g in grads:
+    got, state_clipped = clipped_adam.update(g, state_clipped, params)
+    norm = float(optax.tree_utils.tree_norm(g))
+    expected, state_plain = plain_adam.update(
+        jax.tree.map(lambda x: x * min(1.0, 1.0 / norm), g), state_plain, params)
+    np.testing.assert_allclose(got["w"], expected["w"], rtol=1e-5)
