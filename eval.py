@@ -56,8 +56,6 @@ def main(argv):
     config = _CONFIG.value
     if config is None:
       config = checkpoints.load_run_config(workdir)
-    else:
-      config.unlock()
     if _BEAM_SIZE.value is not None:
       config.beam_size = _BEAM_SIZE.value
     if _ALPHA.value is not None:

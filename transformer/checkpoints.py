@@ -15,6 +15,8 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
+from transformer import config as config_lib
+from transformer import trainer
 from transformer.config import ConfigError
 
 _ITEMS = ("state", "data_iterator", "config")
@@ -96,7 +98,6 @@ def check_compatible(saved: dict, config: ml_collections.ConfigDict) -> None:
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a run in `workdir` was trained with (WORKDIR/config.json)."""
-  from transformer import config as config_lib  # the package's key list and types
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise ConfigError(f"{workdir} holds no trained run: {path} is missing")
@@ -115,7 +116,6 @@ def restore_params(workdir: str, config: ml_collections.ConfigDict, mesh,
   checkpoints (5 for base, 20 for big), accumulated in float32. Returns (params, step
   of the newest checkpoint used).
   """
-  from transformer import trainer  # heavy imports only where needed
   checkpointer = Checkpointer(workdir, keep=10**6, async_save=False)
   steps = checkpointer.all_steps()
   if not steps:

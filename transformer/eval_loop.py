@@ -90,7 +90,7 @@ class Translator:
     self.workdir = workdir
     self.mesh = sharding.create_mesh(config)
     self.rules = sharding.axis_rules(config)
-    self.tokenizer = data.load_tokenizer(workdir)
+    self.tokenizer = data.load_workdir_tokenizer(workdir)
     self.model = trainer.build_model(config)
     self.params, self.step = checkpoints.restore_params(
         workdir, config, self.mesh, step=step, average_last=average_last)
@@ -108,7 +108,7 @@ def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
   Files: WORKDIR/eval/<split>-<step>[-avg<k>].{src,ref,hyp}.txt and .json.
   """
   config, workdir = translator.config, translator.workdir
-  texts = data.eval_texts(config, split)  # [(source, reference)] in the split's order
+  texts = data.load_raw_pairs(config, split)  # [(source, reference)] in the split's order
   hypotheses: list[str | None] = [None] * len(texts)
   started = time.time()
   generated_tokens = 0

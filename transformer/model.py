@@ -76,6 +76,13 @@ class ModelConfig:
     return jnp.dtype(self.param_dtype)
 
 
+def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype,
+                      param_dtype=cfg.weight_dtype, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                      bias_init=_zeros_init(("embed",)))
+
+
 def _dense_init(axes):
   return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes)
 
@@ -266,10 +273,7 @@ class Sublayer(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: Array, sublayer, deterministic: bool) -> Array:
     cfg = self.config
-    norm = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype,
-                        param_dtype=cfg.weight_dtype, name="norm",
-                        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                        bias_init=_zeros_init(("embed",)))
+    norm = _layer_norm(cfg, "norm")
     dropout = nn.Dropout(cfg.dropout_rate)
     if cfg.norm == "pre":
       return x_BxLxD + dropout(sublayer(norm(x_BxLxD)), deterministic=deterministic)
@@ -334,13 +338,6 @@ class InputEmbedding(nn.Module):
     return nn.Dropout(cfg.dropout_rate)(x_BxLxD, deterministic=deterministic)
 
 
-def _final_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
-  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype,
-                      param_dtype=cfg.weight_dtype, name=name,
-                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                      bias_init=_zeros_init(("embed",)))
-
-
 class Encoder(nn.Module):
   config: ModelConfig
   embed: Embed
@@ -356,7 +353,7 @@ class Encoder(nn.Module):
       x_BxSxD = EncoderLayer(cfg, name=f"layer_{i}")(
           x_BxSxD, mask_Bx1xSxS, source_positions_BxS, deterministic)
     if cfg.norm == "pre":
-      x_BxSxD = _final_norm(cfg, "final_norm")(x_BxSxD)
+      x_BxSxD = _layer_norm(cfg, "final_norm")(x_BxSxD)
     return x_BxSxD
 
 
@@ -391,7 +388,7 @@ class Decoder(nn.Module):
           y_BxTxD, self_mask, target_positions_BxT, memory_BxSxD, cross_mask,
           deterministic, decode=decode, decode_position=decode_position)
     if cfg.norm == "pre":
-      y_BxTxD = _final_norm(cfg, "final_norm")(y_BxTxD)
+      y_BxTxD = _layer_norm(cfg, "final_norm")(y_BxTxD)
     if cfg.tie_embeddings:
       logits_BxTxV = self.embed.attend(y_BxTxD)
     else:

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
-from transformer import flops, sharding
+from transformer import flops, sharding, trainer
 from transformer.config import MESH_AXES
-from transformer.model import ModelConfig, Transformer
+from transformer.model import ModelConfig
 
 
 def count_params(config: ml_collections.ConfigDict) -> int:
   """Parameters of the model (a tied embedding counted once), from shapes alone."""
-  model = Transformer(ModelConfig.from_config(config))
-  tokens = jnp.ones((1, 8), jnp.int32)
-  source = None if config.model.decoder_only else tokens
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), source, tokens))
+  model = trainer.build_model(config)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), **trainer.dummy_inputs(config)))
   return sum(x.size for x in jax.tree.leaves(shapes["params"]))
 
 

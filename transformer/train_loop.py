@@ -22,7 +22,6 @@ from absl import logging
 from transformer import (checkpoints, data, eval_loop, evaluation, flops, reporting, sharding,
                          trainer)
 from transformer import config as config_lib
-from transformer.model import ModelConfig
 
 
 class TrainingError(RuntimeError):
@@ -127,7 +126,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # --- Model, optimizer and sharded state.
   model = trainer.build_model(config)
-  model_config = ModelConfig.from_config(config)
   optimizer = trainer.make_optimizer(config)
   abstract_state, state_shardings = trainer.state_shardings(model, optimizer, config, mesh)
 
@@ -202,7 +200,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       state, metrics = p_train_step(state, batch)
       rows = batch["decoder_input"].shape[0]
       source_len = batch["source"].shape[1] if "source" in batch else 0
-      progress.add(metrics, flops.training_flops(model_config, rows, source_len,
+      progress.add(metrics, flops.training_flops(model.config, rows, source_len,
                                                  batch["decoder_input"].shape[1]))
 
       is_last = step == total_steps

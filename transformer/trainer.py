@@ -103,14 +103,14 @@ def build_model(config: ml_collections.ConfigDict) -> Transformer:
   return Transformer(ModelConfig.from_config(config))
 
 
-def _dummy_inputs(config: ml_collections.ConfigDict) -> dict[str, Array]:
+def dummy_inputs(config: ml_collections.ConfigDict) -> dict[str, Array]:
   tokens = jnp.ones((1, 8), jnp.int32)
   return {"source": None if config.model.decoder_only else tokens, "decoder_input": tokens}
 
 
 def init_boxed_state(model: Transformer, optimizer, config, rng: Array) -> TrainState:
   """The state with parameters still wrapped in their logical axis names."""
-  params = model.init(rng, **_dummy_inputs(config))["params"]
+  params = model.init(rng, **dummy_inputs(config))["params"]
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params))
 

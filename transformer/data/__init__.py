@@ -22,7 +22,3 @@ from transformer.data.tokenizer import copy_vocab_to_workdir
 from transformer.data.tokenizer import get_tokenizer
 from transformer.data.tokenizer import load_or_train_tokenizer
 from transformer.data.tokenizer import load_workdir_tokenizer
-
-# Shorter names used by the training and evaluation loops.
-eval_texts = load_raw_pairs
-load_tokenizer = load_workdir_tokenizer
