@@ -1,5 +1,7 @@
 """Attention heatmaps for a tiny random model and a stand-in tokenizer."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -67,3 +69,18 @@ def test_weights_cover_the_sentence_and_its_translation(model_and_params):
     np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
   # Decoder self-attention is causal: nothing above the diagonal.
   assert np.all(np.triu(weights[("decoder", 1, "self_attention")], k=1) == 0)
+
+
+def test_scanned_model_gives_the_same_maps(model_and_params):
+  model, params = model_and_params
+  scanned = Transformer(dataclasses.replace(model.config, scan_layers=True))
+  stacked = jax.tree.map(lambda x: x, params)
+  for side in ("encoder", "decoder"):
+    layers = [stacked[side].pop(f"layer_{i}") for i in range(LAYERS)]
+    stacked[side]["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  source, target = [4, 5, 6, EOS_ID], [7, 8, EOS_ID]
+  looped = attention_maps.attention_weights(model, params, source, target)
+  from_scan = attention_maps.attention_weights(scanned, stacked, source, target)
+  assert from_scan.keys() == looped.keys()
+  for key, weights in looped.items():
+    np.testing.assert_allclose(from_scan[key], weights, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
 """Decoding on tiny random models: cache vs recompute, beam vs greedy vs exhaustive search."""
 
+import dataclasses
 import itertools
 
 import chex
@@ -214,3 +215,20 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
   np.testing.assert_array_equal(kept(top_k=0, top_p=0.6), [1, 1, 1, 0])
   np.testing.assert_array_equal(kept(top_k=0, top_p=0.5), [1, 0, 0, 0])
   np.testing.assert_array_equal(kept(top_k=0, top_p=1.0), [1, 1, 1, 1])
+
+
+def test_scanned_layers_decode_as_the_looped_model(model, params):
+  """The cache gains a leading layer axis under scan; search must reorder it on axis 1."""
+  scanned = Transformer(dataclasses.replace(model.config, scan_layers=True))
+  stacked = jax.tree.map(lambda x: x, params)
+  for side in ("encoder", "decoder"):
+    layers = [stacked[side].pop(f"layer_{i}") for i in range(model.config.num_layers)]
+    stacked[side]["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  kwargs = dict(beam_size=3, alpha=0.6, max_decode_extra_len=EXTRA)
+  looped_tokens, looped_scores = decoding.beam_search(model, params, SOURCE, **kwargs)
+  scanned_tokens, scanned_scores = decoding.beam_search(scanned, stacked, SOURCE, **kwargs)
+  np.testing.assert_array_equal(scanned_tokens, looped_tokens)
+  np.testing.assert_allclose(scanned_scores, looped_scores, rtol=1e-5, atol=1e-5)
+  greedy = decoding.greedy_decode(scanned, stacked, SOURCE, max_decode_extra_len=EXTRA)
+  np.testing.assert_array_equal(
+      greedy, decoding.greedy_decode(model, params, SOURCE, max_decode_extra_len=EXTRA))

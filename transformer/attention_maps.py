@@ -68,7 +68,10 @@ def attention_weights(model, params, source_ids: Sequence[int],
   weights = {}
   for stack in ("encoder", "decoder"):
     for layer in range(model.config.num_layers):
-      modules = state["intermediates"][stack][f"layer_{layer}"]
+      if model.config.scan_layers:  # one scanned module; its sown values gain a layer axis
+        modules = jax.tree.map(lambda x, i=layer: x[i], state["intermediates"][stack]["layers"])
+      else:
+        modules = state["intermediates"][stack][f"layer_{layer}"]
       for name in ("self_attention", "cross_attention"):
         if name in modules:
           (weights_1xHxLxL,) = modules[name]["attention_weights"]

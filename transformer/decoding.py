@@ -48,6 +48,11 @@ def max_output_lengths(source_BxS: Array, max_decode_extra_len: int) -> Array:
 # The step function shared by every search.
 
 
+def _batch_axis(path) -> int:
+  """A cache leaf's batch axis: 1 under scanned layers (stacked on a leading layer axis)."""
+  return 1 if any(getattr(key, "key", None) == "layers" for key in path) else 0
+
+
 def _init_decoder_state(model, params, source_BxS: Array, copies: int, cache_len: int,
                         use_cache: bool) -> tuple[Any, Array]:
   """Encodes each sentence once and repeats what decoding needs `copies` times.
@@ -65,7 +70,9 @@ def _init_decoder_state(model, params, source_BxS: Array, copies: int, cache_len
   _, variables = model.apply(
       {"params": params}, encoded_BxSxD, source_BxS, jnp.zeros((batch, cache_len), jnp.int32),
       decode=True, mutable=["cache"], method=model.decode)
-  return jax.tree.map(repeat, variables["cache"]), source_NxS
+  repeat_leaf = lambda path, x: (jnp.repeat(x, copies, axis=_batch_axis(path))
+                                 if x.ndim > 0 else x)
+  return jax.tree_util.tree_map_with_path(repeat_leaf, variables["cache"]), source_NxS
 
 
 def _next_token_logits(model, params, state: Any, source_NxS: Array, inputs_NxC: Array,
@@ -92,7 +99,7 @@ def _forbid_special(x_NxV: Array) -> Array:
 
 
 def _reorder_cache(cache: Any, flat_index_N: Array) -> Any:
-  """Gathers every batch-leading cache leaf along its first axis.
+  """Gathers every cache leaf along its batch axis.
 
   The scalar step counter has no batch axis; the cross-attention K/V are equal for all
   beams of a sentence (beams never move between sentences), so they stay as they are.
@@ -100,7 +107,7 @@ def _reorder_cache(cache: Any, flat_index_N: Array) -> Any:
   def gather(path, x):
     if x.ndim == 0 or any(getattr(key, "key", None) == "cross_kv" for key in path):
       return x
-    return x[flat_index_N]
+    return jnp.take(x, flat_index_N, axis=_batch_axis(path))
   return jax.tree_util.tree_map_with_path(gather, cache)
 
 

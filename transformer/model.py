@@ -58,6 +58,8 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   layer_norm_epsilon: float = 1e-6
+  scan_layers: bool = False
+  remat: str = "none"
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
@@ -317,6 +319,56 @@ class DecoderLayer(nn.Module):
     return Sublayer(cfg, name="ffn_block")(y_BxTxD, FeedForward(cfg, name="ffn"), deterministic)
 
 
+# ----------------------------------------------------------------------------------
+# Layer stacks: a Python loop (layer_0 ... layer_{N-1}), or one scanned layer whose
+# parameters carry a leading `layers` axis, so the stack compiles once whatever N is.
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute every activation in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _rematted(layer_class, cfg: ModelConfig, static_argnums: tuple[int, ...]):
+  """The layer under jax.checkpoint with cfg.remat's policy ('none': unchanged).
+
+  static_argnums count `self` as 0 and name the Python bools (deterministic, decode).
+  """
+  if cfg.remat == "none":
+    return layer_class
+  return nn.remat(layer_class, policy=_REMAT_POLICIES[cfg.remat], static_argnums=static_argnums,
+                  prevent_cse=not cfg.scan_layers)
+
+
+def _Carried(layer_class):
+  """Wraps a layer as nn.scan wants it: (carry, *broadcast) -> (carry, None)."""
+
+  class Carried(layer_class):
+
+    def __call__(self, x, *args):
+      return super().__call__(x, *args), None
+
+  Carried.__name__ = layer_class.__name__
+  return Carried
+
+
+def _scan(carried_class, cfg: ModelConfig, num_broadcast_args: int,
+          static_argnums: tuple[int, ...]):
+  """N copies of a layer as one nn.scan over stacked parameters (and caches).
+
+  Masks, positions, the encoder output and the flags are the same for every layer
+  (broadcast); dropout draws fresh masks per layer (split_rngs).
+  """
+  return nn.scan(
+      _rematted(carried_class, cfg, static_argnums),
+      variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=(nn.broadcast,) * num_broadcast_args,
+      length=cfg.num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"})
+
+
 class InputEmbedding(nn.Module):
   """ids -> embedding * sqrt(D) + positions, then dropout (the paper's input sum)."""
   config: ModelConfig
@@ -349,9 +401,14 @@ class Encoder(nn.Module):
     x_BxSxD = InputEmbedding(cfg, self.embed, name="input")(
         source_BxS, source_positions_BxS, deterministic)
     mask_Bx1xSxS = attention_mask(source_segment_ids_BxS, source_segment_ids_BxS, causal=False)
-    for i in range(cfg.num_layers):
-      x_BxSxD = EncoderLayer(cfg, name=f"layer_{i}")(
-          x_BxSxD, mask_Bx1xSxS, source_positions_BxS, deterministic)
+    if cfg.scan_layers:
+      x_BxSxD, _ = _scan(_Carried(EncoderLayer), cfg, num_broadcast_args=3,
+                         static_argnums=(4,))(cfg, name="layers")(x_BxSxD, mask_Bx1xSxS, source_positions_BxS, deterministic)
+    else:
+      layer_class = _rematted(EncoderLayer, cfg, static_argnums=(4,))
+      for i in range(cfg.num_layers):
+        x_BxSxD = layer_class(cfg, name=f"layer_{i}")(
+            x_BxSxD, mask_Bx1xSxS, source_positions_BxS, deterministic)
     if cfg.norm == "pre":
       x_BxSxD = _layer_norm(cfg, "final_norm")(x_BxSxD)
     return x_BxSxD
@@ -383,10 +440,15 @@ class Decoder(nn.Module):
     cross_mask = None
     if not cfg.decoder_only:
       cross_mask = attention_mask(target_segment_ids_BxT, source_segment_ids_BxS, causal=False)
-    for i in range(cfg.num_layers):
-      y_BxTxD = DecoderLayer(cfg, name=f"layer_{i}")(
-          y_BxTxD, self_mask, target_positions_BxT, memory_BxSxD, cross_mask,
-          deterministic, decode=decode, decode_position=decode_position)
+    layer_args = (self_mask, target_positions_BxT, memory_BxSxD, cross_mask, deterministic,
+                  decode, decode_position)
+    if cfg.scan_layers:
+      y_BxTxD, _ = _scan(_Carried(DecoderLayer), cfg, num_broadcast_args=len(layer_args),
+                         static_argnums=(6, 7))(cfg, name="layers")(y_BxTxD, *layer_args)
+    else:
+      layer_class = _rematted(DecoderLayer, cfg, static_argnums=(6, 7))
+      for i in range(cfg.num_layers):
+        y_BxTxD = layer_class(cfg, name=f"layer_{i}")(y_BxTxD, *layer_args)
     if cfg.norm == "pre":
       y_BxTxD = _layer_norm(cfg, "final_norm")(y_BxTxD)
     if cfg.tie_embeddings:

@@ -144,7 +144,8 @@ def train_step(state: TrainState, batch: dict[str, Array], *, model: Transformer
                optimizer, config: ml_collections.ConfigDict) -> tuple[TrainState, dict]:
   """One update on a global batch. Returns the new state and summed metrics."""
   # Dropout masks depend only on (seed, step): a resumed run draws the same ones.
-  dropout_rng = jax.random.fold_in(jax.random.key(config.seed + 1), state.step)
+  dropout_rng = jax.random.fold_in(
+      jax.random.key(config.seed + 1, impl=config.dropout_rng_impl), state.step)
   nan_at_step = None
   if config.debug_nan_step > 0:
     nan_at_step = state.step + 1 == config.debug_nan_step

@@ -36,6 +36,22 @@ def count(batch: dict[str, np.ndarray]) -> tuple[int, int]:
   return pairs, tokens
 
 
+def measure(config, num_batches: int, source=None) -> dict[str, float]:
+  """Times `num_batches` training batches after one warm-up batch."""
+  source = source or sources.make_source(config)
+  tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
+  iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
+  next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
+  pairs = tokens = 0
+  start = time.perf_counter()
+  for _ in range(num_batches):
+    batch_pairs, batch_tokens = count(next(iterator))
+    pairs, tokens = pairs + batch_pairs, tokens + batch_tokens
+  seconds = time.perf_counter() - start
+  return {"batches": num_batches, "seconds": seconds, "examples_per_sec": pairs / seconds,
+          "tokens_per_sec": tokens / seconds}
+
+
 def main(argv):
   del argv
   config = _CONFIG.value
@@ -45,19 +61,11 @@ def main(argv):
     config.max_len, config.tokens_per_batch = 256, 25_000
     mock = tfds.testing.mock_data(num_examples=_MOCK_EXAMPLES.value)
   with mock:
-    source = sources.make_source(config)
-    tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
-    iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
-    next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
-    pairs = tokens = 0
-    start = time.perf_counter()
-    for _ in range(_NUM_BATCHES.value):
-      batch_pairs, batch_tokens = count(next(iterator))
-      pairs, tokens = pairs + batch_pairs, tokens + batch_tokens
-    seconds = time.perf_counter() - start
+    r = measure(config, _NUM_BATCHES.value)
   print(f"{config.dataset} ({config.direction}, {config.batching}, max_len {config.max_len}, "
-        f"tokens_per_batch {config.tokens_per_batch}): {_NUM_BATCHES.value} batches in "
-        f"{seconds:.1f}s: {pairs / seconds:,.0f} examples/s, {tokens / seconds:,.0f} tokens/s")
+        f"tokens_per_batch {config.tokens_per_batch}): {r['batches']} batches in "
+        f"{r['seconds']:.1f}s: {r['examples_per_sec']:,.0f} examples/s, "
+        f"{r['tokens_per_sec']:,.0f} tokens/s")
 
 
 if __name__ == "__main__":
