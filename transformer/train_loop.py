@@ -19,8 +19,8 @@ import jax.experimental.multihost_utils
 import ml_collections
 from absl import logging
 
-from transformer import (checkpoints, data, eval_loop, evaluation, flops, reporting, sharding,
-                         trainer)
+from transformer import (checkpoints, data, eval_loop, evaluation, flops, prefetch, reporting,
+                         sharding, trainer)
 from transformer import config as config_lib
 
 
@@ -165,7 +165,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     nonlocal first_unchecked, last_save_time
     progress.check_finite(first_unchecked)  # a NaN state is never written
     first_unchecked = step + 1
-    checkpointer.save(step, state, train_iter.get_state(), config)
+    checkpointer.save(step, state, batches.get_state(), config)
     last_save_time = time.time()
 
   eval_batches, bleu_pairs = [], []
@@ -191,12 +191,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             f"{bleu}", flush=True)
     return metrics
 
-  # --- The loop. Metrics stay on device until a log step, so steps run back to back.
+  # --- The loop. Metrics stay on device until a log step, so steps run back to back;
+  # two global batches are built ahead on a thread (its state is that of the consumed ones).
+  batches = prefetch.Prefetcher(train_iter, lambda b: sharding.global_batch(b, mesh, rules),
+                                size=2)
   preemption = PreemptionSignal()
   try:
     for step in range(start_step + 1, total_steps + 1):
-      local_batch = next(train_iter)
-      batch = sharding.global_batch(local_batch, mesh, rules)
+      batch = next(batches)
       state, metrics = p_train_step(state, batch)
       rows = batch["decoder_input"].shape[0]
       source_len = batch["source"].shape[1] if "source" in batch else 0
@@ -232,6 +234,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                      preemption.received or "preemption notice")
         break
   finally:
+    batches.close()
     preemption.restore()
     checkpointer.close()
     writer.close()

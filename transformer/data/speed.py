@@ -22,10 +22,6 @@ from transformer.data import pipeline
 from transformer.data import sources
 from transformer.data import tokenizer as tokenizer_lib
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
-_MOCK_WMT = flags.DEFINE_bool("mock_wmt", False, "Mock wmt14_translate/de-en, base sizes.")
-_NUM_BATCHES = flags.DEFINE_integer("num_batches", 200, "Batches to time (after one warm-up).")
-_MOCK_EXAMPLES = flags.DEFINE_integer("mock_examples", 100_000, "Examples per mock split.")
 
 
 def count(batch: dict[str, np.ndarray]) -> tuple[int, int]:
@@ -52,6 +48,16 @@ def measure(config, num_batches: int, source=None) -> dict[str, float]:
           "tokens_per_sec": tokens / seconds}
 
 
+def _define_flags():
+  """Command-line flags, defined only when run as a program (`measure` is imported too)."""
+  global _CONFIG, _MOCK_WMT, _NUM_BATCHES, _MOCK_EXAMPLES
+  _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+  _MOCK_WMT = flags.DEFINE_bool("mock_wmt", False, "Mock wmt14_translate/de-en, base sizes.")
+  _NUM_BATCHES = flags.DEFINE_integer("num_batches", 200,
+                                      "Batches to time (after one warm-up).")
+  _MOCK_EXAMPLES = flags.DEFINE_integer("mock_examples", 100_000, "Examples per mock split.")
+
+
 def main(argv):
   del argv
   config = _CONFIG.value
@@ -69,4 +75,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -1,0 +1,73 @@
+"""Global batches built on a background thread, ahead of the training step.
+
+The input pipeline (tf.data, tokenization, batching) and the host-to-device copy of the
+next batches run while the current step computes, so a step never waits on the host,
+not even after the loop syncs on a log or checkpoint step.
+
+Each batch travels with the iterator state just after it: `get_state()` is where the
+*consumed* batches end, not the prefetched ones, so a checkpoint resumes exactly at the
+next batch the step would have taken.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+_DONE = object()
+
+
+class Prefetcher:
+  """Iterates `transform(next(iterator))` computed `size` items ahead on a thread."""
+
+  def __init__(self, iterator, transform: Callable[[Any], Any], size: int = 2):
+    if size < 1:
+      raise ValueError(f"prefetch size must be at least 1, got {size}")
+    self._iterator = iterator
+    self._state = iterator.get_state()
+    self._queue: queue.Queue = queue.Queue(maxsize=size)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._produce, args=(transform,), daemon=True,
+                                    name="batch-prefetch")
+    self._thread.start()
+
+  def _produce(self, transform) -> None:
+    try:
+      while not self._stop.is_set():
+        item = transform(next(self._iterator))
+        self._put((item, self._iterator.get_state(), None))
+    except StopIteration:
+      self._put((_DONE, None, None))
+    except BaseException as e:  # re-raised in the consuming thread, with its traceback
+      self._put((_DONE, None, e))
+
+  def _put(self, entry) -> None:
+    while not self._stop.is_set():
+      try:
+        self._queue.put(entry, timeout=0.1)
+        return
+      except queue.Full:
+        continue
+
+  def __iter__(self) -> Iterator[Any]:
+    return self
+
+  def __next__(self) -> Any:
+    item, state, error = self._queue.get()
+    if error is not None:
+      self.close()
+      raise error
+    if item is _DONE:
+      self.close()
+      raise StopIteration
+    self._state = state
+    return item
+
+  def get_state(self) -> Any:
+    """The wrapped iterator's state after the last item returned by `__next__`."""
+    return self._state
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=10)
