@@ -232,3 +232,12 @@ def test_scanned_layers_decode_as_the_looped_model(model, params):
   greedy = decoding.greedy_decode(scanned, stacked, SOURCE, max_decode_extra_len=EXTRA)
   np.testing.assert_array_equal(
       greedy, decoding.greedy_decode(model, params, SOURCE, max_decode_extra_len=EXTRA))
+
+
+def test_dot_product_attention_kernel_decodes_as_einsum(model, params):
+  fused = Transformer(dataclasses.replace(model.config, attention_kernel="xla"))
+  kwargs = dict(beam_size=3, alpha=0.6, max_decode_extra_len=EXTRA)
+  tokens, scores = decoding.beam_search(model, params, SOURCE, **kwargs)
+  fused_tokens, fused_scores = decoding.beam_search(fused, params, SOURCE, **kwargs)
+  np.testing.assert_array_equal(fused_tokens, tokens)
+  np.testing.assert_allclose(fused_scores, scores, rtol=1e-5, atol=1e-5)

@@ -634,3 +634,23 @@ def test_scanned_program_size_does_not_grow_with_depth():
 
   assert program_size(12, True) < 1.05 * program_size(2, True)
   assert program_size(12, False) > 3 * program_size(2, False)
+
+
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
+def test_dot_product_attention_kernel_matches_einsum(decoder_only):
+  einsum = tiny_config(decoder_only=decoder_only, d_v=D_K)
+  fused = tiny_config(decoder_only=decoder_only, d_v=D_K, attention_kernel="xla")
+  params = random_params(einsum)
+  batch = packed_batch(decoder_only)  # segments and padding exercise the mask
+
+  def loss(cfg, p):
+    return jnp.sum(run(cfg, p, **batch) ** 2)
+
+  np.testing.assert_allclose(run(fused, params, **batch), run(einsum, params, **batch),
+                             rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(jax.grad(functools.partial(loss, fused))(params),
+                              jax.grad(functools.partial(loss, einsum))(params),
+                              rtol=1e-4, atol=1e-4)
+  # Asking for the weights falls back to einsum, which sows them.
+  _, state = run(fused, params, **batch, mutable=["intermediates"])
+  assert "attention_weights" in state["intermediates"]["decoder"]["layer_0"]["self_attention"]

@@ -26,6 +26,7 @@ VOCAB_TYPES = ("bpe", "unigram")
 RNG_IMPLS = ("threefry2x32", "philox4x32", "rbg", "unsafe_rbg")
 MESH_AXES = ("data", "fsdp", "tensor")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_KERNELS = ("einsum", "xla", "cudnn")
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,10 @@ def model_config() -> ml_collections.ConfigDict:
   # Rematerialization per layer: none | full (recompute everything in the backward pass) |
   # dots (keep matmul outputs) | dots_no_batch (keep those without batch dimensions).
   m.remat = "none"
+  # einsum: explicit softmax weights (attention dropout, attention maps, any d_k/d_v);
+  # xla or cudnn: jax.nn.dot_product_attention with that implementation (cudnn is flash
+  # attention on NVIDIA GPUs in bf16/fp16). Both need d_k == d_v and no attention dropout.
+  m.attention_kernel = "einsum"
   return m
 
 
@@ -187,6 +192,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_choice(flat, "model.dtype", DTYPES)
   _check_choice(flat, "model.param_dtype", DTYPES)
   _check_choice(flat, "model.remat", REMAT_POLICIES)
+  _check_choice(flat, "model.attention_kernel", ATTENTION_KERNELS)
+  if m.attention_kernel != "einsum":
+    _check(m.d_k == m.d_v, "model.attention_kernel",
+           f"{m.attention_kernel} needs d_k == d_v, got {m.d_k} and {m.d_v}; use einsum")
+    _check(m.attention_dropout_rate == 0, "model.attention_kernel",
+           f"{m.attention_kernel} has no attention dropout; use einsum or set "
+           "model.attention_dropout_rate=0")
   _check(m.d_model % 2 == 0 or m.positional != "sinusoidal", "model.d_model",
          f"sinusoidal positions pair sin/cos channels: d_model must be even, got {m.d_model}")
   _check(m.d_k % 2 == 0 or m.positional != "rope", "model.d_k",

@@ -60,6 +60,7 @@ class ModelConfig:
   layer_norm_epsilon: float = 1e-6
   scan_layers: bool = False
   remat: str = "none"
+  attention_kernel: str = "einsum"
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
@@ -231,7 +232,25 @@ class MultiHeadAttention(nn.Module):
         kv_BxSxHxKE = project_kv(memory_BxSxD)
       k_BxSxHxK, v_BxSxHxE = jnp.split(kv_BxSxHxKE, [k], axis=-1)
 
-    q_BxLxHxK = q_BxLxHxK / jnp.sqrt(k).astype(q_BxLxHxK.dtype)
+    if cfg.attention_kernel != "einsum" and not self.is_mutable_collection("intermediates"):
+      # jax.nn.dot_product_attention: XLA's fused form, or cuDNN flash attention on GPU.
+      # The attention weights never materialize, so maps (intermediates) use einsum.
+      out_BxLxHxE = jax.nn.dot_product_attention(
+          q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask=mask_Bx1xLxS, scale=1.0 / math.sqrt(k),
+          implementation=cfg.attention_kernel)
+    else:
+      out_BxLxHxE = self._einsum_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS,
+                                           deterministic)
+    return nn.DenseGeneral(
+        cfg.d_model, axis=(-2, -1), use_bias=False, name="out",
+        kernel_init=_dense_init(("heads", "kv", "embed")),
+        dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)(out_BxLxHxE)
+
+
+  def _einsum_attention(self, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic):
+    """softmax(Q K^T / sqrt(d_k)) V with explicit weights: sown, and dropout-able."""
+    cfg = self.config
+    q_BxLxHxK = q_BxLxHxK / jnp.sqrt(cfg.d_k).astype(q_BxLxHxK.dtype)
     logits_BxHxLxS = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK)
     logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS.astype(jnp.float32), _MASKED_LOGIT)
     weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
@@ -240,11 +259,7 @@ class MultiHeadAttention(nn.Module):
     if cfg.attention_dropout_rate > 0:
       weights_BxHxLxS = nn.Dropout(cfg.attention_dropout_rate)(
           weights_BxHxLxS, deterministic=deterministic)
-    out_BxLxHxE = jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
-    return nn.DenseGeneral(
-        cfg.d_model, axis=(-2, -1), use_bias=False, name="out",
-        kernel_init=_dense_init(("heads", "kv", "embed")),
-        dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)(out_BxLxHxE)
+    return jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
 
 
 class FeedForward(nn.Module):
