@@ -59,6 +59,8 @@ _PIPELINE_BATCHES = flags.DEFINE_integer("pipeline_batches", 50, "Input batches 
 _ONLY = flags.DEFINE_list("only", ["train_step", "beam_search", "input_pipeline"],
                           "Measurements to run (peak always runs).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per measurement.")
+_LABEL = flags.DEFINE_string("label", "", "With --json: a 'label' key on every record, to tell "
+                             "runs apart in one file.")
 
 
 def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -235,6 +237,8 @@ def main(argv):
   def report(result):
     for key in ("tokens_per_sec", "mfu", "step_time_s"):  # every record has these keys
       result.setdefault(key, None)
+    if _LABEL.value:
+      result["label"] = _LABEL.value
     if _JSON.value:
       print(json.dumps(result), flush=True)
     else:

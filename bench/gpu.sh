@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every GPU measurement of docs/performance.md in one call, about 7 minutes on one H200.
+#
+#   pip install -e '.[cuda]' && bash bench/gpu.sh          # writes bench/results/gpu.jsonl
+#   SMOKE=1 bash bench/gpu.sh                              # tiny sizes: checks the script on CPU
+#
+# Each line of gpu.jsonl is one `python -m transformer.bench --json` record with a
+# `label` naming the run. A run that fails or times out is logged and the rest go on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+RESULTS=${OUT:-bench/results}
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu.jsonl"
+: > "$LOG"
+
+if [ "${SMOKE:-0}" = 1 ]; then
+  # One layer of width 64 and a 512-token vocabulary: the same commands, in seconds.
+  SIZE="--batch_tokens=256 --seq_len=32 --steps=2 --warmup=1 --decode_batch=2 --decode_steps=40
+        --config.model.num_layers=1 --config.model.d_model=64 --config.model.d_ff=128
+        --config.model.num_heads=2 --config.model.d_k=32 --config.model.d_v=32
+        --config.vocab_size=512"
+  LIMIT=300
+else
+  # The paper's batch: about 25,000 target tokens, here 96 sentences of 256 tokens.
+  SIZE="--batch_tokens=24576 --seq_len=256 --steps=20 --warmup=3 --decode_batch=64
+        --decode_steps=96"
+  LIMIT=150
+fi
+
+run() {  # run LABEL CONFIG [FLAGS...]
+  local label=$1 config=$2
+  shift 2
+  echo "== $label" >&2
+  # shellcheck disable=SC2086
+  if ! timeout "$LIMIT" "$PY" -m transformer.bench --config "$config" --json --label "$label" \
+      $SIZE "$@" >> "$LOG"; then
+    echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"
+  fi
+}
+
+BF16=--config.model.dtype=bfloat16
+run big-bf16 configs/wmt14.py:big "$BF16" --only=train_step,beam_search
+run big-bf16-cudnn configs/wmt14.py:big "$BF16" --config.model.attention_kernel=cudnn \
+    --only=train_step
+run big-bf16-scan configs/wmt14.py:big "$BF16" --config.model.scan_layers=true --only=train_step
+run base-bf16 configs/wmt14.py:base "$BF16" --only=train_step
+run base-f32 configs/wmt14.py:base --only=train_step
+
+"$PY" - "$LOG" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+  r = json.loads(line)
+  if r["name"] == "failed":
+    print(f"{r['label']:>16}  FAILED (see the log above)")
+  elif r["name"] != "peak":
+    mfu = f"MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+    step = f"{1e3 * r['step_time_s']:.1f} ms" if r.get("step_time_s") is not None else ""
+    tokens = f"{r['tokens_per_sec']:,.0f} tokens/s" if r.get("tokens_per_sec") else ""
+    print(f"{r['label']:>16}  {r['name']:<14} {step:>11} {tokens:>18}  {mfu}")
+PY
