@@ -22,7 +22,7 @@ import pytest
 import numpy_reference
 from transformer.model import (DecoderLayer, Decoder, Embed, Encoder, FeedForward,
                                InputEmbedding, ModelConfig, MultiHeadAttention, Transformer,
-                               attention_mask, sinusoidal_encoding)
+                               attention_mask, sinusoidal_encoding, tied_projection)
 
 BATCH, SOURCE_LEN, TARGET_LEN = 2, 7, 6
 VOCAB, D_MODEL, NUM_HEADS, D_K, D_V, D_FF = 13, 8, 2, 4, 6, 12  # d_k != d_v on purpose
@@ -654,3 +654,20 @@ def test_dot_product_attention_kernel_matches_einsum(decoder_only):
   # Asking for the weights falls back to einsum, which sows them.
   _, state = run(fused, params, **batch, mutable=["intermediates"])
   assert "attention_weights" in state["intermediates"]["decoder"]["layer_0"]["self_attention"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tied_projection_gradients_match_autodiff(dtype):
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, D_MODEL)), dtype)
+  table = jnp.asarray(np.random.default_rng(1).normal(size=(VOCAB, D_MODEL)), dtype)
+  weights = jnp.asarray(np.random.default_rng(2).normal(size=(6, VOCAB)), jnp.float32)
+  reference = lambda x, t: jnp.einsum("nd,vd->nv", x, t, preferred_element_type=jnp.float32)
+  ours = jax.grad(lambda x, t: jnp.sum(tied_projection(x, t) * weights), argnums=(0, 1))(
+      x, table)
+  expected = jax.grad(lambda x, t: jnp.sum(reference(x, t) * weights), argnums=(0, 1))(
+      x, table)
+  tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+  for got, want in zip(ours, expected):
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tolerance, atol=tolerance)

@@ -170,7 +170,37 @@ class Embed(nn.Module):
 
   def attend(self, x_BxLxD: Array) -> Array:
     table_VxD = jnp.asarray(self.embedding, self.config.compute_dtype)
-    return jnp.einsum("bld,vd->blv", x_BxLxD, table_VxD, preferred_element_type=jnp.float32)
+    batch, length, d_model = x_BxLxD.shape
+    logits_NxV = tied_projection(x_BxLxD.reshape(batch * length, d_model), table_VxD)
+    return logits_NxV.reshape(batch, length, -1)
+
+
+@jax.custom_vjp
+def tied_projection(x_NxD: Array, table_VxD: Array) -> Array:
+  """Logits x E^T in f32, for the tied pre-softmax projection.
+
+  The backward pass is written out so the weight gradient is (x^T g)^T: the [N, V]
+  logit gradient (the largest array of a step) is never transposed, only the smaller
+  [D, V] result. Left to itself XLA:CPU copies g transposed first, which took as long
+  as a vocabulary matmul (docs/performance.md).
+  """
+  return jnp.einsum("nd,vd->nv", x_NxD, table_VxD, preferred_element_type=jnp.float32)
+
+
+def _tied_projection_forward(x_NxD, table_VxD):
+  return tied_projection(x_NxD, table_VxD), (x_NxD, table_VxD)
+
+
+def _tied_projection_backward(residuals, grad_NxV):
+  x_NxD, table_VxD = residuals
+  grad_NxV = grad_NxV.astype(x_NxD.dtype)  # bf16 matmuls in mixed precision, f32 sums
+  grad_x_NxD = jnp.einsum("nv,vd->nd", grad_NxV, table_VxD,
+                          preferred_element_type=jnp.float32).astype(x_NxD.dtype)
+  grad_table_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV, preferred_element_type=jnp.float32)
+  return grad_x_NxD, grad_table_DxV.T.astype(table_VxD.dtype)
+
+
+tied_projection.defvjp(_tied_projection_forward, _tied_projection_backward)
 
 
 class MultiHeadAttention(nn.Module):
