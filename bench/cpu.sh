@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The CPU measurements of docs/performance.md, one after another (about 15 minutes on
+# 2 cores; run it on an otherwise idle machine).
+#
+#   bash bench/cpu.sh                 # writes bench/results/cpu.jsonl and prints a table
+#
+# Each line of cpu.jsonl is one `python -m transformer.bench --json` record with a
+# `label` naming the run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+RESULTS=${OUT:-bench/results}
+mkdir -p "$RESULTS"
+LOG="$RESULTS/cpu.jsonl"
+: > "$LOG"
+
+run() {  # run LABEL CONFIG [FLAGS...]
+  local label=$1 config=$2
+  shift 2
+  echo "== $label" >&2
+  "$PY" -m transformer.bench --config "$config" --json --label "$label" "$@" >> "$LOG" ||
+    echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"
+}
+
+# The training step of Transformer-base: 16 sentences of 64 source and 64 target tokens,
+# f32, dropout 0.1, label smoothing 0.1, Adam; then one change at a time.
+BASE=(configs/wmt14.py:base --batch_tokens=1024 --seq_len=64 --steps=5 --warmup=1
+      --only=train_step)
+run base "${BASE[@]}"
+run base-unsafe_rbg "${BASE[@]}" --config.dropout_rng_impl=unsafe_rbg
+run base-attention_xla "${BASE[@]}" --config.model.attention_kernel=xla
+run base-scan "${BASE[@]}" --config.model.scan_layers=true
+run base-remat_full "${BASE[@]}" --config.model.remat=full
+
+# Compile time against depth, with and without scan (a small batch: compile dominates).
+for layers in 2 12; do
+  for scan in false true; do
+    run "compile-N$layers-scan_$scan" configs/wmt14.py:base --batch_tokens=256 --seq_len=64 \
+        --steps=1 --warmup=0 --only=train_step --config.model.num_layers=$layers \
+        --config.model.scan_layers=$scan
+  done
+done
+
+# Transformer-big on CPU with a small batch, and the embedded default end to end.
+run big configs/wmt14.py:big --batch_tokens=256 --seq_len=64 --steps=3 --warmup=1 \
+    --only=train_step
+run default configs/default.py --steps=5 --warmup=1
+
+"$PY" - "$LOG" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+  r = json.loads(line)
+  if r["name"] == "failed":
+    print(f"{r['label']:>22}  FAILED (see the log above)")
+  elif r["name"] == "peak":
+    print(f"{r['label']:>22}  peak {r['peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s")
+  else:
+    parts = [r["name"]]
+    if r.get("compile_s") is not None:
+      parts.append(f"compile {r['compile_s']:.1f} s")
+    if r.get("step_time_s") is not None:
+      parts.append(f"{1e3 * r['step_time_s']:,.0f} ms")
+    if r.get("tokens_per_sec"):
+      parts.append(f"{r['tokens_per_sec']:,.0f} tokens/s")
+    if r.get("mfu") is not None:
+      parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    print(f"{r['label']:>22}  " + ", ".join(parts))
+PY
