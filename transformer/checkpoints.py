@@ -3,7 +3,7 @@
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}. Orbax writes each
 checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete, so
 a save torn by a crash is never listed, `latest_step()` is always a whole checkpoint, and
-the next start deletes the leftover. A save that fails (a full disk) surfaces as a
+the training run's next start deletes the leftover. A save that fails (a full disk) surfaces as a
 one-line `CheckpointError` at the next save or at the end; Orbax deletes old checkpoints
 only after a newer one is complete, so the earlier ones stay intact.
 """
@@ -17,6 +17,7 @@ from typing import Any, Optional
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from etils import epath
 
 from transformer import config as config_lib
 from transformer import trainer
@@ -42,15 +43,24 @@ def checkpoint_dir(workdir: str) -> str:
 class Checkpointer:
   """Asynchronous saves every so often, keeping the newest `keep` checkpoints."""
 
-  def __init__(self, workdir: str, keep: int, async_save: bool = True):
-    # cleanup_tmp_directories: a save torn by a kill leaves <step>.orbax-checkpoint-tmp;
-    # it is never listed as a step, and is deleted here rather than left to pile up.
+  def __init__(self, workdir: str, keep: int, async_save: bool = True,
+               clean_torn: bool = False):
+    """clean_torn: delete the `<step>.orbax-checkpoint-tmp` directories that saves torn by
+    a kill left behind (they are never listed as steps). Only the training run may: for
+    anyone else reading the workdir they can be saves still in progress."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True)
+        cleanup_tmp_directories=clean_torn)
     self.directory = checkpoint_dir(workdir)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=_ITEMS)
+    try:
+      # Created here, so that a path that cannot hold checkpoints fails now, not at the
+      # first save (Orbax creates it lazily).
+      epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
+      self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                            item_names=_ITEMS)
+    except OSError as e:
+      raise CheckpointError(f"cannot use {self.directory} for checkpoints: "
+                            f"{e.strerror or _reason(e)}") from None
     self._writing: Optional[int] = None  # the step of a save that may still be running
     self._reported: Optional[CheckpointError] = None
 

@@ -132,7 +132,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   abstract_state, state_shardings = trainer.state_shardings(model, optimizer, config, mesh)
 
   # --- Restore, or start fresh.
-  checkpointer = checkpoints.Checkpointer(workdir, config.keep_checkpoints)
+  checkpointer = checkpoints.Checkpointer(workdir, config.keep_checkpoints, clean_torn=True)
   latest = checkpointer.latest_step()
   if latest is not None:
     checkpoints.check_compatible(checkpointer.saved_config(latest), config)
