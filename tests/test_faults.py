@@ -402,29 +402,40 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_when_one_of_two_processes_dies_the_other_exits_with_a_clear_error(
-    small_corpus, tmp_path):
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_when_one_of_two_processes_dies_the_other_exits_in_bounded_time(
+    small_corpus, tmp_path, fault):
+  """SIGKILL: a dead process (its connections close). SIGSTOP: a frozen host (connections
+  stay open, no heartbeats): the coordination service declares it dead after
+  --heartbeat_timeout_s and terminates the survivor."""
   workdir = str(tmp_path / "two_hosts")
   port = _free_port()
+  heartbeat_timeout_s = 10
   logs = [open(tmp_path / f"process{i}.txt", "w+") for i in range(2)]
   processes = [_start(_train_command(
       workdir, small_corpus, f"--coordinator_address=localhost:{port}", "--num_processes=2",
-      f"--process_id={i}", "--heartbeat_timeout_s=10", num_train_steps=100_000,
-      checkpoint_every_steps=1000), logs[i]) for i in range(2)]
+      f"--process_id={i}", f"--heartbeat_timeout_s={heartbeat_timeout_s}",
+      num_train_steps=100_000, checkpoint_every_steps=1000), logs[i]) for i in range(2)]
   try:
     _wait_until(lambda: _logged_steps(workdir) >= 3, processes[0], "three steps")
-    processes[1].send_signal(signal.SIGKILL)
-    killed = time.time()
-    returncode = processes[0].wait(timeout=120)  # unbounded before: a hang
-    waited = time.time() - killed
+    processes[1].send_signal(getattr(signal, fault))
+    stopped = time.time()
+    returncode = processes[0].wait(timeout=180)  # without the timeouts: a hang
+    waited = time.time() - stopped
   finally:
     for p in processes:
       if p.poll() is None:
         p.kill()
   logs[0].seek(0)
   output = logs[0].read()
-  assert returncode == 1, output[-3000:]
-  assert waited < 60, waited
-  assert _last_line(output).startswith(
-      "error: a collective operation with the other processes failed; another process has "
-      "probably died"), output[-3000:]
+  assert returncode != 0, output[-3000:]
+  assert waited < heartbeat_timeout_s + 60, waited
+  if fault == "SIGKILL":
+    assert returncode == 1
+    assert _last_line(output).startswith(
+        "error: a collective operation with the other processes failed; another process "
+        "has probably died"), output[-3000:]
+  else:
+    assert "Terminating process because the JAX distributed service detected fatal errors" \
+        in output, output[-3000:]
+    assert "stopped sending heartbeats" in output

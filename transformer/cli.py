@@ -18,9 +18,11 @@ def _parse_flags(argv):
       e = e.args[0]
     message = str(e.args[0] if e.args else e).replace("\\n", " ").replace("\n", " ").replace("\\", "")
     overrides = [a for a in argv[1:] if a.startswith("--config.")]
-    # Name the override the message is about (its last key part appears in it), else all.
-    named = [a for a in overrides if a.split("=")[0].rsplit(".", 1)[-1] in message]
-    bad = named or overrides
+    # Name the override the message is about: its last key part quoted in it ('num_heds'),
+    # else appearing in it, else all of them.
+    leaf = {a: a.split("=")[0].rsplit(".", 1)[-1] for a in overrides}
+    bad = ([a for a in overrides if f"'{leaf[a]}'" in message] or
+           [a for a in overrides if leaf[a] in message] or overrides)
     where = f" {' '.join(bad)}" if bad else ""
     sys.exit(f"error: bad config override{where}: {message}")
 
