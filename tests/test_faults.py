@@ -7,7 +7,6 @@ device; faults that need to sit inside Orbax's background save use
 tests/fault_injection.py.
 """
 
-import json
 import math
 import os
 import random
@@ -353,18 +352,20 @@ def test_train_py_rejects_bad_config_before_building_anything(
 
 # --- 8: evaluation and translation.
 
-def test_eval_without_checkpoint_or_with_a_broken_config_json_is_one_line(tmp_path):
+def test_eval_without_checkpoint_or_with_a_broken_config_json_is_one_line(
+    straight_run, tmp_path):
   from transformer import eval_loop
-  workdir = tmp_path / "no_checkpoint"  # a run killed before its first save
+  workdir = tmp_path / "no_checkpoint"  # a run killed before its first save completed
   workdir.mkdir()
+  for name in ("config.json", "vocab.model"):
+    (workdir / name).write_bytes((open(os.path.join(straight_run, name), "rb")).read())
+  with pytest.raises(ConfigError, match="holds no checkpoint") as error:
+    eval_loop.Translator(checkpoints.load_run_config(str(workdir)), str(workdir))
+  assert "\n" not in str(error.value)
   (workdir / "config.json").write_text("{\"vocab_size\": 25")  # cut off mid-write
   with pytest.raises(ConfigError, match="config.json is not valid JSON") as error:
     checkpoints.load_run_config(str(workdir))
   assert "\n" not in str(error.value)
-  config = config_lib.base_config()
-  (workdir / "config.json").write_text(config.to_json())
-  with pytest.raises(ConfigError, match="holds no checkpoint|no vocab.model"):
-    eval_loop.Translator(checkpoints.load_run_config(str(workdir)), str(workdir))
 
 
 def _eval_py(*args, stdin=None):

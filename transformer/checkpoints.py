@@ -110,9 +110,10 @@ class Checkpointer:
           state=ocp.args.StandardRestore(abstract_state),
           data_iterator=ocp.args.JsonRestore()))
     except (ValueError, KeyError, TypeError, OSError) as e:
-      # A tree or shape that does not fit this config's model, or unreadable files.
-      raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be loaded into "
-                            f"this config's model: {_reason(e)}") from e
+      # A tree or shape that does not fit this config's model, or damaged files.
+      raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be loaded (a "
+                            f"model other than this config's, or damaged files): "
+                            f"{_reason(e)}") from e
     return restored["state"], restored["data_iterator"]
 
   def saved_config(self, step: int) -> dict:
