@@ -335,6 +335,9 @@ def test_mesh_that_does_not_match_the_devices_is_named():
      "error: config.model.num_heads: 3 does not split evenly over mesh.tensor=2"),
     (["--config.tokens_per_batch=8"], "error: config.tokens_per_batch: 8 is below max_len"),
     (["--config.mesh.data=2"], "error: config.mesh: in-slice sizes"),
+    (["--coordinator_address=localhost:1", "--num_processes=2", "--process_id=2"],
+     "error: cannot start jax.distributed (--coordinator_address=localhost:1, "
+     "--process_id=2, --num_processes=2): process_id and num_processes must be"),
 ])
 def test_train_py_rejects_bad_config_before_building_anything(
     small_corpus, tmp_path, overrides, expected):

@@ -1,11 +1,11 @@
 """Orbax checkpoints: the train state, the data iterator's position and the config.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}. Orbax writes each
-checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete, so
-a save torn by a crash is never listed, `latest_step()` is always a whole checkpoint, and
-the training run's next start deletes the leftover. A save that fails (a full disk) surfaces as a
-one-line `CheckpointError` at the next save or at the end; Orbax deletes old checkpoints
-only after a newer one is complete, so the earlier ones stay intact.
+checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete,
+so a save torn by a crash is never listed, `latest_step()` is always a whole checkpoint,
+and the training run's next start deletes the leftover. A save that fails (a full disk)
+surfaces as a one-line `CheckpointError` at the next save or at the end; Orbax deletes
+old checkpoints only after a newer one is complete, so the earlier ones stay intact.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     try:
       saved = json.load(f)
     except ValueError as e:
-      raise ConfigError(f"{path} is not valid JSON ({e}); the checkpoints hold a copy of "
-                        "the config") from None
+      raise ConfigError(f"{path} is not valid JSON ({e}); rerunning train.py on the "
+                        "workdir writes it again") from None
   config = config_lib.base_config()
   config.update(saved)
   return config

@@ -46,6 +46,7 @@ def initialize_from_flags() -> None:
   # the coordination service then terminates every other process ("Terminating process
   # because the JAX distributed service detected fatal errors ... stopped sending
   # heartbeats"): a job with a dead host ends instead of waiting in a collective forever.
+  # A coordinator that cannot be reached ends the same way after initialization_timeout.
   try:
     jax.distributed.initialize(
         coordinator_address=FLAGS.coordinator_address,
@@ -53,11 +54,10 @@ def initialize_from_flags() -> None:
         process_id=FLAGS.process_id,
         initialization_timeout=FLAGS.distributed_init_timeout_s,
         heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_s)
-  except (RuntimeError, ValueError, TypeError) as e:  # JaxRuntimeError is a RuntimeError
+  except (RuntimeError, ValueError, TypeError) as e:  # bad ids, no coordinator address
     exit_with_error(
-        f"could not join the job through {FLAGS.coordinator_address or 'the detected coordinator'} "
-        f"within --distributed_init_timeout_s={FLAGS.distributed_init_timeout_s} "
-        f"(--process_id={FLAGS.process_id}, --num_processes={FLAGS.num_processes}): "
+        f"cannot start jax.distributed (--coordinator_address={FLAGS.coordinator_address}, "
+        f"--process_id={FLAGS.process_id}, --num_processes={FLAGS.num_processes}): "
         f"{_first_line(e)}", force=True)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
