@@ -10,9 +10,9 @@ As a launcher it runs an entry point with the fault armed:
   (if set) as it begins, for a test to wait on.
 - FAULT_FULL_DISK_STEP=N: writing checkpoint N fails with OSError(ENOSPC), as on a full disk.
 
-In-process tests call `arm(slow_save_step=..., full_disk_step=...)` instead. The hook
-sits in Orbax's JSON item writer, which every checkpoint here runs in its background
-commit (the `data_iterator` and `config` items), before the final rename.
+In-process tests can call `arm(...)` / `disarm()` instead. The hook sits in Orbax's JSON
+item writer, which every checkpoint here runs in its background commit (the
+`data_iterator` and `config` items), before the final rename.
 """
 
 import errno

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import fault_injection
 from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
 from transformer import checkpoints, sharding, train_loop
 from transformer import config as config_lib
@@ -165,23 +164,27 @@ def test_failed_save_is_reported_and_earlier_checkpoints_survive(small_corpus, t
   workdir = str(tmp_path / "full")
   # keep_checkpoints=1: Orbax plans to delete step 2 when step 4 is saved; it must not,
   # since step 4 never completes.
-  config = make_config(small_corpus, num_train_steps=8, keep_checkpoints=1)
-  fault_injection.arm(full_disk_step=4)
-  try:
-    with pytest.raises(checkpoints.CheckpointError) as error:
-      train_loop.train_and_evaluate(config, workdir)
-  finally:
-    fault_injection.disarm()
-  message = str(error.value)
-  assert "\n" not in message
-  assert message.startswith("the checkpoint at step 4 could not be written")
-  assert "No space left on device" in message and message.endswith(": [2]")
+  overrides = dict(num_train_steps=8, checkpoint_every_steps=2, keep_checkpoints=1)
+  result = subprocess.run(
+      _train_command(workdir, small_corpus, launcher=True, **overrides), cwd=REPO,
+      env=_env(FAULT_FULL_DISK_STEP="4"), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  line = _last_line(result.stderr)
+  # Noticed when the next save (step 6) waits for it; the run stops there.
+  assert line.startswith("error: the checkpoint at step 4 could not be written (OSError: "
+                         "[Errno 28] No space left on device"), result.stderr[-3000:]
+  assert line.endswith(f"complete checkpoints in {checkpoints.checkpoint_dir(workdir)}: [2]")
+  assert max(r["step"] for r in read_metrics(workdir)) == 6
   assert _steps_on_disk(workdir) == [2]
+  config = make_config(small_corpus)
   params = _params(workdir, config, 2)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
-  # With space again, the same run resumes from step 2 and finishes.
-  assert train_loop.train_and_evaluate(config, workdir)["step"] == 8
+  # With space again, the same command resumes from step 2 and finishes.
+  rerun = subprocess.run(_train_command(workdir, small_corpus, **overrides), cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert "resumed from step 2" in rerun.stderr
   assert _steps_on_disk(workdir) == [8] and _tmp_dirs(workdir) == []
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from typing import Any, Optional
 
 import jax
@@ -34,6 +36,17 @@ def _reason(e: BaseException) -> str:
   """The first line of an error, with its type when the text alone is unclear."""
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _join_orbax_threads(timeout_s: float = 60.0) -> None:
+  """Waits for Orbax's background threads of a failed save. When one item of a save
+  fails, the others' commit threads keep running; left alone they would outlive the
+  process's error and print their own tracebacks at exit, after the one-line message."""
+  deadline = time.time() + timeout_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and type(thread).__module__.startswith(
+        "orbax."):
+      thread.join(max(0.0, deadline - time.time()))
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -72,6 +85,7 @@ class Checkpointer:
     return sorted(int(name) for name in os.listdir(self.directory) if name.isdigit())
 
   def _failed(self, e: Exception) -> CheckpointError:
+    _join_orbax_threads()
     step = f" at step {self._writing}" if self._writing is not None else ""
     self._writing = None
     self._reported = CheckpointError(
