@@ -66,8 +66,8 @@ def main(argv):
     if _TRANSLATE.value is not None or _INPUT_FILE.value is not None:
       if _TRANSLATE.value is not None:
         lines = [_TRANSLATE.value]
-      elif _INPUT_FILE.value == "-":
-        lines = sys.stdin.read().splitlines()
+      elif _INPUT_FILE.value == "-":  # bytes that are not UTF-8 become U+FFFD, as below
+        lines = sys.stdin.buffer.read().decode("utf-8", errors="replace").splitlines()
       else:
         with open(_INPUT_FILE.value, encoding="utf-8", errors="replace") as f:
           lines = f.read().splitlines()

@@ -7,7 +7,6 @@ memory. For several hosts see README ("Multi-host").
 """
 
 import json
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -43,9 +42,7 @@ def main(argv):
     from transformer import train_loop
     result = train_loop.train_and_evaluate(config, _WORKDIR.value)
   except (config_lib.ConfigError, RuntimeError) as e:
-    logging.error("%s", e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    distributed.exit_with_error(e)
   logging.info("finished: %s", result)
 
 

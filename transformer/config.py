@@ -239,7 +239,39 @@ def validate(config: ml_collections.ConfigDict) -> None:
       _check(flat[key] == -1 or flat[key] >= 1, key, f"must be -1 or positive, got {flat[key]}")
   _check(sum(flat[f"mesh.{a}"] == -1 for a in MESH_AXES) <= 1, "mesh",
          "at most one axis may be -1 (fill with the remaining devices)")
-  _check(m.num_heads % max(config.mesh.tensor, 1) == 0, "model.num_heads",
-         f"{m.num_heads} heads cannot be split over mesh.tensor={config.mesh.tensor}")
   for rule in config.logical_axis_rules:
     _check(len(rule) == 2, "logical_axis_rules", f"each rule is (logical, mesh axes): {rule!r}")
+  # Axis sizes known without the device count; create_mesh checks again once -1 is resolved.
+  check_fits_mesh(config, {a: flat[f"mesh.{a}"] * flat[f"mesh.dcn_{a}"]
+                           if -1 not in (flat[f"mesh.{a}"], flat[f"mesh.dcn_{a}"]) else -1
+                           for a in MESH_AXES})
+
+
+# Sizes of parameter dimensions and the logical axis each is named by in the model.
+_SHARDED_SIZES = (("model.num_heads", "heads"), ("model.d_model", "embed"),
+                  ("model.d_ff", "mlp"), ("vocab_size", "vocab"), ("model.d_k", "kv"),
+                  ("model.d_v", "kv"))
+
+
+def check_fits_mesh(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
+  """ConfigError naming the model size that does not split evenly over its mesh axes.
+
+  `mesh_sizes`: devices per mesh axis (-1 = not known yet, skipped). JAX would otherwise
+  stop much later, while placing parameters, with an IndivisibleError.
+  """
+  rules = {}
+  for logical, physical in config.logical_axis_rules:
+    rules.setdefault(logical, physical)  # flax uses the first rule for a logical axis
+  flat = _flatten(config)
+  for key, logical in _SHARDED_SIZES:
+    physical = rules.get(logical) or ()
+    axes = (physical,) if isinstance(physical, str) else tuple(physical)
+    sizes = [mesh_sizes.get(a, 1) for a in axes]
+    if -1 in sizes:
+      continue
+    devices = 1
+    for size in sizes:
+      devices *= size
+    where = " x ".join(f"mesh.{a}={n}" for a, n in zip(axes, sizes))
+    _check(flat[key] % devices == 0, key,
+           f"{flat[key]} does not split evenly over {where} (logical axis '{logical}')")

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from transformer.config import MESH_AXES, ConfigError
+from transformer.config import MESH_AXES, ConfigError, check_fits_mesh
 
 
 def _resolve(sizes: Sequence[int], total: int, what: str) -> list[int]:
@@ -42,6 +42,7 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int,
   m = config.mesh
   dcn = _resolve([m.dcn_data, m.dcn_fsdp, m.dcn_tensor], num_slices, "across-slice")
   ici = _resolve([m.data, m.fsdp, m.tensor], num_devices // num_slices, "in-slice")
+  check_fits_mesh(config, {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)})
   return ici, dcn
 
 

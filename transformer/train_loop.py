@@ -113,9 +113,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   rules = sharding.axis_rules(config)
   logging.info("mesh %s over %d devices, %d processes", dict(mesh.shape),
                jax.device_count(), jax.process_count())
-  if is_chief:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+  if is_chief:  # written whole and renamed, so a kill never leaves half a config.json
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
       f.write(config.to_json_best_effort(indent=2))
+    os.replace(path + ".tmp", path)
 
   # --- Data.
   tokenizer = data.get_tokenizer(config, workdir)
@@ -130,7 +132,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   abstract_state, state_shardings = trainer.state_shardings(model, optimizer, config, mesh)
 
   # --- Restore, or start fresh.
-  checkpointer = checkpoints.Checkpointer(workdir, config.keep_checkpoints)
+  checkpointer = checkpoints.Checkpointer(workdir, config.keep_checkpoints, clean_torn=True)
   latest = checkpointer.latest_step()
   if latest is not None:
     checkpoints.check_compatible(checkpointer.saved_config(latest), config)

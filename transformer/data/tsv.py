@@ -2,7 +2,9 @@
 
 A TSV line is `source<TAB>target[<TAB>anything]`. Bad lines are skipped and counted, never
 repaired: a line with no tab, an empty side or bytes that are not UTF-8 would otherwise
-shift columns or smuggle mojibake into the vocabulary.
+shift columns or smuggle mojibake into the vocabulary, and a line over MAX_LINE_BYTES
+is no sentence pair (a missing newline, a binary file) and would only be tokenized to be
+dropped. A file that cannot be read, or has no usable line, is a one-line ConfigError.
 
 Splitting hashes the SOURCE sentence (for the bundled corpus: the English one), so every
 translation of one sentence lands in one split and no test sentence is seen in training.
@@ -24,6 +26,7 @@ from transformer.config import ConfigError
 SPLITS = ("train", "validation", "test")
 HELDOUT_PAIRS = 2000  # about this many pairs each in validation and test
 MAX_HELDOUT_FRACTION = 0.05  # small corpora keep at least 90% for training
+MAX_LINE_BYTES = 1 << 20  # longer lines are skipped and counted
 
 
 @dataclasses.dataclass
@@ -39,16 +42,25 @@ def read_tsv(path: str) -> TsvContents:
   """Reads `path` (plain or .gz). Raises ConfigError (one line) if nothing is usable."""
   if not tf.io.gfile.exists(path):
     raise ConfigError(f"TSV file not found: {path}")
-  with tf.io.gfile.GFile(path, "rb") as f:
-    data = f.read()
-  if path.endswith(".gz"):
-    data = gzip.GzipFile(fileobj=io.BytesIO(data)).read()
+  try:
+    with tf.io.gfile.GFile(path, "rb") as f:
+      data = f.read()
+    if path.endswith(".gz"):
+      data = gzip.GzipFile(fileobj=io.BytesIO(data)).read()
+  except (tf.errors.OpError, OSError, EOFError) as e:  # a directory, no permission, bad gzip
+    reason = e.message if isinstance(e, tf.errors.OpError) else str(e)
+    raise ConfigError(f"TSV file cannot be read: {path}: {reason}") from None
+  if not data.strip():
+    raise ConfigError(f"TSV file is empty: {path}")
 
   contents = TsvContents([], [], [], collections.Counter())
   for line_number, raw in enumerate(data.split(b"\n"), start=1):
     raw = raw.rstrip(b"\r")
     if not raw.strip():
       continue  # blank lines (e.g. the final newline) are not data
+    if len(raw) > MAX_LINE_BYTES:
+      contents.skipped[f"over {MAX_LINE_BYTES} bytes"] += 1
+      continue
     try:
       line = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -70,7 +82,9 @@ def read_tsv(path: str) -> TsvContents:
     logging.warning("%s: skipped %d lines (%s)", path, sum(contents.skipped.values()),
                     ", ".join(f"{n} {why}" for why, n in sorted(contents.skipped.items())))
   if not contents.pairs:
-    raise ConfigError(f"TSV file has no usable source<TAB>target line: {path}")
+    why = ", ".join(f"{n} {why}" for why, n in sorted(contents.skipped.items()))
+    raise ConfigError(f"TSV file has no usable source<TAB>target line: {path} "
+                      f"(skipped: {why})")
   logging.info("%s: %d usable pairs", path, len(contents.pairs))
   return contents
 

@@ -1,0 +1,66 @@
+"""Faults that a test cannot cause from outside a process, injected into Orbax's save.
+
+As a launcher it runs an entry point with the fault armed:
+
+  FAULT_SLOW_SAVE_STEP=8 python tests/fault_injection.py train.py --config ...
+
+- FAULT_SLOW_SAVE_STEP=N: the background write of checkpoint N stalls (FAULT_SLOW_SAVE_S
+  seconds, default 600) after Orbax created `N.orbax-checkpoint-tmp`, so a `kill -9` lands
+  in the middle of an asynchronous save. The stall creates the file FAULT_SLOW_SAVE_MARKER
+  (if set) as it begins, for a test to wait on.
+- FAULT_FULL_DISK_STEP=N: writing checkpoint N fails with OSError(ENOSPC), as on a full disk.
+
+In-process tests can call `arm(...)` / `disarm()` instead. The hook sits in Orbax's JSON
+item writer, which every checkpoint here runs in its background commit (the
+`data_iterator` and `config` items), before the final rename.
+"""
+
+import errno
+import os
+import runpy
+import sys
+import time
+
+from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+_ORIGINAL_SAVE = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+
+
+def _step_of(directory) -> int | None:
+  """The step of a checkpoint item directory: <step>.orbax-checkpoint-tmp/<item>[-tmp]."""
+  head = directory.parent.name.split(".")[0]
+  return int(head) if head.isdigit() else None
+
+
+def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
+        full_disk_step: int | None = None, slow_save_marker: str = "") -> None:
+  async def save_fn(self, item, directory):
+    step = _step_of(directory)
+    if step is not None and step == slow_save_step:
+      if slow_save_marker:
+        open(slow_save_marker, "w").close()
+      time.sleep(slow_save_s)
+    if step is not None and step == full_disk_step:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    return await _ORIGINAL_SAVE(self, item, directory)
+  json_checkpoint_handler.JsonCheckpointHandler._save_fn = save_fn
+
+
+def disarm() -> None:
+  json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value else None
+
+
+if __name__ == "__main__":
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, repo)
+  arm(slow_save_step=_env_int("FAULT_SLOW_SAVE_STEP"),
+      slow_save_s=float(os.environ.get("FAULT_SLOW_SAVE_S", "600")),
+      full_disk_step=_env_int("FAULT_FULL_DISK_STEP"),
+      slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""))
+  script, sys.argv = sys.argv[1], sys.argv[1:]
+  runpy.run_path(script, run_name="__main__")
