@@ -365,7 +365,8 @@ def main(argv) -> None:
         print(sweep_report.dry_run_table(sweep, summaries))
     elif FLAGS.launch:
       from transformer import sweep_launch
-      written = sweep_launch.write_scripts(FLAGS.launch, sweep, rows, configs, FLAGS.workdir)
+      written = sweep_launch.write_scripts(FLAGS.launch, sweep, rows, configs, FLAGS.workdir,
+                                           sweep_launch.options_from_flags())
       for path in written:
         print(path)
     elif FLAGS.collect:

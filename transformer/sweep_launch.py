@@ -9,6 +9,7 @@ requeued job loses at most one checkpoint interval.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 
@@ -35,6 +36,23 @@ def define_flags() -> None:
   flags.DEFINE_string("tpu_zone", "ZONE", "--launch tpu: its zone.")
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+  script_dir: str = ""  # "" = WORKDIR/launch
+  repo_dir: str = "$HOME/transformer"
+  python: str = "python"
+  slurm_nodes: int = 1
+  slurm_gpus_per_node: int = 8
+  slurm_time: str = "24:00:00"
+  slurm_extra: str = ""
+  tpu_name: str = "TPU_NAME"
+  tpu_zone: str = "ZONE"
+
+
+def options_from_flags() -> LaunchOptions:
+  return LaunchOptions(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(LaunchOptions)})
+
+
 def _command(python: str, script: str, args: list[str]) -> str:
   return " ".join([python, script] + [shlex.quote(a) for a in args])
 
@@ -50,19 +68,20 @@ def row_commands(sweep: sweep_lib.Sweep, row: sweep_lib.Row, config, workdir: st
   return train, evaluate
 
 
-def _slurm_script(sweep, row, train: str, evaluate: str, script_dir: str) -> str:
-  extra = f"#SBATCH {FLAGS.slurm_extra}\n" if FLAGS.slurm_extra else ""
+def _slurm_script(sweep, row, train: str, evaluate: str, script_dir: str,
+                  options: LaunchOptions) -> str:
+  extra = f"#SBATCH {options.slurm_extra}\n" if options.slurm_extra else ""
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name}. Submit with: sbatch {script_dir}/{row.name}.sbatch
 #SBATCH --job-name={sweep.name}-{row.name}
-#SBATCH --nodes={FLAGS.slurm_nodes} --ntasks-per-node=1 --gpus-per-node={FLAGS.slurm_gpus_per_node}
-#SBATCH --time={FLAGS.slurm_time}
+#SBATCH --nodes={options.slurm_nodes} --ntasks-per-node=1 --gpus-per-node={options.slurm_gpus_per_node}
+#SBATCH --time={options.slurm_time}
 #SBATCH --output={script_dir}/{row.name}-%j.out
 # SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0.
 # Requeued or resubmitted, the same script resumes from it.
 #SBATCH --signal=TERM@120 --requeue
 {extra}set -euo pipefail
-cd {FLAGS.repo_dir}
+cd {options.repo_dir}
 # One process per node; jax.distributed reads the SLURM environment.
 srun {train}
 # Beam search is one process's job: the final checkpoint on the whole validation split.
@@ -70,22 +89,22 @@ srun --nodes=1 --ntasks=1 {evaluate}
 """
 
 
-def _tpu_script(sweep, row, train: str, evaluate: str) -> str:
-  ssh = (f"gcloud compute tpus tpu-vm ssh {FLAGS.tpu_name} --zone {FLAGS.tpu_zone} "
+def _tpu_script(sweep, row, train: str, evaluate: str, options: LaunchOptions) -> str:
+  ssh = (f"gcloud compute tpus tpu-vm ssh {options.tpu_name} --zone {options.tpu_zone} "
          "--worker=all --command=")
   # Every worker runs the same command; the TPU runtime connects them.
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name}; rerunning it resumes from the newest checkpoint.
 set -euo pipefail
-{ssh}{shlex.quote(f"cd {FLAGS.repo_dir} && {train}")}
-{ssh}{shlex.quote(f"cd {FLAGS.repo_dir} && {evaluate}")}
+{ssh}{shlex.quote(f"cd {options.repo_dir} && {train}")}
+{ssh}{shlex.quote(f"cd {options.repo_dir} && {evaluate}")}
 """
 
 
 def write_scripts(kind: str, sweep: sweep_lib.Sweep, rows: list, configs: dict,
-                  workdir: str) -> list[str]:
+                  workdir: str, options: LaunchOptions) -> list[str]:
   """Writes <row>.sbatch (slurm) or <row>.sh (tpu) per row, plus one script for all."""
-  script_dir = FLAGS.script_dir
+  script_dir = options.script_dir
   if not script_dir:
     if "://" in workdir:
       raise sweep_lib.SweepError(f"--script_dir is required with --workdir {workdir}")
@@ -93,13 +112,13 @@ def write_scripts(kind: str, sweep: sweep_lib.Sweep, rows: list, configs: dict,
   os.makedirs(script_dir, exist_ok=True)
   written = []
   for row in rows:
-    train, evaluate = row_commands(sweep, row, configs[row.name], workdir, FLAGS.python)
+    train, evaluate = row_commands(sweep, row, configs[row.name], workdir, options.python)
     if kind == "slurm":
       path = os.path.join(script_dir, f"{row.name}.sbatch")
-      text = _slurm_script(sweep, row, train, evaluate, script_dir)
+      text = _slurm_script(sweep, row, train, evaluate, script_dir, options)
     else:
       path = os.path.join(script_dir, f"{row.name}.sh")
-      text = _tpu_script(sweep, row, train, evaluate)
+      text = _tpu_script(sweep, row, train, evaluate, options)
     with open(path, "w") as f:
       f.write(text)
     os.chmod(path, 0o755)
