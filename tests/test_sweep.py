@@ -199,9 +199,10 @@ def test_collect_writes_table_csv_and_plot(tmp_path):
   assert [os.path.basename(p) for p in written] == ["table3.md", "table3.csv", "table3.png"]
 
   markdown = open(written[0]).read()
-  assert "| row | changed values | params (M) | ppl | BLEU | paper ppl | paper BLEU |" in markdown
-  assert "| A1 | h=1 d_k=512 d_v=512 | 63.0 | 5.50 | 24.00 | 5.29 | 24.9 |  |" in markdown
-  assert "| C1 | N=2 | 33.6 | 6.25 |  | 6.11 | 23.7 | 36 |" in markdown
+  assert ("| row | changed values | params (M) | ppl | BLEU | tok BLEU | paper ppl | paper BLEU "
+          "| paper params (M) |") in markdown
+  assert "| A1 | h=1 d_k=512 d_v=512 | 63.0 | 5.50 | 24.00 | 24.50 | 5.29 | 24.9 |  |" in markdown
+  assert "| C1 | N=2 | 33.6 | 6.25 |  |  | 6.11 | 23.7 | 36 |" in markdown
   assert "Not finished yet (blank): E." in markdown
   with open(written[1]) as f:
     table = list(csv.DictReader(f))

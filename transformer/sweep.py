@@ -1,6 +1,6 @@
 """Ablation sweeps: named rows of config overrides, run one after another or on a cluster.
 
-  python -m transformer.sweep --sweep configs/sweeps/table3.py --workdir W --dry_run [--json]
+  python -m transformer.sweep --sweep configs/sweeps/table3.py --dry_run [--json]
       Each row's parameters and training FLOPs per target token; trains nothing.
   python -m transformer.sweep --sweep configs/sweeps/table3_small.py --workdir W [--only A1,C3]
       Trains the rows here, one after another, each in W/<row>, then beam-searches its
@@ -287,6 +287,9 @@ def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
     if final_eval:
       phases.append(("eval", [python, os.path.join(REPO, "eval.py")] +
                      eval_args(row_dir, steps)))
+    if not phases:
+      print(f"[{row.name}] trained, but there is no final validation to record: it needs "
+            "config.eval_every_steps > 0 or --final_eval", flush=True)
     for phase, command in phases:
       started = time.time()
       returncode = _run_child(command)
@@ -385,7 +388,10 @@ def main(argv) -> None:
 if __name__ == "__main__":
   # Run the imported module, not __main__: sweep files import `Row` from transformer.sweep,
   # and isinstance checks need that one class.
-  from transformer import cli
+  from absl import flags as absl_flags
+  from transformer import cli, sweep_launch
   from transformer import sweep as sweep_module
   sweep_module.define_flags()
+  for module in (sweep_module, sweep_launch):  # so that --help lists them
+    absl_flags.adopt_module_key_flags(module)
   cli.run(sweep_module.main)

@@ -25,8 +25,9 @@ def define_flags() -> None:
                       "Where --launch writes its scripts (default: WORKDIR/launch; required "
                       "when WORKDIR is a gs:// path).")
   flags.DEFINE_string("repo_dir", "$HOME/transformer",
-                      "This repository's path on the cluster hosts (the scripts cd there).")
-  flags.DEFINE_string("python", "python", "The Python command on the cluster hosts.")
+                      "--launch: this repository's path on the cluster hosts (the scripts "
+                      "cd there).")
+  flags.DEFINE_string("python", "python", "--launch: the Python command on the cluster hosts.")
   flags.DEFINE_integer("slurm_nodes", 1, "--launch slurm: nodes per row (one process each).")
   flags.DEFINE_integer("slurm_gpus_per_node", 8, "--launch slurm: GPUs per node.")
   flags.DEFINE_string("slurm_time", "24:00:00", "--launch slurm: time limit per job.")
@@ -71,10 +72,11 @@ def row_commands(sweep: sweep_lib.Sweep, row: sweep_lib.Row, config, workdir: st
 def _slurm_script(sweep, row, train: str, evaluate: str, script_dir: str,
                   options: LaunchOptions) -> str:
   extra = f"#SBATCH {options.slurm_extra}\n" if options.slurm_extra else ""
+  gpus = options.slurm_gpus_per_node
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name}. Submit with: sbatch {script_dir}/{row.name}.sbatch
 #SBATCH --job-name={sweep.name}-{row.name}
-#SBATCH --nodes={options.slurm_nodes} --ntasks-per-node=1 --gpus-per-node={options.slurm_gpus_per_node}
+#SBATCH --nodes={options.slurm_nodes} --ntasks-per-node=1 --gpus-per-node={gpus}
 #SBATCH --time={options.slurm_time}
 #SBATCH --output={script_dir}/{row.name}-%j.out
 # SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0.

@@ -21,8 +21,9 @@ _SHORT_NAMES = {
     "model.positional": "positional", "num_train_steps": "steps",
 }
 
-COLUMNS = ("row", "changed values", "params (M)", "ppl", "BLEU", "paper ppl", "paper BLEU",
-           "paper params (M)")
+# BLEU is sacreBLEU; tok BLEU the paper's protocol (Moses tokens, compounds split).
+COLUMNS = ("row", "changed values", "params (M)", "ppl", "BLEU", "tok BLEU", "paper ppl",
+           "paper BLEU", "paper params (M)")
 
 
 def changed_values(row: sweep_lib.Row) -> str:
@@ -82,6 +83,7 @@ def collect_rows(sweep: sweep_lib.Sweep, rows: list, configs: dict, workdir: str
         "params (M)": summary.count_params(config) / 1e6,
         "ppl": results.get("ppl"),
         "BLEU": results.get("bleu"),
+        "tok BLEU": results.get("bleu_tok"),
         "paper ppl": row.paper_ppl,
         "paper BLEU": row.paper_bleu,
         "paper params (M)": row.paper_params_m,
@@ -93,7 +95,8 @@ def markdown_table(collected: list[dict]) -> str:
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   for r in collected:
     cells = [r["row"], r["changed values"], _number(r["params (M)"], 1), _number(r["ppl"], 2),
-             _number(r["BLEU"], 2), _number(r["paper ppl"], 2), _number(r["paper BLEU"], 1),
+             _number(r["BLEU"], 2), _number(r["tok BLEU"], 2), _number(r["paper ppl"], 2),
+             _number(r["paper BLEU"], 1),
              "" if r["paper params (M)"] is None else f"{r['paper params (M)']:g}"]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
@@ -149,7 +152,9 @@ def collect(sweep: sweep_lib.Sweep, rows: list, configs: dict, workdir: str,
   note = f"\nNot finished yet (blank): {', '.join(missing)}.\n" if missing else ""
   with open(f"{stem}.md", "w", encoding="utf-8") as f:
     f.write(f"Sweep `{sweep.name}` on `{sweep.base_config}`: final validation perplexity "
-            "(unsmoothed, per subword) and sacreBLEU of the last checkpoint, no averaging.\n\n")
+            "(unsmoothed, per subword token) and BLEU of the last checkpoint, no averaging. "
+            "BLEU is sacreBLEU; tok BLEU is the paper's protocol (tokenized, compounds "
+            "split).\n\n")
     f.write(markdown_table(collected) + note)
   with open(f"{stem}.csv", "w", newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=COLUMNS)
