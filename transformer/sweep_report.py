@@ -110,7 +110,8 @@ def _relative_to_base(values: list, base) -> list:
 
 
 def plot(collected: list[dict], title: str, path: str) -> None:
-  """Two panels, perplexity and BLEU, each row's change from its sweep's base row (%).
+  """Two panels, perplexity and BLEU, each row's change from its sweep's base row (%),
+  each bar labelled with its absolute value.
 
   Ours and the paper's are compared as changes from their own base row, because a
   scaled-down sweep's absolute numbers are on another scale from the paper's.
@@ -130,9 +131,13 @@ def plot(collected: list[dict], title: str, path: str) -> None:
                                     (0.2, paper_key, "paper", "tab:gray")):
       change = _relative_to_base([r[key] for r in collected], base[key])
       heights = [np.nan if c is None else c for c in change]
-      ax.bar(x + offset, heights, width=0.4, label=who, color=color)
+      bars = ax.bar(x + offset, heights, width=0.4, label=who, color=color)
+      # The absolute value on each bar: the scale of the change is in the axis.
+      ax.bar_label(bars, labels=["" if r[key] is None else f"{r[key]:.3g}" for r in collected],
+                   fontsize=7, padding=2)
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_ylabel(f"{label}: % change\nfrom row {base['row']}")
+    ax.margins(y=0.15)  # room for the labels
     ax.grid(axis="y", alpha=0.3)
   axes[0].set_title(title + "\n(perplexity: lower is better; BLEU: higher is better)")
   axes[0].legend(loc="best")
