@@ -182,7 +182,7 @@ def _fake_finished_row(workdir, name, steps, ppl, bleu, from_eval_py=True):
   else:
     with open(os.path.join(row_dir, "metrics.jsonl"), "w") as f:
       f.write(json.dumps({"step": steps, "kind": "validation", "ppl": ppl + 1}) + "\n")
-      f.write(json.dumps({"step": steps, "kind": "validation", "ppl": ppl}) + "\n")
+      f.write(json.dumps({"step": steps, "kind": "validation", "ppl": ppl, "bleu": bleu}) + "\n")
 
 
 def test_collect_writes_table_csv_and_plot(tmp_path):
@@ -192,7 +192,7 @@ def test_collect_writes_table_csv_and_plot(tmp_path):
   workdir = str(tmp_path / "runs")
   _fake_finished_row(workdir, "base", 100_000, ppl=5.0, bleu=25.0)
   _fake_finished_row(workdir, "A1", 100_000, ppl=5.5, bleu=24.0)
-  _fake_finished_row(workdir, "C1", 100_000, ppl=6.25, bleu=0.0, from_eval_py=False)
+  _fake_finished_row(workdir, "C1", 100_000, ppl=6.25, bleu=20.0, from_eval_py=False)
   # E never ran: its cells stay blank rather than failing the collection.
   out = str(tmp_path / "out")
   written = sweep_report.collect(sweep, rows, configs, workdir, out)
@@ -202,13 +202,16 @@ def test_collect_writes_table_csv_and_plot(tmp_path):
   assert ("| row | changed values | params (M) | ppl | BLEU | tok BLEU | paper ppl | paper BLEU "
           "| paper params (M) |") in markdown
   assert "| A1 | h=1 d_k=512 d_v=512 | 63.0 | 5.50 | 24.00 | 24.50 | 5.29 | 24.9 |  |" in markdown
-  assert "| C1 | N=2 | 33.6 | 6.25 |  |  | 6.11 | 23.7 | 36 |" in markdown
+  assert "| C1 | N=2 | 33.6 | 6.25 | 20.00 |  | 6.11 | 23.7 | 36 |" in markdown
   assert "Not finished yet (blank): E." in markdown
+  assert ("BLEU of base, A1 is computed on the whole validation split (3000 sentences, "
+          "eval.py). BLEU of C1 is computed on the first 500 validation sentences (the "
+          "training run's last evaluation).") in markdown
   with open(written[1]) as f:
     table = list(csv.DictReader(f))
   assert [r["row"] for r in table] == ["base", "A1", "C1", "E"]
   assert float(table[0]["ppl"]) == 5.0 and float(table[0]["paper params (M)"]) == 65
-  assert table[3]["ppl"] == "" and table[2]["BLEU"] == ""
+  assert table[3]["ppl"] == "" and table[2]["tok BLEU"] == "" and float(table[2]["BLEU"]) == 20
   with open(written[2], "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert os.path.getsize(written[2]) > 10_000

@@ -69,14 +69,27 @@ def _number(value, digits: int) -> str:
   return "" if value is None else f"{value:.{digits}f}"
 
 
-def collect_rows(sweep: sweep_lib.Sweep, rows: list, configs: dict, workdir: str) -> list[dict]:
-  """One dict per row (COLUMNS as keys, numbers as numbers; None where missing)."""
+def collect_rows(sweep: sweep_lib.Sweep, rows: list, configs: dict, workdir: str,
+                 bleu_sources: dict | None = None) -> list[dict]:
+  """One dict per row (COLUMNS as keys, numbers as numbers; None where missing).
+
+  bleu_sources, if given, is filled with {which sentences BLEU was computed on: rows}.
+  """
   from transformer import summary
+  bleu_sources = {} if bleu_sources is None else bleu_sources
   collected = []
   for row in rows:
     config = configs[row.name]
     results = sweep_lib.final_results(f"{workdir.rstrip('/')}/{row.name}",
                                       config.num_train_steps) or {}
+    if results.get("bleu") is None:
+      bleu_on = None
+    elif results["source"] == "eval.py":
+      bleu_on = f"the whole validation split ({results['bleu_sentences']} sentences, eval.py)"
+    else:
+      bleu_on = (f"the first {config.eval_bleu_sentences} validation sentences (the training "
+                 "run's last evaluation)")
+    bleu_sources.setdefault(bleu_on, []).append(row.name)
     collected.append({
         "row": row.name,
         "changed values": changed_values(row),
@@ -150,16 +163,23 @@ def plot(collected: list[dict], title: str, path: str) -> None:
 def collect(sweep: sweep_lib.Sweep, rows: list, configs: dict, workdir: str,
             output_dir: str) -> list[str]:
   """Writes <sweep>.md, .csv and .png to output_dir; returns their paths (md first)."""
-  collected = collect_rows(sweep, rows, configs, workdir)
+  bleu_sources = {}
+  collected = collect_rows(sweep, rows, configs, workdir, bleu_sources)
   os.makedirs(output_dir, exist_ok=True)
   stem = os.path.join(output_dir, sweep.name)
   missing = [r["row"] for r in collected if r["ppl"] is None]
   note = f"\nNot finished yet (blank): {', '.join(missing)}.\n" if missing else ""
+  described = [(on, names) for on, names in bleu_sources.items() if on is not None]
+  if len(described) == 1:
+    bleu_on = f" BLEU is computed on {described[0][0]}."
+  else:
+    bleu_on = "".join(f" BLEU of {', '.join(names)} is computed on {on}."
+                      for on, names in described)
   with open(f"{stem}.md", "w", encoding="utf-8") as f:
     f.write(f"Sweep `{sweep.name}` on `{sweep.base_config}`: final validation perplexity "
             "(unsmoothed, per subword token) and BLEU of the last checkpoint, no averaging. "
             "BLEU is sacreBLEU; tok BLEU is the paper's protocol (tokenized, compounds "
-            "split).\n\n")
+            f"split).{bleu_on}\n\n")
     f.write(markdown_table(collected) + note)
   with open(f"{stem}.csv", "w", newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=COLUMNS)
