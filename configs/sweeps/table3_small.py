@@ -9,9 +9,10 @@ The default is half the paper's base in every dimension (3 layers, d_model 256, 
 1024, 4 heads of 64), so each row makes the same change relative to it: h * d_k stays
 d_model in (A), layer counts 2/4/8 of 6 become 1/2/4 of 3, and widths halve or double
 as in the paper. Unlike the default, base keeps the paper's P_drop = 0.1, so that rows
-D1 and D2 change something. 300 steps of about 1,000 target tokens (a few minutes per
-row on a 2-core CPU) keep a slice of the table within an hour; the numbers beside each
-row are the paper's, on WMT14 at full scale, for the direction of each change only.
+D1 and D2 change something. 300 steps of about 1,000 target tokens are about 4 minutes
+of training per row on an idle 2-core CPU (docs/reproduce.md has the measured times).
+The numbers beside each row are the paper's, on WMT14 at full scale: compare the
+direction and rough size of each change, not the values.
 """
 
 import os
