@@ -245,22 +245,31 @@ def _format_duration(seconds: float) -> str:
 
 
 def _run_child(command: list[str]) -> int:
-  """Runs one row's command in the repo root; SIGTERM is passed on so the row saves."""
+  """Runs one row's command in the repo root; SIGTERM is passed on so the row saves.
+
+  After a SIGTERM or Ctrl-C the sweep stops once the child has exited, rather than
+  starting the next row.
+  """
   print("+ " + " ".join(command), flush=True)
   child = subprocess.Popen(command, cwd=REPO)
+  terminated = []
 
   def forward(signum, frame):
+    terminated.append(signum)
     child.send_signal(signum)
 
   previous = signal.signal(signal.SIGTERM, forward)
   try:
     try:
-      return child.wait()
+      returncode = child.wait()
     except KeyboardInterrupt:  # Ctrl-C reached the child too: let it checkpoint
       child.wait()
       raise SweepError("interrupted; rerun the same command to resume") from None
   finally:
     signal.signal(signal.SIGTERM, previous)
+  if terminated:
+    raise SweepError("stopped by SIGTERM; rerun the same command to resume")
+  return returncode
 
 
 def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
