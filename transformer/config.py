@@ -69,9 +69,9 @@ def base_config() -> ml_collections.ConfigDict:
   """All keys with paper-faithful defaults; config files override from here."""
   c = ml_collections.ConfigDict()
   c.seed = 0
-  # PRNG behind dropout masks. threefry (jax's default) is counter-based and the same on
-  # every backend, but its bits cost as much as a small matmul per element on CPU;
-  # rbg / unsafe_rbg use XLA's RngBitGenerator, far cheaper (docs/performance.md).
+  # PRNG behind dropout masks: threefry2x32 (jax's default, the same bits on every
+  # backend) | philox4x32 | rbg | unsafe_rbg (XLA's RngBitGenerator, the usual choice on
+  # TPU). On a CPU they measured the same (docs/performance.md).
   c.dropout_rng_impl = "threefry2x32"
 
   # Data (transformer/data/).
