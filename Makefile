@@ -24,8 +24,10 @@ train: install
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 	$(PY) eval.py --workdir $(WORKDIR) --split test
 
+# Two workers, one test file each at a time: most tests wait on single-threaded work
+# (start-up, tracing, compiling, subprocesses), so two share the cores well.
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache
