@@ -11,7 +11,7 @@ import pytest
 
 from transformer import attention_maps
 from transformer.config import BOS_ID, EOS_ID
-from transformer.model import ModelConfig, Transformer
+from transformer.model import ModelConfig, Transformer, stack_layer_params
 
 LAYERS, HEADS = 2, 2
 
@@ -74,10 +74,7 @@ def test_weights_cover_the_sentence_and_its_translation(model_and_params):
 def test_scanned_model_gives_the_same_maps(model_and_params):
   model, params = model_and_params
   scanned = Transformer(dataclasses.replace(model.config, scan_layers=True))
-  stacked = jax.tree.map(lambda x: x, params)
-  for side in ("encoder", "decoder"):
-    layers = [stacked[side].pop(f"layer_{i}") for i in range(LAYERS)]
-    stacked[side]["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  stacked = stack_layer_params(params, LAYERS)
   source, target = [4, 5, 6, EOS_ID], [7, 8, EOS_ID]
   looped = attention_maps.attention_weights(model, params, source, target)
   from_scan = attention_maps.attention_weights(scanned, stacked, source, target)

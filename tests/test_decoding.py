@@ -12,7 +12,7 @@ import pytest
 
 from transformer import decoding
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
-from transformer.model import ModelConfig, Transformer
+from transformer.model import ModelConfig, Transformer, stack_layer_params
 
 VOCAB = 6  # PAD, EOS, BOS, UNK and two words: EOS, UNK, 4 and 5 can be generated
 GENERATED = (EOS_ID, 3, 4, 5)
@@ -220,10 +220,7 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
 def test_scanned_layers_decode_as_the_looped_model(model, params):
   """The cache gains a leading layer axis under scan; search must reorder it on axis 1."""
   scanned = Transformer(dataclasses.replace(model.config, scan_layers=True))
-  stacked = jax.tree.map(lambda x: x, params)
-  for side in ("encoder", "decoder"):
-    layers = [stacked[side].pop(f"layer_{i}") for i in range(model.config.num_layers)]
-    stacked[side]["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  stacked = stack_layer_params(params, model.config.num_layers)
   kwargs = dict(beam_size=3, alpha=0.6, max_decode_extra_len=EXTRA)
   looped_tokens, looped_scores = decoding.beam_search(model, params, SOURCE, **kwargs)
   scanned_tokens, scanned_scores = decoding.beam_search(scanned, stacked, SOURCE, **kwargs)

@@ -22,7 +22,8 @@ import pytest
 import numpy_reference
 from transformer.model import (DecoderLayer, Decoder, Embed, Encoder, FeedForward,
                                InputEmbedding, ModelConfig, MultiHeadAttention, Transformer,
-                               attention_mask, sinusoidal_encoding, tied_projection)
+                               attention_mask, sinusoidal_encoding, stack_layer_params,
+                               tied_projection)
 
 BATCH, SOURCE_LEN, TARGET_LEN = 2, 7, 6
 VOCAB, D_MODEL, NUM_HEADS, D_K, D_V, D_FF = 13, 8, 2, 4, 6, 12  # d_k != d_v on purpose
@@ -565,22 +566,12 @@ def test_dropout_acts_only_when_not_deterministic(dropout_rate, attention_dropou
 # Scanned layer stacks and rematerialization: the same function, other compiled forms.
 
 
-def stack_layers(params, num_layers: int):
-  """Per-layer params (layer_0 ... layer_{N-1}) -> the scanned tree ('layers', axis 0)."""
-  stacked = jax.tree.map(lambda x: x, params)  # a copy we can edit
-  for side in ("encoder", "decoder"):
-    if side in stacked:
-      layers = [stacked[side].pop(f"layer_{i}") for i in range(num_layers)]
-      stacked[side]["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return stacked
-
-
 @pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
 def test_scanned_layers_compute_the_same_function(decoder_only):
   looped = tiny_config(decoder_only=decoder_only, num_layers=3)
   scanned = tiny_config(decoder_only=decoder_only, num_layers=3, scan_layers=True)
   params = random_params(looped)
-  stacked = stack_layers(params, 3)
+  stacked = stack_layer_params(params, 3)
   scanned_variables = abstract_variables(scanned)
   assert (jax.tree.structure(nn.unbox(scanned_variables)["params"]) ==
           jax.tree.structure(stacked))
@@ -597,7 +588,7 @@ def test_scanned_layers_compute_the_same_function(decoder_only):
 
   np.testing.assert_allclose(run(scanned, stacked, source, decoder_input),
                              run(looped, params, source, decoder_input), rtol=1e-5, atol=1e-5)
-  looped_grads = stack_layers(jax.grad(functools.partial(loss, looped))(params), 3)
+  looped_grads = stack_layer_params(jax.grad(functools.partial(loss, looped))(params), 3)
   scanned_grads = jax.grad(functools.partial(loss, scanned))(stacked)
   chex.assert_trees_all_close(scanned_grads, looped_grads, rtol=1e-4, atol=1e-4)
 

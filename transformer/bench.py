@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import resource
 import statistics
-import sys
 import time
 from typing import Any
 

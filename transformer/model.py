@@ -573,6 +573,22 @@ class Transformer(nn.Module):
                        target_segment_ids, target_positions, deterministic)
 
 
+def stack_layer_params(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
+  """Unscanned parameters (layer_0 ... layer_{N-1}) -> the `scan_layers` tree.
+
+  Each stack's layers become one `layers` entry whose leaves gain a leading axis of N,
+  e.g. to continue an unscanned run's weights in a scanned model.
+  """
+  stacked = dict(params)
+  for stack in ("encoder", "decoder"):
+    if stack in stacked:
+      layers = dict(stacked[stack])
+      per_layer = [layers.pop(f"layer_{i}") for i in range(num_layers)]
+      layers["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+      stacked[stack] = layers
+  return stacked
+
+
 _MODEL_INPUT_KEYS = ("source", "decoder_input", "source_segment_ids", "source_positions",
                      "target_segment_ids", "target_positions")
 
