@@ -103,6 +103,6 @@ def test_every_key_is_read_by_the_package():
       if name.endswith(".py") and name != "config.py":
         with open(os.path.join(root, name)) as f:
           sources += f.read()
-  flat = config_lib._flatten(config_lib.base_config())
+  flat = config_lib.flatten(config_lib.base_config())
   unread = [k for k in flat if k.split(".")[-1] not in sources]
   assert not unread, f"config keys never read: {unread}"

@@ -144,11 +144,12 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def _flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
+def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
+  """{'model.d_model': 512, ...}: every leaf under its dotted key."""
   flat = {}
   for key, value in config.items():
     if isinstance(value, ml_collections.ConfigDict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
+      flat.update(flatten(value, f"{prefix}{key}."))
     else:
       flat[f"{prefix}{key}"] = value
   return flat
@@ -165,8 +166,8 @@ def _check_choice(flat: dict, key: str, choices) -> None:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first bad key; cheap, runs before any compile."""
-  reference = _flatten(base_config())
-  flat = _flatten(config)
+  reference = flatten(base_config())
+  flat = flatten(config)
   for key, value in flat.items():
     if key not in reference:
       close = difflib.get_close_matches(key, reference, n=1)
@@ -262,7 +263,7 @@ def check_fits_mesh(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int
   rules = {}
   for logical, physical in config.logical_axis_rules:
     rules.setdefault(logical, physical)  # flax uses the first rule for a logical axis
-  flat = _flatten(config)
+  flat = flatten(config)
   for key, logical in _SHARDED_SIZES:
     physical = rules.get(logical) or ()
     axes = (physical,) if isinstance(physical, str) else tuple(physical)

@@ -124,19 +124,9 @@ def resolve_config_path(spec: str) -> tuple[str, str | None]:
   raise SweepError(f"BASE_CONFIG {spec!r}: {path} is not a file")
 
 
-def _flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-  keys = []
-  for key, value in config.items():
-    if isinstance(value, ml_collections.ConfigDict):
-      keys += _flat_keys(value, f"{prefix}{key}.")
-    else:
-      keys.append(f"{prefix}{key}")
-  return keys
-
-
 def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, where: str) -> None:
   """Sets dotted keys in place; an unknown key or a wrong type is a one-line SweepError."""
-  known = _flat_keys(config)
+  known = list(config_lib.flatten(config))
   for key, value in overrides.items():
     if key not in known:
       close = difflib.get_close_matches(key, known, n=1)
