@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -134,6 +135,18 @@ def test_restored_state_gives_the_same_next_batches_across_epochs(setup):
   resumed = pipeline.make_train_iterator(config, tokenizer, source=source)
   resumed.set_state(state)
   _assert_same(expected, [next(resumed) for _ in range(3)])
+
+
+def test_close_stops_the_tf_data_iterator_and_the_stream_goes_on_from_its_state(setup):
+  config, source, tokenizer = setup
+  expected = _take(config, setup, 4)
+  iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
+  first = [next(iterator), next(iterator)]
+  tf_data_iterator = weakref.ref(iterator._batches.gi_frame.f_locals["chunks"])
+  iterator.close()
+  assert tf_data_iterator() is None  # deleted now, its threads with it: not at exit
+  iterator.close()  # a second close is harmless
+  _assert_same(expected, first + [next(iterator), next(iterator)])
 
 
 def test_decoder_only_batches(setup):

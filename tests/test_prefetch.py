@@ -25,6 +25,9 @@ class CountingIterator:
   def get_state(self):
     return {"next": self.next_value}
 
+  def close(self):
+    self.closed_from = threading.current_thread().name
+
 
 def test_items_arrive_in_order_transformed_and_state_follows_consumption():
   source = CountingIterator()
@@ -55,3 +58,12 @@ def test_close_stops_the_thread_even_with_a_full_queue():
   next(batches)
   batches.close()
   assert not any(t.name == "batch-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_close_closes_the_wrapped_iterator_after_the_thread_stops():
+  source = CountingIterator()
+  batches = prefetch.Prefetcher(source, lambda x: x)
+  next(batches)
+  batches.close()
+  # From this thread, once the producer has stopped: never while it is inside next().
+  assert source.closed_from == threading.current_thread().name

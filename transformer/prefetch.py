@@ -69,5 +69,9 @@ class Prefetcher:
     return self._state
 
   def close(self) -> None:
+    """Stops the thread, then closes the wrapped iterator if it has a `close`."""
     self._stop.set()
     self._thread.join(timeout=10)
+    close_iterator = getattr(self._iterator, "close", None)
+    if close_iterator is not None and not self._thread.is_alive():
+      close_iterator()

@@ -114,7 +114,18 @@ class TrainIterator:
 
   def set_state(self, state: dict) -> None:
     self._epoch, self._batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-    self._batches = None
+    self.close()
+
+  def close(self) -> None:
+    """Stops the epoch's tf.data iterator; the next batch starts a new one at the state.
+
+    Call it before the process exits: tf.data's threads keep tokenizing ahead (in Python,
+    through tf.numpy_function), and a thread that calls into an interpreter that is shutting
+    down aborts or hangs the process.
+    """
+    if self._batches is not None:
+      self._batches.close()  # drops the generator's tf.data iterator, which stops its threads
+      self._batches = None
 
   def __iter__(self):
     return self

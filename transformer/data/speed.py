@@ -37,13 +37,16 @@ def measure(config, num_batches: int, source=None) -> dict[str, float]:
   source = source or sources.make_source(config)
   tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
   iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
-  next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
-  pairs = tokens = 0
-  start = time.perf_counter()
-  for _ in range(num_batches):
-    batch_pairs, batch_tokens = count(next(iterator))
-    pairs, tokens = pairs + batch_pairs, tokens + batch_tokens
-  seconds = time.perf_counter() - start
+  try:
+    next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
+    pairs = tokens = 0
+    start = time.perf_counter()
+    for _ in range(num_batches):
+      batch_pairs, batch_tokens = count(next(iterator))
+      pairs, tokens = pairs + batch_pairs, tokens + batch_tokens
+    seconds = time.perf_counter() - start
+  finally:
+    iterator.close()
   return {"batches": num_batches, "seconds": seconds, "examples_per_sec": pairs / seconds,
           "tokens_per_sec": tokens / seconds}
 
