@@ -1,8 +1,8 @@
 """Training and evaluation input: text pairs -> token ids -> batches (batching.py format).
 
-tf.data reads, shuffles and tokenizes in chunks (one SentencePiece call per chunk, in
-C++ threads); bucketing and packing run in numpy. This split measured ~6x faster than
-per-example tf.data ops here (docs/data.md).
+tf.data reads and shuffles on its C++ threads and groups sentences in chunks; each chunk
+is tokenized in one SentencePiece call, then bucketing and packing run in numpy. This
+split measured ~6x faster than per-example tf.data ops here (docs/data.md).
 
 Training stream, identical on every host: epoch e is the training split shuffled by
 (seed, e), tokenized, filtered to max_len and batched. Every host builds the same
@@ -17,7 +17,6 @@ from typing import Iterator
 
 from absl import logging
 import numpy as np
-import tensorflow as tf
 
 from transformer.config import ConfigError, EOS_ID
 from transformer.data import batching
@@ -38,24 +37,20 @@ def _encode_chunk(tokenizer: Tokenizer):
 
 def tokenized_chunks(source, tokenizer: Tokenizer, split: str, *,
                      shuffle_seed: int | None = None, shuffle_buffer_size: int = 0):
-  """Numpy chunks (source_flat, source_lengths, target_flat, target_lengths), EOS included."""
+  """Numpy chunks (source_flat, source_lengths, target_flat, target_lengths), EOS included.
+
+  tf.data reads, shuffles and groups the text on its own C++ threads; each chunk is then
+  tokenized here, in the consuming thread (one SentencePiece call per side, which runs in
+  C++ without the GIL). Tokenizing inside tf.data (tf.numpy_function) was as fast, but
+  its threads call into Python: deleting such an iterator mid-stream could deadlock, and
+  one still running at exit aborted the process as the interpreter shut down.
+  """
   ds = source.text_dataset(split, shuffle_seed=shuffle_seed)
   if shuffle_seed is not None:
     ds = ds.shuffle(shuffle_buffer_size, seed=shuffle_seed, reshuffle_each_iteration=False)
   encode = _encode_chunk(tokenizer)
-
-  def tokenize(sources_N, targets_N):
-    outputs = []
-    for texts_N in (sources_N, targets_N):
-      flat, lengths = tf.numpy_function(encode, [texts_N], [tf.int32, tf.int32],
-                                        stateful=False)
-      outputs += [tf.reshape(flat, [-1]), tf.reshape(lengths, [-1])]
-    return tuple(outputs)
-
-  ds = ds.batch(TOKENIZE_CHUNK).map(tokenize, num_parallel_calls=tf.data.AUTOTUNE)
-  options = tf.data.Options()
-  options.deterministic = True  # same seed, same order, whatever the thread timing
-  return ds.with_options(options).prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
+  for sources_N, targets_N in ds.batch(TOKENIZE_CHUNK).prefetch(2).as_numpy_iterator():
+    yield (*encode(sources_N), *encode(targets_N))
 
 
 def _fit(ids: np.ndarray, max_len: int, clip: bool) -> np.ndarray | None:
@@ -117,12 +112,7 @@ class TrainIterator:
     self.close()
 
   def close(self) -> None:
-    """Stops the epoch's tf.data iterator; the next batch starts a new one at the state.
-
-    Call it before the process exits: tf.data's threads keep tokenizing ahead (in Python,
-    through tf.numpy_function), and a thread that calls into an interpreter that is shutting
-    down aborts or hangs the process.
-    """
+    """Stops the epoch's tf.data iterator now; the next batch starts a new one at the state."""
     if self._batches is not None:
       self._batches.close()  # drops the generator's tf.data iterator, which stops its threads
       self._batches = None
