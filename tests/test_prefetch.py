@@ -25,6 +25,8 @@ class CountingIterator:
   def get_state(self):
     return {"next": self.next_value}
 
+  closed_from = None
+
   def close(self):
     self.closed_from = threading.current_thread().name
 
@@ -67,3 +69,17 @@ def test_close_closes_the_wrapped_iterator_after_the_thread_stops():
   batches.close()
   # From this thread, once the producer has stopped: never while it is inside next().
   assert source.closed_from == threading.current_thread().name
+
+
+def test_close_can_leave_the_wrapped_iterator_open_as_an_error_does():
+  source = CountingIterator()
+  batches = prefetch.Prefetcher(source, lambda x: x)
+  next(batches)
+  batches.close(close_iterator=False)
+  assert source.closed_from is None
+  failing = CountingIterator(fail_at=1)
+  batches = prefetch.Prefetcher(failing, lambda x: x)
+  next(batches)
+  with pytest.raises(ValueError):
+    next(batches)
+  assert failing.closed_from is None

@@ -56,7 +56,7 @@ class Prefetcher:
   def __next__(self) -> Any:
     item, state, error = self._queue.get()
     if error is not None:
-      self.close()
+      self.close(close_iterator=False)
       raise error
     if item is _DONE:
       self.close()
@@ -68,10 +68,15 @@ class Prefetcher:
     """The wrapped iterator's state after the last item returned by `__next__`."""
     return self._state
 
-  def close(self) -> None:
-    """Stops the thread, then closes the wrapped iterator if it has a `close`."""
+  def close(self, close_iterator: bool = True) -> None:
+    """Stops the thread, then closes the wrapped iterator if it has a `close`.
+
+    close_iterator=False leaves the iterator as it is: on an error path, where the process
+    is about to exit, tearing down a tf.data iterator after a failed collective was seen
+    to block until JAX's coordination service aborted the process.
+    """
     self._stop.set()
     self._thread.join(timeout=10)
-    close_iterator = getattr(self._iterator, "close", None)
-    if close_iterator is not None and not self._thread.is_alive():
-      close_iterator()
+    iterator_close = getattr(self._iterator, "close", None)
+    if close_iterator and iterator_close is not None and not self._thread.is_alive():
+      iterator_close()

@@ -198,6 +198,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   batches = prefetch.Prefetcher(train_iter, lambda b: sharding.global_batch(b, mesh, rules),
                                 size=2)
   preemption = PreemptionSignal()
+  finished = False
   try:
     for step in range(start_step + 1, total_steps + 1):
       batch = next(batches)
@@ -235,8 +236,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         logging.info("checkpoint at step %d written after %s; exiting", step,
                      preemption.received or "preemption notice")
         break
+    finished = True
   finally:
-    batches.close()
+    batches.close(close_iterator=finished)  # on an error the process exits right after
     preemption.restore()
     checkpointer.close()
     writer.close()
