@@ -42,8 +42,8 @@ def tokenized_chunks(source, tokenizer: Tokenizer, split: str, *,
   tf.data reads, shuffles and groups the text on its own C++ threads; each chunk is then
   tokenized here, in the consuming thread (one SentencePiece call per side, which runs in
   C++ without the GIL). Tokenizing inside tf.data (tf.numpy_function) was as fast, but
-  its threads call into Python: deleting such an iterator mid-stream could deadlock, and
-  one still running at exit aborted the process as the interpreter shut down.
+  then tf.data's threads call into Python, and one still running at exit aborted the
+  process as the interpreter shut down.
   """
   ds = source.text_dataset(split, shuffle_seed=shuffle_seed)
   if shuffle_seed is not None:
