@@ -36,12 +36,17 @@ def make_config(corpus, **overrides):
   config.dataset = f"tsv:{path}"
   config.vocab_cache_dir = vocab_dir
   for key, value in {**OVERRIDES, **overrides}.items():
-    node, *rest = key.split(".")
-    if rest:
-      config[node][rest[0]] = value
-    else:
-      config[key] = value
+    set_key(config, key, value)
   return config
+
+
+def set_key(config, key: str, value) -> None:
+  """config[key] = value for a key such as 'max_len' or 'model.num_heads'."""
+  node, *rest = key.split(".")
+  if rest:
+    config[node][rest[0]] = value
+  else:
+    config[key] = value
 
 
 def flag_overrides(corpus, **overrides) -> list[str]:
