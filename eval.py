@@ -44,8 +44,9 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
 def main(argv):
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from transformer import checkpoints, eval_loop
   from transformer import config as config_lib
+  from transformer.evaluation import score, translate
+  from transformer.training import checkpoints
 
   workdir = _WORKDIR.value
   try:
@@ -60,7 +61,7 @@ def main(argv):
       config.beam_size = _BEAM_SIZE.value
     if _ALPHA.value is not None:
       config.length_penalty_alpha = _ALPHA.value
-    translator = eval_loop.Translator(config, workdir, step=_STEP.value,
+    translator = translate.Translator(config, workdir, step=_STEP.value,
                                       average_last=_AVERAGE_LAST.value)
 
     if _TRANSLATE.value is not None or _INPUT_FILE.value is not None:
@@ -76,7 +77,7 @@ def main(argv):
       return
 
     if _ATTENTION_MAPS.value is not None:
-      from transformer import attention_maps
+      from transformer.evaluation import attention_maps
       out_dir = _OUTPUT_DIR.value or os.path.join(workdir, "attention")
       files = attention_maps.plot_attention_maps(
           translator.model, translator.params, translator.tokenizer, _ATTENTION_MAPS.value,
@@ -84,7 +85,7 @@ def main(argv):
       print(f"wrote {len(files)} attention maps to {out_dir}")
       return
 
-    results = eval_loop.evaluate_split(translator, _SPLIT.value)
+    results = score.evaluate_split(translator, _SPLIT.value)
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
     sys.exit(f"error: {e}")
   logging.info("results: %s", results)

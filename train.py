@@ -11,9 +11,11 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from transformer import cli, distributed
+from transformer import cli
+from transformer.config import DEFAULT_CONFIG
+from transformer.training import distributed
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
                                           "Config file, optionally FILE:ARG.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the vocabulary go.")
@@ -29,18 +31,18 @@ def main(argv):
 
   # Imported after jax.distributed is up: nothing may touch devices before that.
   from transformer import config as config_lib
-  from transformer import summary
+  from transformer.training import describe
 
   config = _CONFIG.value
   try:
     config_lib.validate(config)
     if _DRY_RUN.value:
-      print(json.dumps(summary.describe(config)))
+      print(json.dumps(describe.describe(config)))
       return
     if not _WORKDIR.value:
       raise app.UsageError("--workdir is required (where checkpoints and logs go)")
-    from transformer import train_loop
-    result = train_loop.train_and_evaluate(config, _WORKDIR.value)
+    from transformer.training import loop
+    result = loop.train_and_evaluate(config, _WORKDIR.value)
   except (config_lib.ConfigError, RuntimeError) as e:
     distributed.exit_with_error(e)
   logging.info("finished: %s", result)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics, set_key
-from transformer import checkpoints, sharding, train_loop
+from transformer.training import checkpoints, loop, sharding, state
 from transformer import config as config_lib
 from transformer.config import ConfigError
 from transformer.data import sources, tsv
@@ -87,7 +87,7 @@ def _last_line(text):
 
 
 def _params(workdir, config, step):
-  params, used = checkpoints.restore_params(workdir, config, sharding.create_mesh(config),
+  params, used = checkpoints.restore_params(workdir, state.setup(config),
                                             step=step)
   assert used == step
   return jax.device_get(params)
@@ -201,8 +201,8 @@ def _read_only_workdir(tmp_path):
 
 def test_unwritable_workdir_fails_at_start_in_one_line(small_corpus, tmp_path):
   workdir = _read_only_workdir(tmp_path)
-  with pytest.raises(train_loop.TrainingError, match="is not writable") as error:
-    train_loop.train_and_evaluate(make_config(small_corpus), workdir)
+  with pytest.raises(loop.TrainingError, match="is not writable") as error:
+    loop.train_and_evaluate(make_config(small_corpus), workdir)
   assert str(error.value).startswith(f"workdir {workdir} is not writable: ")
   assert "\n" not in str(error.value)
 
@@ -212,20 +212,22 @@ def test_unusable_checkpoint_directory_fails_at_start_in_one_line(small_corpus, 
   workdir.mkdir()
   (workdir / "checkpoints").write_text("a file where the checkpoint directory goes")
   with pytest.raises(checkpoints.CheckpointError, match="cannot use .*checkpoints") as error:
-    train_loop.train_and_evaluate(make_config(small_corpus), str(workdir))
+    loop.train_and_evaluate(make_config(small_corpus), str(workdir))
   assert "\n" not in str(error.value)
   assert not (workdir / "metrics.jsonl").exists()  # it stopped before training
 
 
-# --- 5: NaN / Inf (NaN through config.debug_nan_step: tests/test_train_loop.py).
+# --- 5: NaN / Inf (NaN through config.debug_nan_step: tests/test_training_loop.py).
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_non_finite_loss_names_the_step(bad):
-  progress = train_loop._Progress(peak_flops=1.0, total_steps=10)
-  for loss in (2.5, bad, 1.0):
-    progress.add({"loss": jnp.float32(loss)}, step_flops=1)
-  with pytest.raises(train_loop.TrainingError, match=f"loss is {bad} at step 8"):
-    progress.check_finite(first_step=7)
+  progress = loop.Progress(peak_flops=1.0, total_steps=10)
+  progress.add(6, {"loss": jnp.float32(2.5)}, step_flops=1)
+  progress.check_finite()  # step 6 is checked once; a later check starts after it
+  for step, loss in ((7, 2.5), (8, bad), (9, 1.0)):
+    progress.add(step, {"loss": jnp.float32(loss)}, step_flops=1)
+  with pytest.raises(loop.TrainingError, match=f"loss is {bad} at step 8"):
+    progress.check_finite()
 
 
 # --- 6: bad data.
@@ -356,13 +358,13 @@ def test_train_py_rejects_bad_config_before_building_anything(
 
 def test_eval_without_checkpoint_or_with_a_broken_config_json_is_one_line(
     straight_run, tmp_path):
-  from transformer import eval_loop
+  from transformer.evaluation import score, translate
   workdir = tmp_path / "no_checkpoint"  # a run killed before its first save completed
   workdir.mkdir()
   for name in ("config.json", "vocab.model"):
     (workdir / name).write_bytes((open(os.path.join(straight_run, name), "rb")).read())
   with pytest.raises(ConfigError, match="holds no checkpoint") as error:
-    eval_loop.Translator(checkpoints.load_run_config(str(workdir)), str(workdir))
+    translate.Translator(checkpoints.load_run_config(str(workdir)), str(workdir))
   assert "\n" not in str(error.value)
   (workdir / "config.json").write_text("{\"vocab_size\": 25")  # cut off mid-write
   with pytest.raises(ConfigError, match="config.json is not valid JSON") as error:

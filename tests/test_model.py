@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 import numpy_reference
-from transformer.model import (DecoderLayer, Decoder, Embed, Encoder, FeedForward,
-                               InputEmbedding, ModelConfig, MultiHeadAttention, Transformer,
-                               attention_mask, sinusoidal_encoding, stack_layer_params,
-                               tied_projection)
+from transformer.model import ModelConfig, Transformer, stack_layer_params
+from transformer.model.attention import MultiHeadAttention
+from transformer.model.layers import (DecoderLayer, Embed, FeedForward, InputEmbedding,
+                                      tied_projection)
+from transformer.model.primitives import attention_mask, sinusoidal_encoding
+from transformer.model.transformer import Decoder, Encoder
 
 BATCH, SOURCE_LEN, TARGET_LEN = 2, 7, 6
 VOCAB, D_MODEL, NUM_HEADS, D_K, D_V, D_FF = 13, 8, 2, 4, 6, 12  # d_k != d_v on purpose
@@ -402,11 +404,11 @@ def test_cached_decoding_matches_full_forward_pass(positional, decoder_only):
 
   encoded = None if decoder_only else run(cfg, params, source, method="encode")
   _, state = run(cfg, params, encoded, source, jnp.zeros((BATCH, TARGET_LEN), jnp.int32),
-                 decode=True, mutable=["cache"], method="decode")
+                 use_cache=True, mutable=["cache"], method="decode")
   for t in range(TARGET_LEN):
     step_logits, state = Transformer(cfg).apply(
         {"params": params, "cache": state["cache"]}, encoded, source, decoder_input[:, t:t + 1],
-        decode=True, mutable=["cache"], method="decode")
+        use_cache=True, mutable=["cache"], method="decode")
     assert step_logits.shape == (BATCH, 1, VOCAB)
     np.testing.assert_allclose(step_logits[:, 0], full_logits[:, t], atol=1e-5, rtol=1e-5)
 

@@ -1,14 +1,77 @@
-"""Shared entry-point plumbing for train.py, eval.py and the package's commands."""
+"""Shared entry-point plumbing for train.py, eval.py and the package's commands.
 
+`run(main)` is absl's `app.run` with three additions:
+  - a bad `--config.KEY=VALUE` override is reported in one line naming it;
+  - `--config FILE[:ARG]` is found relative to the working directory or, failing that,
+    to the repository, so every command works from any directory;
+  - a quiet terminal: INFO lines come from this project only; libraries (Orbax, tfds,
+    JAX) show their warnings and errors. `--verbosity=1` shows everything.
+"""
+
+import logging
+import os
 import sys
 
-from absl import app, flags
+# Before TensorFlow loads (TF_CPP_MIN_LOG_LEVEL is read then): its C++ INFO lines, such
+# as "oneDNN custom operations are on", are hidden; its warnings are not.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
 
 UsageError = app.UsageError
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_DIR = os.path.dirname(_PACKAGE_DIR)
+_ENTRY_POINTS = tuple(os.path.join(_REPO_DIR, name) for name in ("train.py", "eval.py"))
+
+
+def is_project_file(path: str) -> bool:
+  """True for this package's modules and the entry points, not for installed libraries."""
+  path = os.path.abspath(path)
+  return path.startswith(_PACKAGE_DIR + os.sep) or path in _ENTRY_POINTS
+
+
+class ProjectInfoFilter(logging.Filter):
+  """Passes warnings and errors from anywhere, and INFO (and below) from this project."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or is_project_file(record.pathname)
+
+
+def quiet_library_logs() -> None:
+  """Applies ProjectInfoFilter to absl's handler, which prints every Python log record."""
+  if flags.FLAGS["verbosity"].value >= 1:
+    return
+  handler = absl_logging.get_absl_handler()
+  if not any(isinstance(f, ProjectInfoFilter) for f in handler.filters):
+    handler.addFilter(ProjectInfoFilter())
+
+
+def _resolve_config_arg(argv: list[str]) -> list[str]:
+  """`--config FILE[:ARG]` with FILE made absolute where only the repository has it."""
+  from transformer import config as config_lib  # light: ml_collections only
+
+  def resolved(spec: str) -> str:
+    path, colon, arg = spec.partition(":")
+    if not path or os.path.isfile(path):
+      return spec
+    try:
+      return config_lib.resolve_config_file(path) + colon + arg
+    except config_lib.ConfigError:
+      return spec  # left for config_flags to report
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith("--config="):
+      out[i] = "--config=" + resolved(arg[len("--config="):])
+    elif arg == "--config" and i + 1 < len(out):
+      out[i + 1] = resolved(out[i + 1])
+  return out
 
 
 def _parse_flags(argv):
   """absl's parser, with bad `--config.KEY=VALUE` overrides reported in one line."""
+  argv = _resolve_config_arg(argv)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:  # one line: the last line of stderr is what scripts show
@@ -28,4 +91,7 @@ def _parse_flags(argv):
 
 
 def run(main) -> None:
-  app.run(main, flags_parser=_parse_flags)
+  def quiet_main(argv):
+    quiet_library_logs()
+    return main(argv)
+  app.run(quiet_main, flags_parser=_parse_flags)

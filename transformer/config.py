@@ -3,13 +3,22 @@
 Config files under `configs/` start from `base_config()` and change what they need, so
 the full list of keys lives here, once. `validate()` turns a bad value into one line
 naming the key (a `ConfigError`), which `train.py` prints before building anything.
+`load_config("FILE[:ARG]", {dotted key: value})` builds a config as `--config` does.
 """
 
 from __future__ import annotations
 
-import difflib
+import importlib.util
+import os
+import re
 
 import ml_collections
+
+from transformer.messages import did_you_mean
+
+# The repository checkout: config files named relative to it work from any directory.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "default.py")
 
 # Fixed token ids, shared by the tokenizer, the input pipeline, the model and decoding.
 PAD_ID = 0  # masks come from `ids != PAD_ID`
@@ -92,7 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_batch_size = 64  # sentences per evaluation / decoding batch (global)
   c.shuffle_buffer_size = 100_000
 
-  # Optimization (transformer/trainer.py). lr = scale * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5)
+  # Optimization (transformer/training/optimizer.py). lr = scale * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5)
   c.num_train_steps = 100_000
   c.warmup_steps = 4000
   c.learning_rate_scale = 1.0
@@ -114,12 +123,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 20
   c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
 
-  # Decoding (transformer/decoding.py).
+  # Decoding (transformer/model/decoding.py).
   c.beam_size = 4
   c.length_penalty_alpha = 0.6
   c.max_decode_extra_len = 50  # decode at most source length + this many tokens
 
-  # Device mesh (transformer/sharding.py). -1 fills with the devices left over.
+  # Device mesh (transformer/training/sharding.py). -1 fills with the devices left over.
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1
   c.mesh.fsdp = 1
@@ -155,6 +164,66 @@ def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
   return flat
 
 
+def parse_direction(direction: str) -> tuple[str, str]:
+  """'en-de' -> ('en', 'de'): the source and the target language codes."""
+  codes = direction.split("-")
+  if len(codes) != 2 or not all(codes) or codes[0] == codes[1]:
+    raise ConfigError(f"config.direction: {direction!r} must look like 'en-de' (source-target)")
+  return codes[0], codes[1]
+
+
+# ----------------------------------------------------------------------------------
+# Loading config files and applying overrides (sweeps, tests, tools).
+
+
+def resolve_config_file(path: str) -> str:
+  """A config file's absolute path: as given (relative to the working directory), else
+  relative to the repository, so commands run from any directory."""
+  for candidate in (path, os.path.join(REPO_ROOT, path)):
+    if os.path.isfile(candidate):
+      return os.path.abspath(candidate)
+  raise ConfigError(f"config file {path} not found (relative paths are tried from the "
+                    f"working directory and from {REPO_ROOT})")
+
+
+def import_file(path: str, prefix: str = "config"):
+  """Imports a Python file by path (config and sweep files are not packages)."""
+  name = prefix + "_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+  module_spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module
+
+
+def load_config(spec: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+  """`FILE[:ARG]` as `--config` takes it, with dotted-key `overrides` applied; not validated."""
+  path, _, arg = spec.partition(":")
+  module = import_file(resolve_config_file(path))
+  config = module.get_config(arg) if arg else module.get_config()
+  apply_overrides(config, overrides or {})
+  return config
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
+  """Sets dotted keys ('model.num_heads': 16) in place; ConfigError naming a bad key."""
+  known = list(flatten(config))
+  for key, value in overrides.items():
+    if key not in known:
+      raise ConfigError(f"config.{key}: unknown key{did_you_mean(key, known, 'config.')}")
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+      node = node[part]
+    try:
+      node[leaf] = value
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config.{key}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------
+# Validation: cheap, before anything is built or compiled.
+
+
 def _check(condition: bool, key: str, message: str) -> None:
   if not condition:
     raise ConfigError(f"config.{key}: {message}")
@@ -166,13 +235,20 @@ def _check_choice(flat: dict, key: str, choices) -> None:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first bad key; cheap, runs before any compile."""
-  reference = flatten(base_config())
   flat = flatten(config)
+  _check_keys_and_types(flat)
+  _check_model(config.model, flat)
+  _check_data(config, flat)
+  _check_optimization(config, flat)
+  _check_loop_and_decoding(config)
+  _check_mesh(config, flat)
+
+
+def _check_keys_and_types(flat: dict) -> None:
+  reference = flatten(base_config())
   for key, value in flat.items():
     if key not in reference:
-      close = difflib.get_close_matches(key, reference, n=1)
-      hint = f" (did you mean config.{close[0]}?)" if close else ""
-      raise ConfigError(f"config.{key}: unknown key{hint}")
+      raise ConfigError(f"config.{key}: unknown key{did_you_mean(key, reference, 'config.')}")
     expected = type(reference[key])
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
       continue
@@ -182,7 +258,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for key in reference:
     _check(key in flat, key, "missing (start config files from base_config())")
 
-  m = config.model
+
+def _check_model(m: ml_collections.ConfigDict, flat: dict) -> None:
   for key in ("num_layers", "d_model", "d_ff", "num_heads", "d_k", "d_v"):
     _check(m[key] > 0, f"model.{key}", f"must be positive, got {m[key]}")
   for key in ("dropout_rate", "attention_dropout_rate"):
@@ -205,8 +282,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(m.d_k % 2 == 0 or m.positional != "rope", "model.d_k",
          f"rope rotates pairs of channels: d_k must be even, got {m.d_k}")
 
-  _check("-" in config.direction and len(config.direction.split("-")) == 2, "direction",
-         f"expected SRC-TGT language codes like en-de, got {config.direction!r}")
+
+def _check_data(config: ml_collections.ConfigDict, flat: dict) -> None:
+  parse_direction(config.direction)
   _check(bool(config.dataset), "dataset", "is empty")
   _check_choice(flat, "vocab_type", VOCAB_TYPES)
   _check_choice(flat, "batching", BATCHING_KINDS)
@@ -216,8 +294,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f"{config.tokens_per_batch} is below max_len={config.max_len}: "
          "not even one sentence fits in a batch")
   _check(config.eval_batch_size > 0, "eval_batch_size", "must be positive")
-  _check(config.eval_bleu_sentences >= 0, "eval_bleu_sentences", "must be >= 0 (0 = off)")
 
+
+def _check_optimization(config: ml_collections.ConfigDict, flat: dict) -> None:
   _check_choice(flat, "dropout_rng_impl", RNG_IMPLS)
   _check(config.num_train_steps > 0, "num_train_steps", "must be positive")
   _check(config.warmup_steps > 0, "warmup_steps",
@@ -227,14 +306,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(0.0 <= config.label_smoothing < 1.0, "label_smoothing", "must be in [0, 1)")
   _check(config.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0 = off)")
   _check(config.weight_decay >= 0, "weight_decay", "must be >= 0")
+
+
+def _check_loop_and_decoding(config: ml_collections.ConfigDict) -> None:
   _check(config.log_every_steps > 0, "log_every_steps", "must be positive")
   _check(config.eval_every_steps >= 0, "eval_every_steps", "must be >= 0 (0 = off)")
+  _check(config.eval_bleu_sentences >= 0, "eval_bleu_sentences", "must be >= 0 (0 = off)")
   _check(config.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be >= 0 (0 = off)")
   _check(config.checkpoint_every_minutes >= 0, "checkpoint_every_minutes", "must be >= 0")
   _check(config.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
   _check(config.beam_size >= 1, "beam_size", "must be at least 1")
   _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")
 
+
+def _check_mesh(config: ml_collections.ConfigDict, flat: dict) -> None:
   for axis in MESH_AXES:
     for key in (f"mesh.{axis}", f"mesh.dcn_{axis}"):
       _check(flat[key] == -1 or flat[key] >= 1, key, f"must be -1 or positive, got {flat[key]}")

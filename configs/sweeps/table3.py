@@ -11,7 +11,7 @@ per-wordpiece perplexity and BLEU of the last checkpoint, without averaging; bas
 every ablation train 100K steps, big 300K. docs/reproduce.md has the commands and costs.
 """
 
-from transformer.sweep import Row
+from transformer.sweeps import Row
 
 BASE_CONFIG = "configs/wmt14.py:base"
 

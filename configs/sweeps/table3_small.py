@@ -17,7 +17,8 @@ direction and rough size of each change, not the values.
 
 import os
 
-from transformer.sweep import Row, load_sweep
+from transformer.sweeps import Row
+from transformer.sweeps.spec import load_sweep
 
 BASE_CONFIG = "configs/default.py"
 BASE_OVERRIDES = {

@@ -11,14 +11,10 @@ Batch format and token ids: batching.py and docs/data.md.
 """
 
 from transformer.data.batching import pad_batch
-from transformer.data.batching import shift_right
-from transformer.data.pipeline import TrainIterator
 from transformer.data.pipeline import load_raw_pairs
 from transformer.data.pipeline import make_eval_batches
 from transformer.data.pipeline import make_train_iterator
 from transformer.data.sources import make_source
-from transformer.data.tokenizer import Tokenizer
-from transformer.data.tokenizer import copy_vocab_to_workdir
 from transformer.data.tokenizer import get_tokenizer
 from transformer.data.tokenizer import load_or_train_tokenizer
 from transformer.data.tokenizer import load_workdir_tokenizer

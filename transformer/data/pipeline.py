@@ -21,7 +21,7 @@ import numpy as np
 from transformer.config import ConfigError, EOS_ID
 from transformer.data import batching
 from transformer.data import sources
-from transformer.data.tokenizer import Tokenizer
+from transformer.data.tokenizer import Tokenizer, with_eos
 
 TOKENIZE_CHUNK = 1024  # sentences per SentencePiece call
 
@@ -54,10 +54,10 @@ def tokenized_chunks(source, tokenizer: Tokenizer, split: str, *,
 
 
 def _fit(ids: np.ndarray, max_len: int, clip: bool) -> np.ndarray | None:
-  """`ids` if short enough; else clipped to max_len keeping the final EOS, or None."""
+  """`ids` (ending in EOS) if short enough; else clipped keeping the EOS, or None."""
   if len(ids) <= max_len:
     return ids
-  return np.append(ids[:max_len - 1], EOS_ID).astype(np.int32) if clip else None
+  return with_eos(ids[:-1], max_len) if clip else None
 
 
 def make_example(source_ids: np.ndarray, target_ids: np.ndarray,
@@ -210,10 +210,9 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index
   examples, clipped = [], 0
   for i in range(0, len(pairs), TOKENIZE_CHUNK):
     chunk = pairs[i:i + TOKENIZE_CHUNK]
-    for side in zip(*[tokenizer.encode_batch(texts) for texts in zip(*chunk)]):
-      s, t = (np.array(ids + [EOS_ID], np.int32) for ids in side)
-      clipped += len(s) > config.max_len or len(t) > config.max_len
-      s, t = _fit(s, config.max_len, True), _fit(t, config.max_len, True)
+    for source_ids, target_ids in zip(*[tokenizer.encode_batch(texts) for texts in zip(*chunk)]):
+      clipped += max(len(source_ids), len(target_ids)) + 1 > config.max_len  # + EOS
+      s, t = with_eos(source_ids, config.max_len), with_eos(target_ids, config.max_len)
       example = make_example(s, t, decoder_only)
       example["source"] = s
       examples.append(example)

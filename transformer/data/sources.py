@@ -14,21 +14,13 @@ from absl import logging
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from transformer.config import ConfigError
+from transformer.config import ConfigError, parse_direction
 from transformer.data import tatoeba  # registers `tatoeba_en_es` with tfds
 from transformer.data import tsv
 
 del tatoeba  # imported for its registration only
 
 TSV_PREFIX = "tsv:"
-
-
-def parse_direction(direction: str) -> tuple[str, str]:
-  """'en-de' -> ('en', 'de'): the source and the target language codes."""
-  codes = direction.split("-")
-  if len(codes) != 2 or not all(codes) or codes[0] == codes[1]:
-    raise ConfigError(f"direction: {direction!r} must look like 'en-de' (source-target)")
-  return codes[0], codes[1]
 
 
 class TfdsSource:

@@ -16,6 +16,7 @@ import time
 from typing import Iterable, Sequence
 
 from absl import logging
+import numpy as np
 import sentencepiece as spm
 import tensorflow as tf
 
@@ -61,6 +62,10 @@ class Tokenizer:
     """Many sentences in one call; SentencePiece runs it in C++ without the GIL."""
     return self._sp.encode(list(texts))
 
+  def encode_for_model(self, texts: Sequence[str], max_len: int) -> list[np.ndarray]:
+    """What the model reads for each text: its ids and EOS, at most max_len tokens."""
+    return [with_eos(ids, max_len) for ids in self.encode_batch(texts)]
+
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids` up to the first EOS; PAD and BOS are dropped."""
     kept = []
@@ -74,6 +79,14 @@ class Tokenizer:
 
   def id_to_piece(self, i: int) -> str:
     return self._sp.id_to_piece(int(i))
+
+
+def with_eos(ids: Sequence[int], max_len: int) -> np.ndarray:
+  """int32 ids followed by EOS, clipped to max_len tokens keeping the EOS.
+
+  Clipping is for inputs only: the model never saw sentences longer than max_len.
+  """
+  return np.asarray(list(ids[:max_len - 1]) + [EOS_ID], np.int32)
 
 
 def train_tokenizer(sentences: Iterable[str], *, vocab_size: int,

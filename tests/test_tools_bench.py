@@ -1,0 +1,71 @@
+"""`python -m transformer.bench` at a tiny size: every measurement runs and is consistent.
+
+Timings themselves are not asserted (they depend on the machine); docs/performance.md
+records them.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from transformer.training import flops
+from transformer.model import ModelConfig
+from tests.tiny_run import REPO, flag_overrides, make_config
+
+ROWS, SEQ_LEN = 4, 24
+
+
+def _env():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # rows split over 2 devices
+  return env
+
+
+def run_bench(small_corpus, *args):
+  command = [sys.executable, "-m", "transformer.tools.bench", "--config", "configs/default.py",
+             *flag_overrides(small_corpus), *args]
+  return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=600)
+
+
+def test_bench_json_reports_every_measurement(small_corpus):
+  result = run_bench(small_corpus, "--json", f"--batch_tokens={ROWS * SEQ_LEN}",
+                     f"--seq_len={SEQ_LEN}", "--steps=2", "--warmup=1", "--decode_batch=2",
+                     "--decode_steps=30", "--pipeline_batches=3")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+  assert [r["name"] for r in records] == ["peak", "train_step", "beam_search", "input_pipeline"]
+  for r in records:
+    assert {"name", "tokens_per_sec", "mfu", "step_time_s"} <= r.keys()
+
+  peak, train, beam, pipeline = records
+  assert peak["num_devices"] == 2 and peak["peak_flops_per_sec"] > 0
+  assert (train["rows"], train["seq_len"]) == (ROWS, SEQ_LEN)
+  model_config = ModelConfig.from_config(make_config(small_corpus))
+  assert train["flops_per_step"] == flops.training_flops(model_config, ROWS, SEQ_LEN, SEQ_LEN)
+  assert math.isclose(train["tokens_per_sec"], ROWS * SEQ_LEN / train["step_time_s"])
+  assert math.isclose(train["mfu"], train["flops_per_step"] / train["step_time_s"] /
+                      peak["peak_flops_per_sec"])
+  assert train["step_time_min_s"] <= train["step_time_s"] <= train["step_time_max_s"]
+  assert train["compile_s"] > 0 and train["num_params"] > 0
+  assert beam["steps"] == 30 and beam["sentences"] == 2
+  assert math.isclose(beam["tokens_per_sec"], beam["sentences_per_sec"] * beam["steps"])
+  assert pipeline["batches"] == 3 and pipeline["tokens_per_sec"] > 0
+
+
+def test_bench_rejects_a_batch_that_does_not_split_before_compiling(small_corpus):
+  result = run_bench(small_corpus, f"--batch_tokens={3 * SEQ_LEN}", f"--seq_len={SEQ_LEN}")
+  assert result.returncode != 0
+  assert "3 rows per batch do not divide over 2 data-parallel devices" in result.stderr
+  assert "train_step" not in result.stdout
+
+
+def test_bench_human_readable_lines(small_corpus):
+  result = run_bench(small_corpus, f"--batch_tokens={ROWS * SEQ_LEN}", f"--seq_len={SEQ_LEN}",
+                     "--steps=1", "--warmup=0", "--only=train_step")
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  assert lines[0].startswith("peak: ") and "GFLOP/s" in lines[0]
+  assert lines[1].startswith(f"train_step: {ROWS} x {SEQ_LEN} tokens") and "MFU" in lines[1]

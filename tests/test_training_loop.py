@@ -1,0 +1,164 @@
+"""The whole training run: resume, preemption, NaN guard, several hosts.
+
+A small slice of the bundled corpus (tsv:PATH) and a one-layer model keep each run to
+seconds. Runs that must really die or span processes go through `train.py`.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from transformer.training import checkpoints, loop, sharding, state
+from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
+
+
+def restored_params(workdir, config, step):
+  params, used = checkpoints.restore_params(workdir, state.setup(config), step=step)
+  assert used == step
+  return jax.device_get(params)
+
+
+def test_stop_and_resume_equals_straight_run(small_corpus, tmp_path):
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  loop.train_and_evaluate(make_config(small_corpus, num_train_steps=6), straight)
+  loop.train_and_evaluate(make_config(small_corpus, num_train_steps=3), resumed)
+  assert checkpoints.Checkpointer(resumed, keep=5).all_steps() == [2, 3]
+  loop.train_and_evaluate(make_config(small_corpus, num_train_steps=6), resumed)
+
+  losses = {r["step"]: r["loss"] for r in read_metrics(straight)}
+  resumed_losses = {r["step"]: r["loss"] for r in read_metrics(resumed)}
+  assert sorted(resumed_losses) == [1, 2, 3, 4, 5, 6]
+  assert resumed_losses == losses  # bitwise: same batches, same dropout, same math
+  config = make_config(small_corpus)
+  jax.tree.map(np.testing.assert_array_equal, restored_params(straight, config, 6),
+               restored_params(resumed, config, 6))
+
+
+def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(small_corpus, tmp_path):
+  workdir = str(tmp_path / "nan")
+  config = make_config(small_corpus, num_train_steps=8, debug_nan_step=5, log_every_steps=4)
+  with pytest.raises(loop.TrainingError, match="at step 5"):
+    loop.train_and_evaluate(config, workdir)
+  assert checkpoints.Checkpointer(workdir, keep=5).all_steps() == [2, 4]
+  params = restored_params(workdir, config, 4)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_unwritable_workdir_is_a_one_line_error(small_corpus, tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  with pytest.raises(loop.TrainingError, match="not writable"):
+    loop.train_and_evaluate(make_config(small_corpus), str(blocker / "workdir"))
+
+
+def _env(devices):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  return env
+
+
+def test_sigterm_saves_the_current_step_and_exits_zero(small_corpus, tmp_path):
+  workdir = str(tmp_path / "preempted")
+  base = [sys.executable, "train.py", "--config", "configs/default.py", "--workdir", workdir]
+  command = base + flag_overrides(small_corpus, num_train_steps=10_000,
+                                  checkpoint_every_steps=1000)
+  process = subprocess.Popen(command, cwd=REPO, env=_env(1), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 240
+  while time.time() < deadline and process.poll() is None:
+    if os.path.exists(metrics) and len(open(metrics).readlines()) >= 3:
+      break
+    time.sleep(0.5)
+  assert process.poll() is None, process.stdout.read()[-3000:]
+  process.send_signal(signal.SIGTERM)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 0, output[-3000:]
+  steps = checkpoints.Checkpointer(workdir, keep=5).all_steps()
+  last_logged = read_metrics(workdir)[-1]["step"]
+  assert len(steps) == 1 and steps[0] >= 3 and steps[0] >= last_logged
+
+  # The same command resumes from that step.
+  rerun = subprocess.run(base + flag_overrides(
+      small_corpus, num_train_steps=steps[0] + 2, checkpoint_every_steps=1000),
+      cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=240)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert f"resumed from step {steps[0]}" in rerun.stderr
+  assert read_metrics(workdir)[-1]["step"] == steps[0] + 2
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process_with_the_same_devices(small_corpus, tmp_path):
+  """2 hosts x 2 devices (gloo collectives) == 1 host x 4 devices, step for step."""
+  base = [sys.executable, "train.py", "--config", "configs/default.py"]
+  overrides = flag_overrides(small_corpus, num_train_steps=4, checkpoint_every_steps=2)
+  single = str(tmp_path / "single")
+  result = subprocess.run(base + ["--workdir", single] + overrides, cwd=REPO, env=_env(4),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+  multi = str(tmp_path / "multi")
+  port = _free_port()
+  processes = [subprocess.Popen(
+      base + ["--workdir", multi, f"--coordinator_address=localhost:{port}",
+              "--num_processes=2", f"--process_id={i}"] + overrides,
+      cwd=REPO, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  outputs = [p.communicate(timeout=300)[0] for p in processes]
+  for p, output in zip(processes, outputs):
+    assert p.returncode == 0, output[-3000:]
+  assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
+  single_losses = [r["loss"] for r in read_metrics(single)]
+  multi_losses = [r["loss"] for r in read_metrics(multi)]
+  assert len(single_losses) == 4
+  np.testing.assert_allclose(multi_losses, single_losses, rtol=1e-5)
+  assert checkpoints.Checkpointer(multi, keep=5).all_steps() == [2, 4]
+
+
+def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path):
+  workdir = str(tmp_path / "validated")
+  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
+                       eval_bleu_sentences=8, max_decode_extra_len=4)
+  result = loop.train_and_evaluate(config, workdir)
+  records = read_metrics(workdir, kind="validation")
+  assert [r["step"] for r in records] == [2, 4]
+  for r in records:
+    assert r["ppl"] > 1 and 0 <= r["bleu"] <= 100
+    assert r["ppl"] == pytest.approx(np.exp(r["ce"]), rel=1e-6)
+  assert result["step"] == 4 and result["ppl"] == records[-1]["ppl"]
+  train = read_metrics(workdir)
+  for key in ("step", "loss", "ce", "ppl", "lr", "tokens_per_sec", "mfu", "elapsed_s"):
+    assert key in train[-1], key
+
+
+def test_time_based_checkpoints(small_corpus, tmp_path):
+  workdir = str(tmp_path / "timed")
+  config = make_config(small_corpus, num_train_steps=4, log_every_steps=2,
+                       checkpoint_every_steps=0, checkpoint_every_minutes=1e-6)
+  loop.train_and_evaluate(config, workdir)
+  # Time is checked at log steps (where hosts can agree on it), and the last step saves.
+  assert checkpoints.Checkpointer(workdir, keep=5).all_steps() == [2, 4]
+
+
+def test_decoder_only_language_model_trains_on_the_same_pairs(small_corpus, tmp_path):
+  workdir = str(tmp_path / "lm")
+  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=4,
+                       eval_bleu_sentences=0, **{"model.decoder_only": True})
+  result = loop.train_and_evaluate(config, workdir)
+  assert np.isfinite(result["ppl"]) and result["ppl"] > 1
+  params = restored_params(workdir, config, 4)
+  assert "encoder" not in params
+  assert all(np.isfinite(r["loss"]) for r in read_metrics(workdir))

@@ -1,0 +1,13 @@
+"""The model and its decoding: pure Flax modules and functions of (params, inputs).
+
+  primitives.py   ModelConfig, initializers, masks, positions (the shape-letter legend)
+  attention.py    multi-head self- and cross-attention, with the decoding cache
+  layers.py       embedding, feed-forward, residual sublayers, encoder and decoder layers
+  transformer.py  the stacks (looped or scanned), Transformer, model_inputs
+  decoding.py     beam search, greedy and sampled decoding over the cache
+"""
+
+from transformer.model.primitives import ModelConfig
+from transformer.model.transformer import Transformer, model_inputs, stack_layer_params
+
+__all__ = ["ModelConfig", "Transformer", "model_inputs", "stack_layer_params"]

@@ -1,0 +1,172 @@
+"""The layers: embedding and its tied projection, feed-forward, residual sublayers, and
+the encoder and decoder layers built from them.
+
+Paper defaults: post-LN sublayers `LayerNorm(x + Dropout(F(x)))`, ReLU feed-forward,
+embeddings scaled by sqrt(d_model), one embedding matrix for the source, the target and
+the output projection. Shape letters: transformer/model/primitives.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.model.attention import MultiHeadAttention
+from transformer.model.primitives import (Array, ModelConfig, dense_init, layer_norm,
+                                          sinusoidal_encoding, zeros_init)
+
+
+class Embed(nn.Module):
+  """Token embedding; `attend` is the tied pre-softmax projection x @ E^T."""
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embedding = self.param(
+        "embedding",
+        nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.d_model**-0.5),
+                                     ("vocab", "embed")),
+        (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+
+  def __call__(self, ids_BxL: Array) -> Array:
+    table_VxD = jnp.asarray(self.embedding, self.config.dtype)
+    return jnp.take(table_VxD, ids_BxL, axis=0)
+
+  def attend(self, x_BxLxD: Array) -> Array:
+    table_VxD = jnp.asarray(self.embedding, self.config.dtype)
+    batch, length, d_model = x_BxLxD.shape
+    logits_NxV = tied_projection(x_BxLxD.reshape(batch * length, d_model), table_VxD)
+    return logits_NxV.reshape(batch, length, -1)
+
+
+@jax.custom_vjp
+def tied_projection(x_NxD: Array, table_VxD: Array) -> Array:
+  """Logits x E^T in f32, for the tied pre-softmax projection.
+
+  The backward pass is written out so the weight gradient is (x^T g)^T: the [N, V]
+  logit gradient (the largest array of a step) is never transposed, only the smaller
+  [D, V] result. Left to itself XLA:CPU copies g transposed first, which took as long
+  as a vocabulary matmul (docs/performance.md).
+  """
+  return jnp.einsum("nd,vd->nv", x_NxD, table_VxD, preferred_element_type=jnp.float32)
+
+
+def _tied_projection_forward(x_NxD, table_VxD):
+  return tied_projection(x_NxD, table_VxD), (x_NxD, table_VxD)
+
+
+def _tied_projection_backward(residuals, grad_NxV):
+  x_NxD, table_VxD = residuals
+  grad_NxV = grad_NxV.astype(x_NxD.dtype)  # bf16 matmuls in mixed precision, f32 sums
+  grad_x_NxD = jnp.einsum("nv,vd->nd", grad_NxV, table_VxD,
+                          preferred_element_type=jnp.float32).astype(x_NxD.dtype)
+  grad_table_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV, preferred_element_type=jnp.float32)
+  return grad_x_NxD, grad_table_DxV.T.astype(table_VxD.dtype)
+
+
+tied_projection.defvjp(_tied_projection_forward, _tied_projection_backward)
+
+
+class InputEmbedding(nn.Module):
+  """ids -> embedding * sqrt(D) + positions, then dropout (the paper's input sum)."""
+  config: ModelConfig
+  embed: Embed
+
+  @nn.compact
+  def __call__(self, ids_BxL, positions_BxL, deterministic):
+    cfg = self.config
+    x_BxLxD = self.embed(ids_BxL) * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
+    if cfg.positional == "sinusoidal":
+      x_BxLxD = x_BxLxD + sinusoidal_encoding(positions_BxL, cfg.d_model).astype(x_BxLxD.dtype)
+    elif cfg.positional == "learned":
+      table_PxD = self.param(
+          "position_embedding",
+          nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
+          (cfg.max_position, cfg.d_model), cfg.param_dtype)
+      x_BxLxD = x_BxLxD + jnp.take(table_PxD, positions_BxL, axis=0).astype(x_BxLxD.dtype)
+    # rope: positions enter inside attention, nothing is added here.
+    return nn.Dropout(cfg.dropout_rate)(x_BxLxD, deterministic=deterministic)
+
+
+class FeedForward(nn.Module):
+  """max(0, x W1 + b1) W2 + b2 (paper), or with GELU, or SwiGLU (gated, no biases)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD: Array) -> Array:
+    cfg = self.config
+    dense = lambda features, axes, name, use_bias=True: nn.Dense(
+        features, use_bias=use_bias, name=name, kernel_init=dense_init(axes),
+        bias_init=zeros_init(axes[-1:]), dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    if cfg.activation == "swiglu":
+      gate_BxLxF = dense(cfg.d_ff, ("embed", "mlp"), "wi_gate", use_bias=False)(x_BxLxD)
+      up_BxLxF = dense(cfg.d_ff, ("embed", "mlp"), "wi_up", use_bias=False)(x_BxLxD)
+      hidden_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
+      return dense(cfg.d_model, ("mlp", "embed"), "wo", use_bias=False)(hidden_BxLxF)
+    activation = {"relu": nn.relu, "gelu": nn.gelu}[cfg.activation]
+    hidden_BxLxF = activation(dense(cfg.d_ff, ("embed", "mlp"), "wi")(x_BxLxD))
+    return dense(cfg.d_model, ("mlp", "embed"), "wo")(hidden_BxLxF)
+
+
+class Sublayer(nn.Module):
+  """Residual wrapper: post-LN `LN(x + Dropout(F(x)))` or pre-LN `x + Dropout(F(LN(x)))`."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD: Array, sublayer, deterministic: bool) -> Array:
+    cfg = self.config
+    norm = layer_norm(cfg, "norm")
+    dropout = nn.Dropout(cfg.dropout_rate)
+    if cfg.norm == "pre":
+      return x_BxLxD + dropout(sublayer(norm(x_BxLxD)), deterministic=deterministic)
+    return norm(x_BxLxD + dropout(sublayer(x_BxLxD), deterministic=deterministic))
+
+
+# The layers take their Python flags (deterministic, use_cache) as module attributes, not
+# call arguments: under jax.checkpoint (remat) and nn.scan every call argument is traced,
+# and attributes stay static without positional bookkeeping.
+
+
+class EncoderLayer(nn.Module):
+  """Self-attention, then feed-forward, each in a residual sublayer."""
+  config: ModelConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x_BxSxD, mask_Bx1xSxS, positions_BxS):
+    cfg, deterministic = self.config, self.deterministic
+    attention = MultiHeadAttention(cfg, self_attention=True, name="self_attention")
+    x_BxSxD = Sublayer(cfg, name="attention_block")(
+        x_BxSxD, lambda y: attention(y, mask_Bx1xSxS, positions_BxL=positions_BxS,
+                                     deterministic=deterministic), deterministic)
+    return Sublayer(cfg, name="ffn_block")(x_BxSxD, FeedForward(cfg, name="ffn"), deterministic)
+
+
+class DecoderLayer(nn.Module):
+  """Causal self-attention, cross-attention to the final encoder output, feed-forward."""
+  config: ModelConfig
+  deterministic: bool = True
+  use_cache: bool = False
+
+  @nn.compact
+  def __call__(self, y_BxTxD, self_mask_Bx1xTxT, positions_BxT, memory_BxSxD,
+               cross_mask_Bx1xTxS, cache_position: Optional[Array] = None):
+    cfg, deterministic = self.config, self.deterministic
+    self_attention = MultiHeadAttention(cfg, self_attention=True, name="self_attention")
+    y_BxTxD = Sublayer(cfg, name="self_attention_block")(
+        y_BxTxD, lambda z: self_attention(
+            z, self_mask_Bx1xTxT, positions_BxL=positions_BxT, deterministic=deterministic,
+            use_cache=self.use_cache, cache_position=cache_position), deterministic)
+    if not cfg.decoder_only:
+      # Queries come from the decoder state after its self-attention sublayer; keys and
+      # values are this layer's own projections of the final encoder output.
+      cross_attention = MultiHeadAttention(cfg, self_attention=False, name="cross_attention")
+      y_BxTxD = Sublayer(cfg, name="cross_attention_block")(
+          y_BxTxD, lambda z: cross_attention(
+              z, cross_mask_Bx1xTxS, memory_BxSxD=memory_BxSxD, deterministic=deterministic,
+              use_cache=self.use_cache), deterministic)
+    return Sublayer(cfg, name="ffn_block")(y_BxTxD, FeedForward(cfg, name="ffn"), deterministic)

@@ -1,0 +1,140 @@
+"""What every module of the model uses: its config, initializers, masks and positions.
+
+Shape letters in names (`x_BxTxD` is x with shape [B, T, D]):
+  B batch            S source length      T target length     L any length
+  D d_model          H heads              K d_k (query/key)   E d_v (value)
+  F d_ff             V vocabulary         C decoding cache length
+
+Every parameter names logical axes (`vocab`, `embed`, `heads`, `kv`, `mlp`, `length`);
+the training code maps them onto the device mesh, the model never sees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from transformer.config import PAD_ID
+
+Array = jax.Array
+
+# Masked attention logits get this instead of -inf, so an all-masked row (a padding
+# query) gives a finite uniform softmax, not NaN; exp() of it underflows to exactly 0.
+MASKED_LOGIT = -1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Everything the modules read; built once from the run config (`from_config`).
+
+  `dtype` is the compute dtype of activations and matmuls, `param_dtype` that of the
+  parameters (and so of the optimizer state), as flax's layers name them.
+  """
+  vocab_size: int
+  max_position: int  # rows of the learned position table (max_len + decoding slack)
+  num_layers: int = 6
+  d_model: int = 512
+  d_ff: int = 2048
+  num_heads: int = 8
+  d_k: int = 64
+  d_v: int = 64
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
+  positional: str = "sinusoidal"
+  norm: str = "post"
+  activation: str = "relu"
+  tie_embeddings: bool = True
+  decoder_only: bool = False
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  layer_norm_epsilon: float = 1e-6
+  scan_layers: bool = False
+  remat: str = "none"
+  attention_kernel: str = "einsum"
+
+  def __post_init__(self):
+    # Config files name dtypes as strings; modules want jnp dtypes. One conversion, here.
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
+    """Reads `config.model`'s keys that are fields here, plus the vocabulary and lengths."""
+    model = {f.name: config.model[f.name] for f in dataclasses.fields(cls)
+             if f.name in config.model}
+    return cls(vocab_size=config.vocab_size,
+               max_position=config.max_len + config.max_decode_extra_len + 1, **model)
+
+
+def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
+                      param_dtype=cfg.param_dtype, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                      bias_init=zeros_init(("embed",)))
+
+
+def dense_init(axes: tuple[str, ...]):
+  return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes)
+
+
+def zeros_init(axes: tuple[str, ...]):
+  return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+# ----------------------------------------------------------------------------------
+# Masks and positions.
+
+
+def attention_mask(q_segment_ids_BxL: Array, kv_segment_ids_BxS: Array,
+                   causal: bool) -> Array:
+  """The one mask for every attention: padding, packed segments and causality.
+
+  A query may attend to a key when both lie in the same segment and the key is not
+  padding (segment id 0); with `causal`, also only to keys at or before it. Unpacked
+  data passes `ids != PAD_ID` as segment ids.
+
+  Returns: bool [B, 1, L, S], broadcast over heads.
+  """
+  same_segment = q_segment_ids_BxL[:, :, None] == kv_segment_ids_BxS[:, None, :]
+  mask_BxLxS = same_segment & (kv_segment_ids_BxS != 0)[:, None, :]
+  if causal:
+    q_len, kv_len = q_segment_ids_BxL.shape[1], kv_segment_ids_BxS.shape[1]
+    mask_BxLxS &= jnp.tril(jnp.ones((q_len, kv_len), bool))[None]
+  return mask_BxLxS[:, None]
+
+
+def segment_ids_from_tokens(tokens_BxL: Array) -> Array:
+  return (tokens_BxL != PAD_ID).astype(jnp.int32)
+
+
+def default_positions(tokens_BxL: Array) -> Array:
+  return jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1], dtype=jnp.int32),
+                          tokens_BxL.shape)
+
+
+def sinusoidal_encoding(positions_BxL: Array, d_model: int) -> Array:
+  """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(same), interleaved.
+
+  The paper's layout (Tensor2Tensor concatenates sin and cos instead). Returns f32
+  [B, L, D].
+  """
+  two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)
+  angles_BxLxHalf = positions_BxL[..., None].astype(jnp.float32) / (10000.0**(two_i / d_model))
+  interleaved = jnp.stack([jnp.sin(angles_BxLxHalf), jnp.cos(angles_BxLxHalf)], axis=-1)
+  return interleaved.reshape(*positions_BxL.shape, d_model)
+
+
+def apply_rope(x_BxLxHxK: Array, positions_BxL: Array) -> Array:
+  """Rotary position embedding (Su et al. 2021), rotating the two halves of each head."""
+  half = x_BxLxHxK.shape[-1] // 2
+  inv_freq = 1.0 / (10000.0**(jnp.arange(half, dtype=jnp.float32) / half))
+  angles_BxLx1xHalf = (positions_BxL[..., None].astype(jnp.float32) * inv_freq)[:, :, None, :]
+  sin, cos = jnp.sin(angles_BxLx1xHalf), jnp.cos(angles_BxLx1xHalf)
+  x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x_BxLxHxK.dtype)

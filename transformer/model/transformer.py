@@ -1,0 +1,227 @@
+"""The Transformer of "Attention Is All You Need": the encoder and decoder stacks.
+
+`Transformer` is the encoder-decoder of the paper, or with `decoder_only` a GPT-style
+language model. Each stack runs its N layers as a Python loop (`layer_0` ...
+`layer_{N-1}`) or, with `scan_layers`, as one nn.scan over stacked parameters, so the
+stack compiles once whatever N is. Shape letters: transformer/model/primitives.py.
+
+Incremental decoding (`use_cache=True` with `mutable=['cache']`): the first call creates
+the cache, sized by that call's target length C (see attention.py); later calls feed one
+token per sentence ([B, 1]) and append to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.model.layers import DecoderLayer, Embed, EncoderLayer, InputEmbedding
+from transformer.model.primitives import (Array, ModelConfig, attention_mask,
+                                          default_positions, dense_init, layer_norm,
+                                          segment_ids_from_tokens)
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute every activation in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _rematted(layer_class, cfg: ModelConfig):
+  """The layer under jax.checkpoint with cfg.remat's policy ('none': unchanged)."""
+  if cfg.remat == "none":
+    return layer_class
+  return nn.remat(layer_class, policy=_REMAT_POLICIES[cfg.remat],
+                  prevent_cse=not cfg.scan_layers)
+
+
+def _carried(layer_class):
+  """Wraps a layer as nn.scan wants it: (carry, *broadcast) -> (carry, None)."""
+
+  class Carried(layer_class):
+
+    def __call__(self, x, *args):
+      return super().__call__(x, *args), None
+
+  Carried.__name__ = layer_class.__name__
+  return Carried
+
+
+def layer_stack(layer_class, cfg: ModelConfig, x_BxLxD: Array, *args, **attributes) -> Array:
+  """Runs N layers of `layer_class(cfg, **attributes)` over x, each with `*args`.
+
+  Unscanned: modules `layer_0` ... `layer_{N-1}`. Scanned: one module `layers` whose
+  parameters (and caches) carry a leading axis of N; masks, positions and the encoder
+  output are the same for every layer (broadcast), and dropout draws fresh masks per
+  layer (split_rngs).
+  """
+  if not cfg.scan_layers:
+    layer = _rematted(layer_class, cfg)
+    for i in range(cfg.num_layers):
+      x_BxLxD = layer(cfg, name=f"layer_{i}", **attributes)(x_BxLxD, *args)
+    return x_BxLxD
+  scanned = nn.scan(
+      _rematted(_carried(layer_class), cfg),
+      variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+      split_rngs={"params": True, "dropout": True},
+      in_axes=(nn.broadcast,) * len(args),
+      length=cfg.num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"})
+  x_BxLxD, _ = scanned(cfg, name="layers", **attributes)(x_BxLxD, *args)
+  return x_BxLxD
+
+
+class Encoder(nn.Module):
+  config: ModelConfig
+  embed: Embed
+
+  @nn.compact
+  def __call__(self, source_BxS, source_segment_ids_BxS, source_positions_BxS,
+               deterministic=True):
+    cfg = self.config
+    x_BxSxD = InputEmbedding(cfg, self.embed, name="input")(
+        source_BxS, source_positions_BxS, deterministic)
+    mask_Bx1xSxS = attention_mask(source_segment_ids_BxS, source_segment_ids_BxS, causal=False)
+    x_BxSxD = layer_stack(EncoderLayer, cfg, x_BxSxD, mask_Bx1xSxS, source_positions_BxS,
+                          deterministic=deterministic)
+    if cfg.norm == "pre":
+      x_BxSxD = layer_norm(cfg, "final_norm")(x_BxSxD)
+    return x_BxSxD
+
+
+class Decoder(nn.Module):
+  """Target (or, decoder-only, the whole sequence) -> logits over the vocabulary."""
+  config: ModelConfig
+  embed: Embed
+
+  @nn.compact
+  def __call__(self, decoder_input_BxT, target_segment_ids_BxT, target_positions_BxT,
+               memory_BxSxD=None, source_segment_ids_BxS=None, deterministic=True,
+               use_cache=False):
+    cfg = self.config
+    cache_position = None
+    if use_cache:
+      # One counter for the whole stack: where the next token goes in every layer's
+      # K/V buffer, and that token's position for the position encoding.
+      is_created = self.has_variable("cache", "position")
+      position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+      cache_position = position.value
+      if is_created:
+        target_positions_BxT = jnp.full_like(decoder_input_BxT, cache_position)
+        position.value = cache_position + decoder_input_BxT.shape[1]
+    y_BxTxD = InputEmbedding(cfg, self.embed, name="input")(
+        decoder_input_BxT, target_positions_BxT, deterministic)
+    self_mask = attention_mask(target_segment_ids_BxT, target_segment_ids_BxT, causal=True)
+    cross_mask = None
+    if not cfg.decoder_only:
+      cross_mask = attention_mask(target_segment_ids_BxT, source_segment_ids_BxS, causal=False)
+    y_BxTxD = layer_stack(DecoderLayer, cfg, y_BxTxD, self_mask, target_positions_BxT,
+                          memory_BxSxD, cross_mask, cache_position,
+                          deterministic=deterministic, use_cache=use_cache)
+    if cfg.norm == "pre":
+      y_BxTxD = layer_norm(cfg, "final_norm")(y_BxTxD)
+    if cfg.tie_embeddings:
+      logits_BxTxV = self.embed.attend(y_BxTxD)
+    else:
+      logits_BxTxV = nn.DenseGeneral(
+          cfg.vocab_size, use_bias=False, name="output_projection",
+          kernel_init=dense_init(("embed", "vocab")), dtype=cfg.dtype,
+          param_dtype=cfg.param_dtype)(y_BxTxD)
+    return logits_BxTxV.astype(jnp.float32)
+
+
+class Transformer(nn.Module):
+  """Encoder-decoder (the paper) or, with `decoder_only`, a GPT-style language model.
+
+  Batches are dicts of int32 arrays (see transformer/data): `source` [B, S],
+  `decoder_input` [B, T] (the target shifted right behind BOS), `target` [B, T], and
+  for packed batches `{source,target}_{segment_ids,positions}`.
+  """
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    if cfg.tie_embeddings:
+      # One matrix for source, target and the pre-softmax projection (shared vocabulary).
+      self.shared_embedding = Embed(cfg)
+      source_embed = target_embed = self.shared_embedding
+    else:
+      source_embed = Embed(cfg, name="source_embedding")
+      target_embed = Embed(cfg, name="target_embedding")
+    if not cfg.decoder_only:
+      self.encoder = Encoder(cfg, source_embed)
+    self.decoder = Decoder(cfg, target_embed)
+
+  def encode(self, source_BxS: Array, source_segment_ids: Optional[Array] = None,
+             source_positions: Optional[Array] = None, deterministic: bool = True) -> Array:
+    """Source tokens -> final encoder output [B, S, D]."""
+    if source_segment_ids is None:
+      source_segment_ids = segment_ids_from_tokens(source_BxS)
+    if source_positions is None:
+      source_positions = default_positions(source_BxS)
+    return self.encoder(source_BxS, source_segment_ids, source_positions, deterministic)
+
+  def decode(self, encoded_BxSxD: Optional[Array], source_BxS: Optional[Array],
+             decoder_input_BxT: Array, source_segment_ids: Optional[Array] = None,
+             target_segment_ids: Optional[Array] = None,
+             target_positions: Optional[Array] = None, deterministic: bool = True,
+             use_cache: bool = False) -> Array:
+    """Decoder inputs (+ encoder output) -> f32 logits [B, T, V].
+
+    With `use_cache=True` and `mutable=['cache']`: the first call creates the cache (its
+    logits are meaningless), later calls take [B, 1] and return [B, 1, V].
+    """
+    if source_segment_ids is None and source_BxS is not None:
+      source_segment_ids = segment_ids_from_tokens(source_BxS)
+    if target_segment_ids is None:
+      # Decoder inputs start with BOS, never PAD, so ids != PAD marks real positions.
+      target_segment_ids = segment_ids_from_tokens(decoder_input_BxT)
+      if use_cache:
+        target_segment_ids = jnp.ones_like(decoder_input_BxT)
+    if target_positions is None:
+      target_positions = default_positions(decoder_input_BxT)
+    return self.decoder(decoder_input_BxT, target_segment_ids, target_positions,
+                        encoded_BxSxD, source_segment_ids, deterministic, use_cache)
+
+  def __call__(self, source: Optional[Array], decoder_input: Array, *,
+               source_segment_ids: Optional[Array] = None,
+               source_positions: Optional[Array] = None,
+               target_segment_ids: Optional[Array] = None,
+               target_positions: Optional[Array] = None,
+               deterministic: bool = True) -> Array:
+    """Teacher-forced forward pass -> f32 logits [B, T, V]."""
+    encoded = None
+    if not self.config.decoder_only:
+      encoded = self.encode(source, source_segment_ids, source_positions, deterministic)
+    return self.decode(encoded, source, decoder_input, source_segment_ids,
+                       target_segment_ids, target_positions, deterministic)
+
+
+def stack_layer_params(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
+  """Unscanned parameters (layer_0 ... layer_{N-1}) -> the `scan_layers` tree.
+
+  Each stack's layers become one `layers` entry whose leaves gain a leading axis of N,
+  e.g. to continue an unscanned run's weights in a scanned model.
+  """
+  stacked = dict(params)
+  for stack in ("encoder", "decoder"):
+    if stack in stacked:
+      layers = dict(stacked[stack])
+      per_layer = [layers.pop(f"layer_{i}") for i in range(num_layers)]
+      layers["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+      stacked[stack] = layers
+  return stacked
+
+
+_MODEL_INPUT_KEYS = ("source", "decoder_input", "source_segment_ids", "source_positions",
+                     "target_segment_ids", "target_positions")
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+  """The keyword arguments of `Transformer.__call__` found in a batch."""
+  inputs = {k: batch[k] for k in _MODEL_INPUT_KEYS if k in batch}
+  inputs.setdefault("source", None)
+  return inputs

@@ -1,0 +1,96 @@
+"""Ablation sweeps: named rows of config overrides, run one after another or on a cluster.
+
+  python -m transformer.sweeps --sweep configs/sweeps/table3.py --dry_run [--json]
+      Each row's parameters and training FLOPs per target token; trains nothing.
+  python -m transformer.sweeps --sweep configs/sweeps/table3_small.py --workdir W [--only A1,C3]
+      Trains the rows here, one after another, each in W/<row>, then beam-searches its
+      whole validation split (eval.py). Finished rows are skipped; interrupted ones resume.
+  python -m transformer.sweeps --sweep ... --workdir gs://BUCKET/t3 --launch slurm|tpu
+      Writes one script per row (and one that starts them all) for a SLURM cluster or a
+      TPU pod; the scripts run the same train.py and eval.py commands.
+  python -m transformer.sweeps --sweep ... --workdir W --collect [--output_dir DIR]
+      Final validation perplexity and BLEU of every row beside the paper's numbers:
+      DIR/<sweep>.md, .csv and .png (report.py).
+
+The sweep file format is in spec.py.
+"""
+
+import json
+import sys
+
+from absl import flags
+
+from transformer import cli
+from transformer import config as config_lib
+from transformer.sweeps import launch, report, runner, spec
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/table3.py.")
+flags.DEFINE_string("workdir", None, "Each row runs in WORKDIR/<row>.")
+flags.DEFINE_string("only", "", "Comma-separated row names to use (default: every row).")
+flags.DEFINE_bool("dry_run", False,
+                  "Print each row's overrides, parameters and FLOPs per target token; "
+                  "train nothing.")
+flags.DEFINE_bool("json", False, "With --dry_run: one JSON object per row instead of a table.")
+flags.DEFINE_enum("launch", None, ["slurm", "tpu"],
+                  "Write scripts that run each row on a SLURM cluster or a TPU pod "
+                  "instead of training here.")
+flags.DEFINE_bool("collect", False,
+                  "Gather each row's final validation perplexity and BLEU into "
+                  "<sweep>.md, .csv and .png.")
+flags.DEFINE_string("output_dir", None, "Where --collect writes (default: WORKDIR).")
+flags.DEFINE_bool("final_eval", True,
+                  "After training a row, beam-search its whole validation split with "
+                  "eval.py; --nofinal_eval keeps the training run's own last validation "
+                  "metrics (perplexity; BLEU only if config.eval_bleu_sentences > 0).")
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    if not FLAGS.sweep:
+      raise spec.SweepError("--sweep is required, e.g. --sweep configs/sweeps/table3.py")
+    modes = [name for name in ("dry_run", "collect") if FLAGS[name].value]
+    modes += ["launch"] if FLAGS.launch else []
+    if len(modes) > 1:
+      raise spec.SweepError(f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})")
+    if FLAGS.json and not FLAGS.dry_run:
+      raise spec.SweepError("--json goes with --dry_run")
+    if not FLAGS.workdir and not FLAGS.dry_run:
+      raise spec.SweepError("--workdir is required (each row runs in WORKDIR/<row>)")
+    sweep = spec.load_sweep(FLAGS.sweep)
+    rows = spec.select_rows(sweep, FLAGS.only)
+    # Every row is built and validated first: a bad override in the last row stops the
+    # sweep here, before the first row spends hours training.
+    configs = {row.name: spec.row_config(sweep, row) for row in rows}
+
+    if FLAGS.dry_run:
+      summaries = report.describe_rows(rows, configs)
+      if FLAGS.json:
+        for entry in summaries:
+          print(json.dumps(entry))
+      else:
+        print(report.dry_run_table(sweep, summaries))
+    elif FLAGS.launch:
+      written = launch.write_scripts(FLAGS.launch, sweep, rows, configs, FLAGS.workdir,
+                                     launch.options_from_flags())
+      for path in written:
+        print(path)
+    elif FLAGS.collect:
+      written = report.collect(sweep, rows, configs, FLAGS.workdir,
+                               FLAGS.output_dir or FLAGS.workdir)
+      print(open(written[0], encoding="utf-8").read())
+      for path in written:
+        print(f"wrote {path}")
+    else:
+      runner.run_local(sweep, rows, configs, FLAGS.workdir, final_eval=FLAGS.final_eval)
+  except (spec.SweepError, config_lib.ConfigError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  launch.define_flags()
+  flags.adopt_module_key_flags(launch)  # so that --help lists them
+  cli.run(main)

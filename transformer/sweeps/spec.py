@@ -1,0 +1,133 @@
+"""The sweep file format: named rows of config overrides on one base config.
+
+A sweep file is plain Python (see configs/sweeps/table3.py): `BASE_CONFIG = "FILE[:ARG]"`,
+optionally `BASE_OVERRIDES = {dotted key: value}` for every row, and `get_sweep()`
+returning a list of `Row`s (`from transformer.sweeps import Row`). Every row's config is
+built and validated before any row trains, so a typo in the last row fails in one line
+before the first row starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Optional
+
+import ml_collections
+
+from transformer import config as config_lib
+from transformer.messages import did_you_mean
+
+_ROW_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # each row is a directory name
+
+
+class SweepError(ValueError):
+  """A sweep that cannot run as written; the message names the row or the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One run of a sweep: config overrides (dotted keys) and the paper's numbers for it.
+
+  paper_ppl and paper_bleu are the published dev perplexity and BLEU, paper_params_m the
+  parameter count in millions; None where the paper gives none.
+  """
+  name: str
+  overrides: dict
+  paper_ppl: Optional[float] = None
+  paper_bleu: Optional[float] = None
+  paper_params_m: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  name: str  # the sweep file's stem: names the collected table and plot
+  base_config: str  # FILE[:ARG], as train.py's --config takes it
+  base_overrides: dict
+  rows: list
+
+
+def load_sweep(path: str) -> Sweep:
+  """Reads a sweep file and checks its shape: base config, unique row names."""
+  if not os.path.isfile(path):
+    raise SweepError(f"{path}: no such file")
+  module = config_lib.import_file(path, prefix="sweep")
+  base_config = getattr(module, "BASE_CONFIG", None)
+  if not isinstance(base_config, str) or not base_config:
+    raise SweepError(f"{path}: BASE_CONFIG = 'FILE[:ARG]' is missing")
+  if not hasattr(module, "get_sweep"):
+    raise SweepError(f"{path}: get_sweep() returning a list of Row is missing")
+  rows = list(module.get_sweep())
+  if not rows:
+    raise SweepError(f"{path}: get_sweep() returned no rows")
+  seen = set()
+  for row in rows:
+    if not isinstance(row, Row):
+      raise SweepError(f"{path}: get_sweep() must return Row objects, got {row!r}")
+    if not _ROW_NAME.match(row.name):
+      raise SweepError(f"{path}: row name {row.name!r} must be letters, digits, '_', '.', '-'")
+    if row.name in seen:
+      raise SweepError(f"{path}: row {row.name!r} appears twice")
+    seen.add(row.name)
+  name = os.path.splitext(os.path.basename(path))[0]
+  return Sweep(name, base_config, dict(getattr(module, "BASE_OVERRIDES", {})), rows)
+
+
+def select_rows(sweep: Sweep, only: str | None) -> list[Row]:
+  """The rows named in a comma-separated list (all rows when empty), in sweep order."""
+  if not only:
+    return list(sweep.rows)
+  wanted = [name.strip() for name in only.split(",") if name.strip()]
+  known = {row.name for row in sweep.rows}
+  for name in wanted:
+    if name not in known:
+      raise SweepError(f"--only: no row {name!r} in sweep {sweep.name}"
+                       f"{did_you_mean(name, known)}")
+  return [row for row in sweep.rows if row.name in wanted]
+
+
+def config_file(sweep: Sweep) -> str:
+  """The absolute path of the sweep's base config file (relative to the cwd or the repo)."""
+  try:
+    return config_lib.resolve_config_file(sweep.base_config.partition(":")[0])
+  except config_lib.ConfigError:
+    raise SweepError(f"BASE_CONFIG {sweep.base_config!r} is not a file") from None
+
+
+def row_config(sweep: Sweep, row: Row) -> ml_collections.ConfigDict:
+  """The base config with the sweep's and the row's overrides applied, validated."""
+  path, arg = config_file(sweep), sweep.base_config.partition(":")[2]
+  config = config_lib.load_config(f"{path}:{arg}" if arg else path)
+  for where, overrides in ((f"{sweep.name} BASE_OVERRIDES", sweep.base_overrides),
+                           (f"row {row.name}", row.overrides)):
+    try:
+      config_lib.apply_overrides(config, overrides)
+    except config_lib.ConfigError as e:
+      raise SweepError(f"{where}: {e}") from None
+  try:
+    config_lib.validate(config)
+  except config_lib.ConfigError as e:
+    raise SweepError(f"row {row.name}: {e}") from None
+  return config
+
+
+def flag_value(value: Any) -> str:
+  """A value as ml_collections parses it back from --config.KEY=VALUE."""
+  return value if isinstance(value, str) else repr(value)
+
+
+def train_args(sweep: Sweep, row: Row, workdir: str, config_path: str) -> list[str]:
+  """train.py's arguments for a row (without `python train.py`)."""
+  overrides = {**sweep.base_overrides, **row.overrides}
+  _, _, arg = sweep.base_config.partition(":")
+  config = f"{config_path}:{arg}" if arg else config_path
+  return (["--config", config, "--workdir", workdir] +
+          [f"--config.{k}={flag_value(v)}" for k, v in overrides.items()])
+
+
+def eval_args(workdir: str, num_train_steps: int) -> list[str]:
+  """eval.py's arguments: the final checkpoint (no averaging, as Table 3) on validation."""
+  return ["--workdir", workdir, "--split", "validation", "--step", str(num_train_steps)]
+
+

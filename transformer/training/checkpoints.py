@@ -1,0 +1,230 @@
+"""Orbax checkpoints: the train state, the data iterator's position and the config.
+
+Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}. Orbax writes each
+checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete,
+so a save torn by a crash is never listed, `latest_step()` is always a whole checkpoint,
+and the training run's next start deletes the leftover. A save that fails (a full disk)
+surfaces as a one-line `CheckpointError` at the next save or at the end; Orbax deletes
+old checkpoints only after a newer one is complete, so the earlier ones stay intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Optional
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from etils import epath
+
+from transformer import config as config_lib
+from transformer.config import ConfigError
+from transformer.messages import first_line
+
+_ITEMS = ("state", "data_iterator", "config")
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that could not be written or read; the message names the step."""
+
+
+def _reason(e: BaseException) -> str:
+  return first_line(e, with_type=True)
+
+
+def _join_orbax_threads(timeout_s: float = 60.0) -> None:
+  """Waits for Orbax's background threads of a failed save. When one item of a save
+  fails, the others' commit threads keep running; left alone they would outlive the
+  process's error and print their own tracebacks at exit, after the one-line message."""
+  deadline = time.time() + timeout_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and type(thread).__module__.startswith(
+        "orbax."):
+      thread.join(max(0.0, deadline - time.time()))
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def steps_on_disk(workdir: str) -> list[int]:
+  """Steps of the complete checkpoints in a run's workdir, as the directory lists them.
+
+  Orbax renames a checkpoint to its step only once it is complete, so a save torn by a
+  crash is never listed. Reads the directory, not Orbax's in-memory list, which forgets
+  steps it meant to delete once a newer save started. `workdir` may be gs://...
+  """
+  directory = epath.Path(workdir) / "checkpoints"
+  if not directory.exists():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+class Checkpointer:
+  """Asynchronous saves every so often, keeping the newest `keep` checkpoints."""
+
+  def __init__(self, workdir: str, keep: int, async_save: bool = True,
+               clean_torn: bool = False):
+    """clean_torn: delete the `<step>.orbax-checkpoint-tmp` directories that saves torn by
+    a kill left behind (they are never listed as steps). Only the training run may: for
+    anyone else reading the workdir they can be saves still in progress."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=clean_torn)
+    self.workdir = workdir
+    self.directory = checkpoint_dir(workdir)
+    try:
+      # Created here, so that a path that cannot hold checkpoints fails now, not at the
+      # first save (Orbax creates it lazily).
+      epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
+      self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                            item_names=_ITEMS)
+    except OSError as e:
+      raise CheckpointError(f"cannot use {self.directory} for checkpoints: "
+                            f"{e.strerror or _reason(e)}") from None
+    self._writing: Optional[int] = None  # the step of a save that may still be running
+    self._reported: Optional[CheckpointError] = None
+
+  def steps_on_disk(self) -> list[int]:
+    return steps_on_disk(self.workdir)
+
+  def _failed(self, e: Exception) -> CheckpointError:
+    _join_orbax_threads()
+    step = f" at step {self._writing}" if self._writing is not None else ""
+    self._writing = None
+    self._reported = CheckpointError(
+        f"the checkpoint{step} could not be written ({_reason(e)}); complete "
+        f"checkpoints in {self.directory}: {self.steps_on_disk()}")
+    return self._reported
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, iterator_state: dict,
+           config: ml_collections.ConfigDict) -> None:
+    """Starts writing; returns before the write finishes unless saving is synchronous.
+
+    Raises CheckpointError if the previous asynchronous save failed (it is awaited here).
+    """
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data_iterator=ocp.args.JsonSave(iterator_state),
+          config=ocp.args.JsonSave(json.loads(config.to_json()))), force=True)
+    except Exception as e:  # the previous save's error, or this one's synchronous part
+      # The previous step if its write failed, else this step.
+      if self._writing is None or self._writing in self.steps_on_disk():
+        self._writing = step
+      raise self._failed(e) from e
+    self._writing = step
+
+  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    """(state placed as `abstract_state`'s shardings say, iterator state)."""
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state),
+          data_iterator=ocp.args.JsonRestore()))
+    except (ValueError, KeyError, TypeError, OSError) as e:
+      # A tree or shape that does not fit this config's model, or damaged files.
+      raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be loaded (a "
+                            f"model other than this config's, or damaged files): "
+                            f"{_reason(e)}") from e
+    return restored["state"], restored["data_iterator"]
+
+  def saved_config(self, step: int) -> dict:
+    return self._manager.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore()))["config"]
+
+  def reached_preemption(self, step: int) -> bool:
+    """True on every host once jax.distributed has seen a preemption notice."""
+    return self._manager.reached_preemption(step)
+
+  def wait(self) -> None:
+    """Blocks until the last asynchronous save is on disk; CheckpointError if it failed."""
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as e:
+      raise self._failed(e) from e
+    self._writing = None
+
+  def close(self) -> None:
+    try:
+      if self._reported is None:  # an error already raised is not raised again
+        self.wait()
+    finally:
+      self._manager.close()
+
+
+# Model keys that change the parameter tree or its shapes: a checkpoint made with other
+# values cannot be loaded.
+_ARCHITECTURE_KEYS = ("num_layers", "d_model", "d_ff", "num_heads", "d_k", "d_v",
+                      "positional", "activation", "tie_embeddings", "decoder_only", "norm")
+
+
+def check_compatible(saved: dict, config: ml_collections.ConfigDict) -> None:
+  """One-line ConfigError naming the first architecture key that differs."""
+  pairs = [("vocab_size", saved.get("vocab_size"), config.vocab_size)]
+  pairs += [(f"model.{k}", saved.get("model", {}).get(k), config.model[k])
+            for k in _ARCHITECTURE_KEYS]
+  for key, was, now in pairs:
+    if was is not None and was != now:
+      raise ConfigError(f"config.{key}: the checkpoint was trained with {was!r}, "
+                        f"the config says {now!r}")
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run in `workdir` was trained with (WORKDIR/config.json)."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise ConfigError(f"{workdir} holds no trained run: {path} is missing")
+  with open(path) as f:
+    try:
+      saved = json.load(f)
+    except ValueError as e:
+      raise ConfigError(f"{path} is not valid JSON ({e}); rerunning train.py on the "
+                        "workdir writes it again") from None
+  config = config_lib.base_config()
+  config.update(saved)
+  return config
+
+
+def restore_params(workdir: str, setup, step: Optional[int] = None,
+                   average_last: int = 1) -> tuple[Any, int]:
+  """Parameters of checkpoint `step` (default: newest), or the mean of the newest k.
+
+  `setup`: the config's `training.state.Setup`, which says the shapes and shardings to
+  restore into. Averaging follows the paper: the element-wise mean of the parameters of
+  the last k checkpoints (5 for base, 20 for big), accumulated in float32. Returns
+  (params, step of the newest checkpoint used).
+  """
+  checkpointer = Checkpointer(workdir, keep=10**6, async_save=False)
+  steps = checkpointer.all_steps()
+  if not steps:
+    raise ConfigError(f"{checkpoint_dir(workdir)} holds no checkpoint")
+  if step is not None and step not in steps:
+    raise ConfigError(f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; "
+                      f"there are {steps}")
+  upto = step if step is not None else steps[-1]
+  chosen = [s for s in steps if s <= upto][-average_last:]
+  if len(chosen) < average_last:
+    raise ConfigError(f"--average_last {average_last}: only {len(chosen)} checkpoints up to "
+                      f"step {upto} ({chosen})")
+  check_compatible(checkpointer.saved_config(chosen[-1]), setup.config)
+  target = setup.restore_target()
+  total = None
+  for s in chosen:
+    state, _ = checkpointer.restore(s, target)
+    params = jax.tree.map(lambda x: x.astype("float32"), state.params)
+    total = params if total is None else jax.tree.map(lambda a, b: a + b, total, params)
+  checkpointer.close()
+  averaged = jax.tree.map(lambda x, ref: (x / len(chosen)).astype(ref.dtype), total,
+                          setup.abstract_state.params)
+  return averaged, chosen[-1]

@@ -1,0 +1,91 @@
+"""Multi-host start-up on JAX's own runtime (`jax.distributed`): TPU pods, SLURM, or flags.
+
+Every process runs the same command. On a TPU pod or under SLURM, JAX finds the
+coordinator, the process count and this process's id by itself; elsewhere pass
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
+"""
+
+import os
+import sys
+
+import jax
+from absl import flags, logging
+
+from transformer.messages import first_line
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"],
+                    "Start jax.distributed: auto = when flags or a TPU pod / SLURM job "
+                    "with several processes are detected.")
+  flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
+  flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes-1.")
+  flags.DEFINE_integer("distributed_init_timeout_s", 300,
+                       "Seconds to wait for every process to join.")
+  flags.DEFINE_integer("heartbeat_timeout_s", 100,
+                       "Seconds without a heartbeat before a process is declared dead and "
+                       "the others stop with an error instead of hanging.")
+
+
+def _detected_multiprocess() -> bool:
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    return True
+  # TPU VMs list every worker of the pod slice.
+  return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+
+
+def initialize_from_flags() -> None:
+  explicit = FLAGS.coordinator_address is not None
+  mode = FLAGS.distributed
+  if mode == "off" or (mode == "auto" and not explicit and not _detected_multiprocess()):
+    return
+  # CPU processes (tests, or CPU-only clusters) need a collectives backend.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # A process that stops sending heartbeats for heartbeat_timeout_s is declared dead, and
+  # the coordination service then terminates every other process ("Terminating process
+  # because the JAX distributed service detected fatal errors ... stopped sending
+  # heartbeats"): a job with a dead host ends instead of waiting in a collective forever.
+  # A coordinator that cannot be reached ends the same way after initialization_timeout.
+  try:
+    jax.distributed.initialize(
+        coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id,
+        initialization_timeout=FLAGS.distributed_init_timeout_s,
+        heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_s)
+  except (RuntimeError, ValueError, TypeError) as e:  # bad ids, no coordinator address
+    exit_with_error(
+        f"cannot start jax.distributed (--coordinator_address={FLAGS.coordinator_address}, "
+        f"--process_id={FLAGS.process_id}, --num_processes={FLAGS.num_processes}): "
+        f"{first_line(e)}", force=True)
+  logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+
+
+def exit_with_error(error, force: bool = False) -> None:
+  """Prints `error: ...` as one line on stderr and exits 1.
+
+  With several processes the exit skips Python's shutdown (os._exit): the normal exit runs
+  jax.distributed's shutdown barrier, which waits for every process, so after another
+  process died it would sit there until the heartbeat timeout and then abort with pages
+  of logs. Exiting at once also closes this process's connections, so the others' next
+  collective fails at once instead of waiting. `force`: exit so even before JAX knows
+  the process count (a failed jax.distributed.initialize).
+  """
+  message = str(error).strip().replace("\n", " ")
+  several = force or (jax.distributed.is_initialized() and jax.process_count() > 1)
+  if several and isinstance(error, jax.errors.JaxRuntimeError):
+    message = ("a collective operation with the other processes failed; another process "
+               "has probably died (rerun every process with the same command to resume "
+               f"from the newest checkpoint): {first_line(error)}")
+  logging.error("%s", message)
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  if several:
+    logging.flush()
+    sys.stdout.flush()
+    os._exit(1)
+  sys.exit(1)

@@ -1,0 +1,286 @@
+"""The training run: setup, data, model, sharding, restore, loop, final evaluation.
+
+`train_and_evaluate(config, workdir)` is what `train.py` calls. Rerunning it on the same
+workdir resumes from the newest complete checkpoint, with the data iterator where it
+was, so an interrupted run ends with the same parameters as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.experimental.multihost_utils
+import ml_collections
+from absl import logging
+
+from transformer import config as config_lib
+from transformer import data
+from transformer.evaluation import bleu, translate
+from transformer.training import (checkpoints, flops, metrics, prefetch, reporting, sharding,
+                                  state, steps)
+
+
+class TrainingError(RuntimeError):
+  """A run that must stop: the message says why and at which step."""
+
+
+class PreemptionSignal:
+  """SIGTERM/SIGINT ask the loop to checkpoint and exit 0; a second SIGINT aborts."""
+
+  def __init__(self):
+    self.received = None
+    self._previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.received = signal.Signals(signum).name
+    logging.warning("%s received: saving a checkpoint after this step, then exiting",
+                    self.received)
+
+  def restore(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def check_workdir_writable(workdir: str) -> None:
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise TrainingError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+
+
+def write_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """WORKDIR/config.json, written whole and renamed: a kill never leaves half of it."""
+  path = os.path.join(workdir, "config.json")
+  with open(path + ".tmp", "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  os.replace(path + ".tmp", path)
+
+
+class Progress:
+  """Step metrics kept on device until a log step, then one logged record.
+
+  Losses are checked for NaN/Inf in order, each step once: at log steps and before
+  every checkpoint, so a NaN state is never written.
+  """
+
+  def __init__(self, peak_flops: float, total_steps: int):
+    self.peak_flops = peak_flops
+    self.total_steps = total_steps
+    self._pending: list[tuple[int, dict]] = []  # (step, metrics) since the last record
+    self._checked = 0  # how many of _pending are known finite
+    self._pending_flops = 0
+    self._window_start = time.time()
+
+  def add(self, step: int, step_metrics: dict, step_flops: int) -> None:
+    self._pending.append((step, step_metrics))
+    self._pending_flops += step_flops
+
+  def check_finite(self) -> None:
+    """Raises at the first step whose loss is NaN or Inf (fetches unchecked losses)."""
+    unchecked = self._pending[self._checked:]
+    losses = jax.device_get([m["loss"] for _, m in unchecked])
+    for (step, _), loss in zip(unchecked, losses):
+      if not math.isfinite(float(loss)):
+        raise TrainingError(f"loss is {float(loss)} at step {step}: stopping; "
+                            "the last checkpoint before it is intact")
+    self._checked = len(self._pending)
+
+  def record(self, step: int) -> dict[str, float]:
+    """Averages since the last record, throughput, MFU and ETA; starts a new window."""
+    self.check_finite()
+    count = len(self._pending)
+    sums = metrics.sum_metrics([m for _, m in self._pending])
+    elapsed = max(time.time() - self._window_start, 1e-9)
+    steps_per_sec = count / elapsed
+    averages = metrics.token_averages(sums)
+    del averages["num_tokens"]
+    record = {
+        **averages,
+        "lr": sums["lr"] / count,
+        "grad_norm": sums["grad_norm"] / count,
+        "tokens_per_sec": sums["num_tokens"] / elapsed,
+        "steps_per_sec": steps_per_sec,
+        "mfu": self._pending_flops / elapsed / self.peak_flops,
+        "eta_s": (self.total_steps - step) / max(steps_per_sec, 1e-9),
+    }
+    self._pending, self._checked, self._pending_flops = [], 0, 0
+    self._window_start = time.time()
+    return record
+
+
+class Validator:
+  """Validation loss and perplexity; BLEU of a beam-searched subset of the split."""
+
+  def __init__(self, config, run_setup: state.Setup, tokenizer):
+    self._config, self._setup, self._tokenizer = config, run_setup, tokenizer
+    self._eval_step = steps.jit_eval_step(run_setup)
+    self._batches = data.make_eval_batches(config, tokenizer, "validation",
+                                           process_index=jax.process_index(),
+                                           process_count=jax.process_count())
+    self._bleu_pairs = []
+    if config.eval_bleu_sentences and not config.model.decoder_only:
+      self._bleu_pairs = data.load_raw_pairs(config, "validation")[:config.eval_bleu_sentences]
+
+  def __call__(self, params) -> dict[str, Any]:
+    s = self._setup
+    result = metrics.evaluate_loss(self._eval_step, params, self._batches, s.mesh, s.rules,
+                                   self._config.num_eval_batches)
+    if self._bleu_pairs:
+      hypotheses = translate.beam_translate(s.model, params, self._tokenizer, self._config,
+                                            s.mesh, s.rules, [x for x, _ in self._bleu_pairs])
+      result["bleu"] = bleu.sacre_bleu(hypotheses, [r for _, r in self._bleu_pairs]).score
+    return result
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) in `workdir`; returns the last validation metrics."""
+  # Everything that can be wrong is checked before any compile.
+  config_lib.validate(config)
+  check_workdir_writable(workdir)
+  run = TrainingRun(config, workdir)
+  try:
+    return run.train()
+  finally:
+    run.close()
+
+
+class TrainingRun:
+  """One run in a workdir: built (and restored) at construction, then `train()`."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    self.config = config
+    self.is_chief = jax.process_index() == 0
+    # --- Mesh, model, optimizer and the sharded state's shapes.
+    self.setup = state.setup(config)
+    logging.info("mesh %s over %d devices, %d processes", dict(self.setup.mesh.shape),
+                 jax.device_count(), jax.process_count())
+    if self.is_chief:
+      write_run_config(config, workdir)
+    # --- Data.
+    self.tokenizer = data.get_tokenizer(config, workdir)
+    self.train_iter = data.make_train_iterator(
+        config, self.tokenizer, process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        row_multiple=sharding.batch_row_multiple(self.setup.mesh, self.setup.rules))
+    # --- Restore, or start fresh.
+    self.checkpointer = checkpoints.Checkpointer(workdir, config.keep_checkpoints,
+                                                 clean_torn=True)
+    self.state = self._restore_or_init()
+    logging.info("%s parameters", f"{self.setup.num_params:,}")
+    self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief)
+    self.total_steps = config.num_train_steps * config.grad_accum_steps
+    self.progress = Progress(flops.total_peak_flops(), self.total_steps)
+    self.validate = Validator(config, self.setup, self.tokenizer) if (
+        config.eval_every_steps) else None
+    self.batches = None
+    self.last_save_time = time.time()
+
+  def _restore_or_init(self) -> state.TrainState:
+    latest = self.checkpointer.latest_step()
+    if latest is None:
+      return self.setup.init_state(jax.random.key(self.config.seed))
+    checkpoints.check_compatible(self.checkpointer.saved_config(latest), self.config)
+    restored, iterator_state = self.checkpointer.restore(latest, self.setup.restore_target())
+    self.train_iter.set_state(iterator_state)
+    logging.info("resumed from step %d", latest)
+    return restored
+
+  def train(self) -> dict[str, Any]:
+    """The loop. Metrics stay on device until a log step, so steps run back to back; two
+    global batches are built ahead on a thread (its state is that of the consumed ones)."""
+    start_step = int(jax.device_get(self.state.step))
+    if start_step >= self.total_steps:
+      logging.info("already trained to step %d of %d", start_step, self.total_steps)
+      return {"step": start_step}
+    p_train_step = steps.jit_train_step(self.setup)
+    self.batches = prefetch.Prefetcher(
+        self.train_iter, lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules),
+        size=2)
+    preemption = PreemptionSignal()
+    started = time.time()
+    eval_metrics: dict[str, Any] = {}
+    finished = False
+    try:
+      for step in range(start_step + 1, self.total_steps + 1):
+        batch = next(self.batches)
+        self.state, step_metrics = p_train_step(self.state, batch)
+        self.progress.add(step, step_metrics, self._step_flops(batch))
+        is_last = step == self.total_steps
+        if step % self.config.log_every_steps == 0 or is_last:
+          self._log(step, started)
+        if self.validate and (step % self.config.eval_every_steps == 0 or is_last):
+          eval_metrics = self._evaluate(step)
+        preempted = self._preempted(step, preemption)
+        if self._checkpoint_due(step) or is_last or preempted:
+          self._save(step)
+        if preempted:
+          self.checkpointer.wait()
+          logging.info("checkpoint at step %d written after %s; exiting", step,
+                       preemption.received or "preemption notice")
+          break
+      finished = True
+    finally:
+      self.batches.close(close_iterator=finished)  # on an error the process exits right after
+      preemption.restore()
+    return {"step": step, **eval_metrics}
+
+  def _step_flops(self, batch) -> int:
+    rows, target_len = batch["decoder_input"].shape
+    source_len = batch["source"].shape[1] if "source" in batch else 0
+    return flops.training_flops(self.setup.model.config, rows, source_len, target_len)
+
+  def _log(self, step: int, started: float) -> None:
+    record = self.progress.record(step)
+    record["elapsed_s"] = time.time() - started
+    self.writer.write(step, record)
+    if self.is_chief:
+      print(reporting.progress_line(step, self.total_steps, record, started), flush=True)
+
+  def _evaluate(self, step: int) -> dict[str, Any]:
+    result = self.validate(self.state.params)
+    self.writer.write(step, result, kind="validation")
+    if self.is_chief:
+      bleu_text = f" | BLEU {result['bleu']:.2f}" if "bleu" in result else ""
+      print(f"validation at step {step}: ce {result['ce']:.4f} | ppl {result['ppl']:.2f}"
+            f"{bleu_text}", flush=True)
+    return result
+
+  def _checkpoint_due(self, step: int) -> bool:
+    """Every checkpoint_every_steps, or (checked at log steps) checkpoint_every_minutes."""
+    config = self.config
+    if config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0:
+      return True
+    by_time = (config.checkpoint_every_minutes and step % config.log_every_steps == 0 and
+               time.time() - self.last_save_time >= 60 * config.checkpoint_every_minutes)
+    if by_time and jax.process_count() > 1:  # every host must agree to save
+      by_time = bool(jax.experimental.multihost_utils.broadcast_one_to_all(by_time))
+    return bool(by_time)
+
+  def _preempted(self, step: int, preemption: PreemptionSignal) -> bool:
+    preempted = preemption.received is not None
+    if jax.process_count() > 1:  # hosts agree on the step through jax.distributed
+      preempted = self.checkpointer.reached_preemption(step) or preempted
+    return preempted
+
+  def _save(self, step: int) -> None:
+    self.progress.check_finite()  # a NaN state is never written
+    self.checkpointer.save(step, self.state, self.batches.get_state(), self.config)
+    self.last_save_time = time.time()
+
+  def close(self) -> None:
+    try:
+      self.checkpointer.close()
+    finally:
+      self.writer.close()

@@ -1,0 +1,46 @@
+"""Step metrics -> the numbers people read: summed on the host, averaged per token.
+
+Steps return sums over real (non-padding) target tokens (steps.cross_entropy_sums), so
+metrics of many batches, or of several microbatches, combine exactly by adding them
+before dividing by the total token count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import jax
+import numpy as np
+
+from transformer.training import sharding
+
+
+def sum_metrics(pending: list[dict]) -> dict[str, float]:
+  """Fetches step metrics from the devices and adds them key by key."""
+  fetched = jax.device_get(pending)
+  return {k: float(np.sum([m[k] for m in fetched])) for k in fetched[0]}
+
+
+def token_averages(sums: dict[str, float]) -> dict[str, float]:
+  """Per-token loss (smoothed), cross-entropy, perplexity and accuracy from summed metrics.
+
+  `ce` is the unsmoothed cross-entropy in nats; its exponential is the perplexity the
+  paper reports (capped at exp(50) so a diverged run still prints a number).
+  """
+  tokens = max(sums["num_tokens"], 1.0)
+  ce = sums["ce_sum"] / tokens
+  return {"loss": sums["loss_sum"] / tokens, "ce": ce, "ppl": math.exp(min(ce, 50.0)),
+          "accuracy": sums["correct_sum"] / tokens, "num_tokens": sums["num_tokens"]}
+
+
+def evaluate_loss(p_eval_step, params: Any, eval_batches: Iterable[dict], mesh, rules,
+                  max_batches: int = 0) -> dict[str, float]:
+  """Unsmoothed cross-entropy and perplexity over a split (or its first `max_batches`)."""
+  pending = []
+  for i, batch in enumerate(eval_batches):
+    if max_batches and i >= max_batches:
+      break
+    batch = {k: v for k, v in batch.items() if k != "index"}
+    pending.append(p_eval_step(params, sharding.global_batch(batch, mesh, rules)))
+  return token_averages(sum_metrics(pending))

@@ -1,0 +1,110 @@
+"""The loss and the sharded train and eval steps.
+
+Pure functions of (state, batch); `transformer/training/loop.py` drives them. A step is
+`jax.jit`-compiled with the state's shardings in and out and the state donated, so
+parameters and Adam moments are updated in place wherever the mesh put them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from transformer.config import PAD_ID
+from transformer.model import Transformer, model_inputs
+from transformer.training import sharding
+from transformer.training.optimizer import learning_rate_schedule
+from transformer.training.state import Setup, TrainState
+
+Array = jax.Array
+
+
+def cross_entropy_sums(logits_BxTxV: Array, targets_BxT: Array,
+                       label_smoothing: float) -> dict[str, Array]:
+  """Sums over non-padding target tokens of the smoothed loss, plain CE and accuracy.
+
+  Label smoothing puts 1 - eps on the target and eps / (V - 1) on every other token;
+  the loss is the cross-entropy to that distribution minus its entropy (a KL, zero at
+  the optimum), as Tensor2Tensor does. `ce` is the unsmoothed cross-entropy, whose
+  exponential is the perplexity the paper reports.
+  """
+  vocab = logits_BxTxV.shape[-1]
+  weights_BxT = (targets_BxT != PAD_ID).astype(jnp.float32)
+  log_probs_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+  target_log_prob_BxT = jnp.take_along_axis(log_probs_BxTxV, targets_BxT[..., None], -1)[..., 0]
+  ce_BxT = -target_log_prob_BxT
+  if label_smoothing > 0:
+    confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+    entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low))
+    others_BxT = -(jnp.sum(log_probs_BxTxV, axis=-1) - target_log_prob_BxT)
+    smoothed_BxT = confidence * ce_BxT + low * others_BxT - entropy
+  else:
+    smoothed_BxT = ce_BxT
+  correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT).astype(jnp.float32)
+  return {
+      "loss_sum": jnp.sum(smoothed_BxT * weights_BxT),
+      "ce_sum": jnp.sum(ce_BxT * weights_BxT),
+      "correct_sum": jnp.sum(correct_BxT * weights_BxT),
+      "num_tokens": jnp.sum(weights_BxT),
+  }
+
+
+def loss_fn(params, batch: dict[str, Array], dropout_rng: Array, *, model: Transformer,
+            label_smoothing: float, nan_at_step: Array | None = None):
+  logits_BxTxV = model.apply({"params": params}, **model_inputs(batch), deterministic=False,
+                             rngs={"dropout": dropout_rng})
+  sums = cross_entropy_sums(logits_BxTxV, batch["target"], label_smoothing)
+  loss = sums["loss_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
+  if nan_at_step is not None:  # fault injection for tests: config.debug_nan_step
+    loss = loss * jnp.where(nan_at_step, jnp.nan, 1.0)
+  return loss, sums
+
+
+def train_step(state: TrainState, batch: dict[str, Array], *, model: Transformer,
+               optimizer, config: ml_collections.ConfigDict) -> tuple[TrainState, dict]:
+  """One update on a global batch. Returns the new state and summed metrics."""
+  # Dropout masks depend only on (seed, step): a resumed run draws the same ones.
+  dropout_rng = jax.random.fold_in(
+      jax.random.key(config.seed + 1, impl=config.dropout_rng_impl), state.step)
+  nan_at_step = None
+  if config.debug_nan_step > 0:
+    nan_at_step = state.step + 1 == config.debug_nan_step
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  (loss, sums), grads = grad_fn(state.params, batch, dropout_rng, model=model,
+                                label_smoothing=config.label_smoothing,
+                                nan_at_step=nan_at_step)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  update_count = state.step // config.grad_accum_steps
+  metrics = dict(sums, loss=loss, grad_norm=optax.tree_utils.tree_norm(grads),
+                 lr=learning_rate_schedule(config)(update_count))
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params, batch: dict[str, Array], *, model: Transformer,
+              config: ml_collections.ConfigDict) -> dict[str, Array]:
+  logits_BxTxV = model.apply({"params": params}, **model_inputs(batch), deterministic=True)
+  return cross_entropy_sums(logits_BxTxV, batch["target"], config.label_smoothing)
+
+
+def jit_train_step(setup: Setup):
+  """train_step compiled over the mesh: state sharded in and out, and donated."""
+  step = functools.partial(train_step, model=setup.model, optimizer=setup.optimizer,
+                           config=setup.config)
+  batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
+  return jax.jit(step, in_shardings=(setup.state_shardings, batch_sharding),
+                 out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
+                 donate_argnums=0)
+
+
+def jit_eval_step(setup: Setup):
+  """eval_step over the mesh; batches hold only [B, L] arrays (drop 'index' first)."""
+  step = functools.partial(eval_step, model=setup.model, config=setup.config)
+  batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
+  return jax.jit(step, in_shardings=(setup.state_shardings.params, batch_sharding),
+                 out_shardings=sharding.replicated(setup.mesh))
