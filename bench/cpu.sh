@@ -4,7 +4,7 @@
 #
 #   bash bench/cpu.sh                 # writes bench/results/cpu.jsonl and prints a table
 #
-# Each line of cpu.jsonl is one `python -m transformer.bench --json` record with a
+# Each line of cpu.jsonl is one `python -m transformer.tools.bench --json` record with a
 # `label` naming the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ run() {  # run LABEL CONFIG [FLAGS...]
   local label=$1 config=$2
   shift 2
   echo "== $label" >&2
-  "$PY" -m transformer.bench --config "$config" --json --label "$label" "$@" >> "$LOG" ||
+  "$PY" -m transformer.tools.bench --config "$config" --json --label "$label" "$@" >> "$LOG" ||
     echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"
 }
 

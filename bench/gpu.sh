@@ -4,7 +4,7 @@
 #   pip install -e '.[cuda]' && bash bench/gpu.sh          # writes bench/results/gpu.jsonl
 #   SMOKE=1 bash bench/gpu.sh                              # tiny sizes: checks the script on CPU
 #
-# Each line of gpu.jsonl is one `python -m transformer.bench --json` record with a
+# Each line of gpu.jsonl is one `python -m transformer.tools.bench --json` record with a
 # `label` naming the run. A run that fails or times out is logged and the rest go on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ run() {  # run LABEL CONFIG [FLAGS...]
   shift 2
   echo "== $label" >&2
   # shellcheck disable=SC2086
-  if ! timeout "$LIMIT" "$PY" -m transformer.bench --config "$config" --json --label "$label" \
+  if ! timeout "$LIMIT" "$PY" -m transformer.tools.bench --config "$config" --json --label "$label" \
       $SIZE "$@" >> "$LOG"; then
     echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"
   fi

@@ -1,20 +1,24 @@
 """Config files load and validate; bad values fail in one line naming the key."""
 
-import importlib.util
+import dataclasses
 import os
+import sys
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
 import pytest
 
+from transformer import cli
 from transformer import config as config_lib
+from transformer.model import ModelConfig, Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(path, arg=None):
-  spec = importlib.util.spec_from_file_location("config_module", os.path.join(REPO, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg is not None else module.get_config()
+  return config_lib.load_config(f"{path}:{arg}" if arg is not None else path)
 
 
 @pytest.mark.parametrize("path,arg", [
@@ -95,14 +99,96 @@ def test_odd_d_model_fails_only_for_sinusoids():
   config_lib.validate(config)
 
 
-def test_every_key_is_read_by_the_package():
-  """No dead options: each leaf key name appears in the package's code."""
-  sources = ""
-  for root, _, files in os.walk(os.path.join(REPO, "transformer")):
-    for name in files:
-      if name.endswith(".py") and name != "config.py":
-        with open(os.path.join(root, name)) as f:
-          sources += f.read()
-  flat = config_lib.flatten(config_lib.base_config())
-  unread = [k for k in flat if k.split(".")[-1] not in sources]
+class RecordingConfig(ml_collections.ConfigDict):
+  """A ConfigDict that records which keys the package reads, with their dotted names.
+
+  A read counts when a module of the package other than config.py (whose validation
+  reads every key) takes the value by attribute or by item; bulk conversions inside
+  ml_collections (to_json, items) do not count.
+  """
+  reads: set = set()
+
+  def __getitem__(self, key):
+    value = super().__getitem__(key)
+    caller = sys._getframe(1)
+    if caller.f_code.co_name == "__getattr__" and "ml_collections" in caller.f_code.co_filename:
+      caller = caller.f_back
+    path = os.path.abspath(caller.f_code.co_filename)
+    if cli.is_project_file(path) and path != os.path.abspath(config_lib.__file__):
+      RecordingConfig.reads.add(self._prefix() + key)
+    return value
+
+  def _prefix(self) -> str:
+    return RecordingConfig._prefixes.get(id(self), "")
+
+  _prefixes: dict = {}
+
+
+def _recording(config: ml_collections.ConfigDict, prefix: str = "") -> RecordingConfig:
+  out = RecordingConfig()
+  RecordingConfig._prefixes[id(out)] = prefix
+  for key, value in config.items():
+    out[key] = (_recording(value, f"{prefix}{key}.")
+                if isinstance(value, ml_collections.ConfigDict) else value)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingModelConfig(ModelConfig):
+  """ModelConfig that records which fields the model's modules read."""
+
+  def __getattribute__(self, name):
+    if name in ModelConfig.__dataclass_fields__:
+      path = os.path.abspath(sys._getframe(1).f_code.co_filename)
+      if cli.is_project_file(path):
+        model_fields_read.add(name)
+    return super().__getattribute__(name)
+
+
+model_fields_read: set = set()
+
+
+def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
+  """No dead options: a real run (train, validate with BLEU, checkpoint) reads every key,
+  and the model's modules read every ModelConfig field."""
+  from tests.tiny_run import make_config
+  from transformer.training import loop, state
+  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
+                       eval_bleu_sentences=4, num_eval_batches=1, checkpoint_every_steps=3,
+                       checkpoint_every_minutes=60.0, log_every_steps=2)
+  RecordingConfig.reads = set()
+  loop.train_and_evaluate(_recording(config), str(tmp_path / "run"))
+  unread = sorted(set(config_lib.flatten(config_lib.base_config())) - RecordingConfig.reads)
   assert not unread, f"config keys never read: {unread}"
+
+  # The model keys reach the modules through ModelConfig: each of its fields must be read
+  # there (a learned position table reads max_position; beam search runs the cache path).
+  from transformer.model import decoding
+  model_fields_read.clear()
+  for positional in ("sinusoidal", "learned"):
+    fields = dataclasses.asdict(ModelConfig.from_config(config))
+    run = state.setup(config)
+    model = Transformer(RecordingModelConfig(**{**fields, "positional": positional}))
+    params = model.init(jax.random.key(0), **state.dummy_inputs(config))["params"]
+    source = jnp.array([[5, 6, config_lib.EOS_ID]], jnp.int32)
+    decoding.beam_search(model, nn.unbox(params), source, beam_size=2, alpha=0.6,
+                         max_decode_extra_len=2)
+    del run
+  unread = sorted(set(ModelConfig.__dataclass_fields__) - model_fields_read)
+  assert not unread, f"ModelConfig fields never read by the model: {unread}"
+
+
+def test_load_config_applies_overrides_and_finds_files_from_any_directory(tmp_path,
+                                                                          monkeypatch):
+  """FILE:ARG with dotted overrides, the path relative to the repository when the working
+  directory has no such file; a bad key is a one-line error with a suggestion."""
+  monkeypatch.chdir(tmp_path)
+  config = config_lib.load_config("configs/wmt14.py:big", {"model.num_heads": 4,
+                                                           "tokens_per_batch": 1000})
+  assert (config.model.d_model, config.model.num_heads, config.tokens_per_batch) == (1024, 4,
+                                                                                     1000)
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config.model.num_heds: unknown key \(did you mean config.model.num_heads\?\)"):
+    config_lib.load_config("configs/default.py", {"model.num_heds": 4})
+  with pytest.raises(config_lib.ConfigError, match="config file configs/nope.py not found"):
+    config_lib.load_config("configs/nope.py")

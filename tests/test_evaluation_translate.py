@@ -1,19 +1,17 @@
 """eval.py's machinery on a tiny trained run: a split once, in order; translation;
-checkpoint averaging; one-line errors for missing or incompatible runs."""
+one-line errors for missing or incompatible runs. Checkpoint averaging is in
+test_tools_average_checkpoints.py."""
 
 import json
 import os
 import subprocess
 import sys
 
-import jax
-import numpy as np
 import pytest
 
 from tests.tiny_run import REPO, make_config
 from transformer.evaluation import score, translate
-from transformer.tools import average_checkpoints
-from transformer.training import checkpoints, loop, sharding, state
+from transformer.training import checkpoints, loop, sharding
 from transformer.config import ConfigError
 from transformer.data import pipeline
 
@@ -25,12 +23,6 @@ def trained(small_corpus, tmp_path_factory):
   config = make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)
   loop.train_and_evaluate(config, workdir)
   return config, workdir
-
-
-def _params(workdir, config, **kwargs):
-  params, step = checkpoints.restore_params(workdir, state.setup(config),
-                                            **kwargs)
-  return jax.device_get(params), step
 
 
 def test_split_is_translated_once_in_order(trained):
@@ -61,40 +53,6 @@ def test_translate_handles_empty_and_overlong_lines(trained):
   outputs = translator.translate_lines(["", "I like cats.", long_line])
   assert len(outputs) == 3 and outputs[0] == ""
   assert all(isinstance(o, str) for o in outputs)
-
-
-def test_averaging_gives_the_mean(trained, tmp_path):
-  config, workdir = trained
-  p2, _ = _params(workdir, config, step=2)
-  p4, step = _params(workdir, config)
-  assert step == 4
-  averaged, step = _params(workdir, config, average_last=2)
-  assert step == 4
-  jax.tree.map(lambda a, x, y: np.testing.assert_allclose(a, (x + y) / 2, rtol=1e-6),
-               averaged, p2, p4)
-  same, _ = _params(workdir, config, average_last=1)
-  jax.tree.map(np.testing.assert_array_equal, same, p4)
-  with pytest.raises(ConfigError, match="only 2 checkpoints"):
-    _params(workdir, config, average_last=3)
-
-  out = str(tmp_path / "avg")
-  assert average_checkpoints.average_into(workdir, out, 2) == 4
-  written, _ = _params(out, checkpoints.load_run_config(out))
-  jax.tree.map(np.testing.assert_array_equal, written, averaged)
-
-
-def test_averaging_identical_checkpoints_returns_them(trained, tmp_path):
-  config, workdir = trained
-  p4, _ = _params(workdir, config)
-  once = str(tmp_path / "once")
-  average_checkpoints.average_into(workdir, once, 1)
-  # A run whose two checkpoints hold the same parameters averages to exactly them.
-  twice = checkpoints.Checkpointer(once, keep=5, async_save=False)
-  restored, iterator = twice.restore(4, state.setup(config).restore_target())
-  twice.save(5, restored, iterator, config)
-  twice.close()
-  averaged, _ = _params(once, config, average_last=2)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-7), averaged, p4)
 
 
 def test_incompatible_config_fails_naming_the_key(trained):

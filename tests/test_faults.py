@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics, set_key
+from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
 from transformer.training import checkpoints, loop, sharding, state
 from transformer import config as config_lib
 from transformer.config import ConfigError
@@ -300,8 +300,7 @@ def _invalid(mutate):
 def test_model_sizes_that_do_not_split_over_the_mesh_are_named():
   def set_(**values):  # model__num_heads=6 sets config.model.num_heads
     def mutate(c):
-      for key, value in values.items():
-        set_key(c, key.replace("__", "."), value)
+      config_lib.apply_overrides(c, {k.replace("__", "."): v for k, v in values.items()})
     return mutate
   assert _invalid(set_(model__num_heads=6, mesh__tensor=4)).startswith(
       "config.model.num_heads: 6 does not split evenly over mesh.tensor=4")

@@ -12,7 +12,7 @@ import sys
 
 from transformer.training import flops
 from transformer.model import ModelConfig
-from tests.tiny_run import REPO, flag_overrides, make_config
+from tests.tiny_run import flag_overrides, make_config
 
 ROWS, SEQ_LEN = 4, 24
 
@@ -24,9 +24,13 @@ def _env():
 
 
 def run_bench(small_corpus, *args):
+  """Runs the benchmark from outside the repository: `--config configs/default.py` is
+  found relative to the repository when the working directory has no such file."""
   command = [sys.executable, "-m", "transformer.tools.bench", "--config", "configs/default.py",
              *flag_overrides(small_corpus), *args]
-  return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+  outside = os.path.dirname(small_corpus[0])
+  assert not os.path.exists(os.path.join(outside, "configs"))
+  return subprocess.run(command, cwd=outside, env=_env(), capture_output=True, text=True,
                         timeout=600)
 
 

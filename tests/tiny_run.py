@@ -33,20 +33,9 @@ def make_config(corpus, **overrides):
   """corpus = (tsv path, vocabulary cache dir); overrides use dotted keys."""
   path, vocab_dir = corpus
   config = config_lib.base_config()
-  config.dataset = f"tsv:{path}"
-  config.vocab_cache_dir = vocab_dir
-  for key, value in {**OVERRIDES, **overrides}.items():
-    set_key(config, key, value)
+  config_lib.apply_overrides(config, {"dataset": f"tsv:{path}", "vocab_cache_dir": vocab_dir,
+                                      **OVERRIDES, **overrides})
   return config
-
-
-def set_key(config, key: str, value) -> None:
-  """config[key] = value for a key such as 'max_len' or 'model.num_heads'."""
-  node, *rest = key.split(".")
-  if rest:
-    config[node][rest[0]] = value
-  else:
-    config[key] = value
 
 
 def flag_overrides(corpus, **overrides) -> list[str]:

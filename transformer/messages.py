@@ -33,7 +33,7 @@ def format_duration(seconds: float) -> str:
   """'0m42s', '3m07s' or '2h05m'; '?' for an unknown (infinite or NaN) duration."""
   if not math.isfinite(seconds):
     return "?"
-  seconds = int(round(seconds))
+  seconds = max(0, int(round(seconds)))
   hours, rest = divmod(seconds, 3600)
   if hours:
     return f"{hours}h{rest // 60:02d}m"

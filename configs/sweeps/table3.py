@@ -1,9 +1,9 @@
 """Table 3 of the paper (En-De ablations) as a sweep on `configs/wmt14.py:base`.
 
-    python -m transformer.sweep --sweep configs/sweeps/table3.py --workdir W --dry_run
-    python -m transformer.sweep --sweep configs/sweeps/table3.py --workdir gs://B/t3 \
+    python -m transformer.sweeps --sweep configs/sweeps/table3.py --workdir W --dry_run
+    python -m transformer.sweeps --sweep configs/sweeps/table3.py --workdir gs://B/t3 \
         --launch tpu --tpu_name NAME --tpu_zone ZONE        # or --launch slurm
-    python -m transformer.sweep --sweep configs/sweeps/table3.py --workdir W --collect
+    python -m transformer.sweeps --sweep configs/sweeps/table3.py --workdir W --collect
 
 Each row lists only what differs from base, as the paper's table does, with the paper's
 dev (newstest2013) perplexity, BLEU and parameters in millions. The paper's numbers are

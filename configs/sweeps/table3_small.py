@@ -1,8 +1,8 @@
 """Table 3's ablations scaled to the embedded Tatoeba default (`configs/default.py`).
 
-    python -m transformer.sweep --sweep configs/sweeps/table3_small.py \
+    python -m transformer.sweeps --sweep configs/sweeps/table3_small.py \
         --workdir workdirs/table3_small --only base,A1,A4,C1,D1,D3,E --nofinal_eval
-    python -m transformer.sweep --sweep configs/sweeps/table3_small.py \
+    python -m transformer.sweeps --sweep configs/sweeps/table3_small.py \
         --workdir workdirs/table3_small --collect --output_dir docs
 
 The default is half the paper's base in every dimension (3 layers, d_model 256, d_ff

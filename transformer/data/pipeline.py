@@ -203,10 +203,37 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index
   if global_rows % process_count:
     raise ConfigError(f"eval_batch_size: {global_rows} must be a multiple of the "
                       f"{process_count} processes")
+  examples = _eval_examples(config, tokenizer, split, source)
+  if not examples:
+    return []
+  decoder_only = bool(config.model.decoder_only)
+  max_lengths = {"source": config.max_len, "target": (2 if decoder_only else 1) * config.max_len}
+  max_lengths["loss_mask"] = max_lengths["target"]
+  local_rows = global_rows // process_count
+  first = process_index * local_rows
+  by_length = sorted(range(len(examples)), key=lambda i: len(examples[i]["source"]))
+  batches = []
+  for start in range(0, len(examples), global_rows):
+    global_indices = by_length[start:start + global_rows]
+    mine = global_indices[first:first + local_rows]
+    arrays = {}
+    for key in examples[0]:
+      # Every process pads to the global batch's longest row: the same shapes everywhere.
+      longest = max(len(examples[i][key]) for i in global_indices)
+      length = min(batching.round_up(longest, 8), max_lengths[key])
+      rows = [examples[i][key] for i in mine] + [[]] * (local_rows - len(mine))
+      arrays[key] = batching.pad_stack(rows, length)
+    batch = batching.finalize(arrays)
+    batch["index"] = np.array(mine + [-1] * (local_rows - len(mine)), np.int32)
+    batches.append(batch)
+  return batches
+
+
+def _eval_examples(config, tokenizer: Tokenizer, split: str,
+                   source) -> list[dict[str, np.ndarray]]:
+  """The split's examples in order, each with 'source' (the model's input) as well."""
   pairs = load_raw_pairs(config, split, source=source)
   decoder_only = bool(config.model.decoder_only)
-  lengths = {"source": config.max_len, "target": (2 if decoder_only else 1) * config.max_len}
-  lengths["loss_mask"] = lengths["target"]
   examples, clipped = [], 0
   for i in range(0, len(pairs), TOKENIZE_CHUNK):
     chunk = pairs[i:i + TOKENIZE_CHUNK]
@@ -219,25 +246,4 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index
   if clipped:
     logging.warning("%s %s: %d of %d pairs clipped to max_len %d for the model input",
                     config.dataset, split, clipped, len(pairs), config.max_len)
-
-  if not examples:
-    return []
-  local_rows = global_rows // process_count
-  first = process_index * local_rows
-  by_length = sorted(range(len(examples)), key=lambda i: len(examples[i]["source"]))
-  batches = []
-  for start in range(0, len(examples), global_rows):
-    global_indices = by_length[start:start + global_rows]
-    mine = global_indices[first:first + local_rows]
-    arrays = {}
-    for key, max_length in lengths.items():
-      if key not in examples[0]:
-        continue
-      longest = max(len(examples[i][key]) for i in global_indices)
-      length = min(batching.round_up(longest, 8), max_length)
-      rows = [examples[i][key] for i in mine] + [[]] * (local_rows - len(mine))
-      arrays[key] = batching.pad_stack(rows, length)
-    batch = batching.finalize(arrays)
-    batch["index"] = np.array(mine + [-1] * (local_rows - len(mine)), np.int32)
-    batches.append(batch)
-  return batches
+  return examples

@@ -32,7 +32,7 @@ def average_into(workdir: str, output_workdir: str, average_last: int,
   if os.path.abspath(workdir) == os.path.abspath(output_workdir):
     raise ConfigError("--output_workdir must differ from --workdir (a run's own "
                       "checkpoints are never overwritten)")
-  if os.path.exists(checkpoints.checkpoint_dir(output_workdir)):
+  if checkpoints.steps_on_disk(output_workdir):  # an empty one, from a failed try, is reused
     raise ConfigError(f"{output_workdir} already holds checkpoints")
   config = checkpoints.load_run_config(workdir)
   run = state.setup(config)

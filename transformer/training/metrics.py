@@ -17,17 +17,19 @@ from transformer.training import sharding
 
 
 def sum_metrics(pending: list[dict]) -> dict[str, float]:
-  """Fetches step metrics from the devices and adds them key by key."""
+  """Fetches step metrics from the devices and adds them key by key ({} for none)."""
   fetched = jax.device_get(pending)
-  return {k: float(np.sum([m[k] for m in fetched])) for k in fetched[0]}
+  return {k: float(np.sum([m[k] for m in fetched])) for k in (fetched[0] if fetched else ())}
 
 
 def token_averages(sums: dict[str, float]) -> dict[str, float]:
   """Per-token loss (smoothed), cross-entropy, perplexity and accuracy from summed metrics.
 
   `ce` is the unsmoothed cross-entropy in nats; its exponential is the perplexity the
-  paper reports (capped at exp(50) so a diverged run still prints a number).
+  paper reports (capped at exp(50) so a diverged run still prints a number). No tokens
+  (an empty split) gives zeros and perplexity 1, not an error.
   """
+  sums = {"loss_sum": 0.0, "ce_sum": 0.0, "correct_sum": 0.0, "num_tokens": 0.0, **sums}
   tokens = max(sums["num_tokens"], 1.0)
   ce = sums["ce_sum"] / tokens
   return {"loss": sums["loss_sum"] / tokens, "ce": ce, "ppl": math.exp(min(ce, 50.0)),

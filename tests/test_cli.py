@@ -1,0 +1,69 @@
+"""The shared command-line layer: config paths from any directory, a quiet terminal."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from transformer import cli
+from tests.tiny_run import REPO, flag_overrides
+
+
+def _record(path: str, level: int) -> logging.LogRecord:
+  return logging.LogRecord("absl", level, path, 1, "message", None, None)
+
+
+def test_filter_passes_project_info_and_every_warning():
+  library = os.path.join(os.path.dirname(logging.__file__), "orbax_like.py")
+  own = os.path.join(REPO, "transformer", "training", "loop.py")
+  keep = cli.ProjectInfoFilter().filter
+  assert keep(_record(own, logging.INFO))
+  assert keep(_record(os.path.join(REPO, "train.py"), logging.INFO))
+  assert not keep(_record(library, logging.INFO))
+  assert not keep(_record(library, logging.DEBUG))
+  assert keep(_record(library, logging.WARNING)) and keep(_record(library, logging.ERROR))
+  # A library installed inside the repository (the .venv) is still a library.
+  assert not keep(_record(os.path.join(REPO, ".venv", "lib", "orbax", "x.py"), logging.INFO))
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("configs/wmt14.py:big,en-fr", os.path.join(REPO, "configs", "wmt14.py") + ":big,en-fr"),
+    ("configs/default.py", os.path.join(REPO, "configs", "default.py")),
+    ("configs/missing.py", "configs/missing.py"),  # left for config_flags to report
+])
+def test_config_flag_resolves_against_the_repository(tmp_path, monkeypatch, spec, expected):
+  monkeypatch.chdir(tmp_path)
+  assert cli._resolve_config_arg(["prog", "--config", spec])[2] == expected
+  assert cli._resolve_config_arg(["prog", f"--config={spec}"])[1] == f"--config={expected}"
+
+
+def test_a_file_in_the_working_directory_wins(tmp_path, monkeypatch):
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "default.py").write_text("")
+  monkeypatch.chdir(tmp_path)
+  assert cli._resolve_config_arg(["prog", "--config=configs/default.py"]) == [
+      "prog", "--config=configs/default.py"]
+
+
+def _train(small_corpus, workdir, *extra):
+  command = [sys.executable, os.path.join(REPO, "train.py"), "--config", "configs/default.py",
+             "--workdir", workdir, *flag_overrides(small_corpus, num_train_steps=2,
+                                                   checkpoint_every_steps=2), *extra]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run(command, cwd=os.path.dirname(workdir), env=env, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def test_training_shows_library_info_only_at_verbosity_1(small_corpus, tmp_path):
+  """By default stderr has the project's INFO lines and none of Orbax's or tfds's; with
+  --verbosity=1 theirs appear too. Run from outside the repository."""
+  quiet = _train(small_corpus, str(tmp_path / "quiet")).stderr
+  assert "loop.py" in quiet and "parameters" in quiet  # our own INFO: "N parameters"
+  assert "checkpoint_manager.py" not in quiet and "CheckpointManager" not in quiet
+  loud = _train(small_corpus, str(tmp_path / "loud"), "--verbosity=1").stderr
+  assert "checkpoint_manager.py" in loud
+  assert len(loud.splitlines()) > len(quiet.splitlines()) + 10

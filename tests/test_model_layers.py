@@ -1,0 +1,162 @@
+"""transformer/model/layers.py: embeddings, the tied output projection, feed-forward, dropout."""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpy_reference
+from transformer.model.layers import DecoderLayer, FeedForward, InputEmbedding, tied_projection
+from tests.model_helpers import (tiny_config, example_inputs, abstract_variables, random_params,
+                                run, boxed_params, param_shapes, BATCH, SOURCE_LEN, TARGET_LEN,
+                                VOCAB, D_MODEL, D_FF, POSITIONAL_KINDS)
+
+
+@pytest.mark.parametrize("activation, expected_params", [
+    ("relu", {"wi/kernel": (D_MODEL, D_FF), "wi/bias": (D_FF,), "wo/kernel": (D_FF, D_MODEL),
+              "wo/bias": (D_MODEL,)}),
+    ("gelu", {"wi/kernel": (D_MODEL, D_FF), "wi/bias": (D_FF,), "wo/kernel": (D_FF, D_MODEL),
+              "wo/bias": (D_MODEL,)}),
+    ("swiglu", {"wi_gate/kernel": (D_MODEL, D_FF), "wi_up/kernel": (D_MODEL, D_FF),
+                "wo/kernel": (D_FF, D_MODEL)}),
+], ids=["relu", "gelu", "swiglu"])
+def test_feed_forward_shapes(activation, expected_params):
+  cfg = tiny_config(activation=activation)
+  out, variables = jax.eval_shape(
+      lambda key: FeedForward(cfg).init_with_output(key, jnp.zeros((BATCH, TARGET_LEN, D_MODEL))),
+      jax.random.key(0))
+  chex.assert_shape(out, (BATCH, TARGET_LEN, D_MODEL))
+  assert param_shapes(variables) == expected_params
+
+
+@pytest.mark.parametrize("positional", POSITIONAL_KINDS)
+def test_input_embedding_is_scaled_token_embedding_plus_position(positional):
+  cfg = tiny_config(positional=positional)
+  params = random_params(cfg)
+  if positional == "learned":  # a zero table leaves the scaled token embedding alone
+    params["encoder"]["input"]["position_embedding"] = jnp.zeros((cfg.max_position, D_MODEL))
+  source, decoder_input = example_inputs(cfg)
+  _, state = run(cfg, params, source, decoder_input, mutable=["intermediates"],
+                 capture_intermediates=lambda module, _: isinstance(module, InputEmbedding))
+  embedded = np.asarray(state["intermediates"]["encoder"]["input"]["__call__"][0])
+
+  expected = np.asarray(params["shared_embedding"]["embedding"])[np.asarray(source)]
+  expected = expected * math.sqrt(D_MODEL)
+  if positional == "sinusoidal":
+    expected = expected + numpy_reference.sinusoidal_table(SOURCE_LEN, D_MODEL)[None]
+  np.testing.assert_allclose(embedded, expected, atol=1e-5, rtol=1e-5)
+
+
+def final_decoder_state(cfg, params, source, decoder_input):
+  """The decoder's last hidden state [B, T, D], just before the output projection."""
+  _, state = run(cfg, params, source, decoder_input, mutable=["intermediates"],
+                 capture_intermediates=lambda module, _: isinstance(module, (DecoderLayer,
+                                                                             nn.LayerNorm)))
+  decoder = state["intermediates"]["decoder"]
+  last = decoder["final_norm"] if cfg.norm == "pre" else decoder[f"layer_{cfg.num_layers - 1}"]
+  return np.asarray(last["__call__"][0])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_output_projection_is_the_shared_embedding(norm):
+  cfg = tiny_config(norm=norm)
+  variables = abstract_variables(cfg)
+  vocab_params = [path for path, box in zip(param_shapes(variables), boxed_params(variables))
+                  if "vocab" in box.names]
+  assert vocab_params == ["shared_embedding/embedding"]  # the only [V, D] matrix
+
+  params = random_params(cfg)
+  source, decoder_input = example_inputs(cfg)
+  embedding_VxD = np.asarray(params["shared_embedding"]["embedding"])
+  logits = np.asarray(run(cfg, params, source, decoder_input))
+  hidden = final_decoder_state(cfg, params, source, decoder_input)
+  np.testing.assert_allclose(logits, hidden @ embedding_VxD.T, atol=1e-5, rtol=1e-5)
+
+  # A token absent from the inputs: its row moves that token's logit and nothing else.
+  unused = int(np.setdiff1d(np.arange(1, VOCAB), np.concatenate(
+      [np.asarray(source).ravel(), np.asarray(decoder_input).ravel()]))[0])
+  shift_D = jnp.asarray(np.random.default_rng(7).normal(size=D_MODEL), jnp.float32)
+  moved = dict(params, shared_embedding={"embedding": params["shared_embedding"]["embedding"]
+                                         .at[unused].add(shift_D)})
+  moved_logits = np.asarray(run(cfg, moved, source, decoder_input))
+  others = np.arange(VOCAB) != unused
+  np.testing.assert_array_equal(moved_logits[..., others], logits[..., others])
+  assert not np.allclose(moved_logits[..., unused], logits[..., unused])
+  # A token in the source: its row moves the encoder's input.
+  used = int(source[0, 0])
+  moved = dict(params, shared_embedding={"embedding": params["shared_embedding"]["embedding"]
+                                         .at[used].add(shift_D)})
+  assert not np.allclose(run(cfg, moved, source, method="encode"),
+                         run(cfg, params, source, method="encode"))
+
+
+def test_untied_embeddings_are_three_matrices():
+  cfg = tiny_config(tie_embeddings=False)
+  shapes = param_shapes(abstract_variables(cfg))
+  assert shapes["source_embedding/embedding"] == (VOCAB, D_MODEL)
+  assert shapes["target_embedding/embedding"] == (VOCAB, D_MODEL)
+  assert shapes["decoder/output_projection/kernel"] == (D_MODEL, VOCAB)
+  assert not any(path.startswith("shared_embedding") for path in shapes)
+
+  params = random_params(cfg)
+  source, decoder_input = example_inputs(cfg)
+  logits = np.asarray(run(cfg, params, source, decoder_input))
+  hidden = final_decoder_state(cfg, params, source, decoder_input)
+  output_projection_DxV = np.asarray(params["decoder"]["output_projection"]["kernel"])
+  np.testing.assert_allclose(logits, hidden @ output_projection_DxV, atol=1e-5, rtol=1e-5)
+  encoded = run(cfg, params, source, method="encode")
+  # Random shifts: a shift that is the same in every dimension would vanish in LayerNorm.
+  shift_VxD = jnp.asarray(np.random.default_rng(8).normal(size=(VOCAB, D_MODEL)), jnp.float32)
+  moved_target = dict(params, target_embedding={
+      "embedding": params["target_embedding"]["embedding"] + shift_VxD})
+  np.testing.assert_array_equal(run(cfg, moved_target, source, method="encode"), encoded)
+  assert not np.allclose(run(cfg, moved_target, source, decoder_input), logits)
+  moved_source = dict(params, source_embedding={
+      "embedding": params["source_embedding"]["embedding"] + shift_VxD})
+  assert not np.allclose(run(cfg, moved_source, source, method="encode"), encoded)
+
+
+@pytest.mark.parametrize("dropout_rate, attention_dropout_rate", [(0.2, 0.0), (0.0, 0.3)],
+                         ids=["dropout", "attention_dropout"])
+def test_dropout_acts_only_when_not_deterministic(dropout_rate, attention_dropout_rate):
+  cfg = tiny_config(dropout_rate=dropout_rate, attention_dropout_rate=attention_dropout_rate)
+  params = random_params(cfg)
+  source, decoder_input = example_inputs(cfg)
+  without_dropout = run(tiny_config(dropout_rate=0.0), params, source, decoder_input)
+
+  deterministic = run(cfg, params, source, decoder_input, deterministic=True)
+  np.testing.assert_array_equal(deterministic, without_dropout)
+  np.testing.assert_array_equal(run(cfg, params, source, decoder_input), deterministic)
+
+  def dropped(seed):
+    # The rbg generator compiles far faster on a CPU than the default threefry.
+    return run(cfg, params, source, decoder_input, deterministic=False,
+               rngs={"dropout": jax.random.key(seed, impl="rbg")})
+
+  first = dropped(1)
+  assert not np.allclose(first, deterministic)
+  np.testing.assert_array_equal(dropped(1), first)  # same rng, same mask
+  assert not np.allclose(dropped(2), first)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tied_projection_gradients_match_autodiff(dtype):
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, D_MODEL)), dtype)
+  table = jnp.asarray(np.random.default_rng(1).normal(size=(VOCAB, D_MODEL)), dtype)
+  weights = jnp.asarray(np.random.default_rng(2).normal(size=(6, VOCAB)), jnp.float32)
+  reference = lambda x, t: jnp.einsum("nd,vd->nv", x, t, preferred_element_type=jnp.float32)
+  ours = jax.grad(lambda x, t: jnp.sum(tied_projection(x, t) * weights), argnums=(0, 1))(
+      x, table)
+  expected = jax.grad(lambda x, t: jnp.sum(reference(x, t) * weights), argnums=(0, 1))(
+      x, table)
+  tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+  for got, want in zip(ours, expected):
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tolerance, atol=tolerance)

@@ -1,0 +1,157 @@
+"""Checkpoint averaging (`python -m transformer.tools.average_checkpoints`) on a tiny
+trained run: the mean of the last k checkpoints as a new run directory, and one-line
+errors that never touch existing checkpoints."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.tiny_run import REPO, make_config
+from transformer.config import ConfigError
+from transformer.tools import average_checkpoints
+from transformer.training import checkpoints, loop, state
+
+
+@pytest.fixture(scope="module")
+def trained(small_corpus, tmp_path_factory):
+  """A 4-step run with checkpoints at steps 2 and 4."""
+  workdir = str(tmp_path_factory.mktemp("run"))
+  config = make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)
+  loop.train_and_evaluate(config, workdir)
+  return config, workdir
+
+
+def _params(workdir, config, **kwargs):
+  params, step = checkpoints.restore_params(workdir, state.setup(config),
+                                            **kwargs)
+  return jax.device_get(params), step
+
+
+def test_averaging_gives_the_mean(trained, tmp_path):
+  config, workdir = trained
+  p2, _ = _params(workdir, config, step=2)
+  p4, step = _params(workdir, config)
+  assert step == 4
+  averaged, step = _params(workdir, config, average_last=2)
+  assert step == 4
+  jax.tree.map(lambda a, x, y: np.testing.assert_allclose(a, (x + y) / 2, rtol=1e-6),
+               averaged, p2, p4)
+  same, _ = _params(workdir, config, average_last=1)
+  jax.tree.map(np.testing.assert_array_equal, same, p4)
+  with pytest.raises(ConfigError, match="only 2 checkpoints"):
+    _params(workdir, config, average_last=3)
+
+  out = str(tmp_path / "avg")
+  assert average_checkpoints.average_into(workdir, out, 2) == 4
+  written, _ = _params(out, checkpoints.load_run_config(out))
+  jax.tree.map(np.testing.assert_array_equal, written, averaged)
+
+
+def test_averaging_identical_checkpoints_returns_them(trained, tmp_path):
+  config, workdir = trained
+  p4, _ = _params(workdir, config)
+  once = str(tmp_path / "once")
+  average_checkpoints.average_into(workdir, once, 1)
+  # A run whose two checkpoints hold the same parameters averages to exactly them.
+  twice = checkpoints.Checkpointer(once, keep=5, async_save=False)
+  restored, iterator = twice.restore(4, state.setup(config).restore_target())
+  twice.save(5, restored, iterator, config)
+  twice.close()
+  averaged, _ = _params(once, config, average_last=2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-7), averaged, p4)
+
+
+def test_averaged_run_is_a_complete_workdir(trained, tmp_path):
+  """The output holds the run's config.json and vocab.model byte for byte and one
+  checkpoint at the newest averaged step, whose optimizer and data-iterator state are
+  that checkpoint's; --step picks which checkpoints are averaged."""
+  config, workdir = trained
+  out = str(tmp_path / "avg")
+  assert average_checkpoints.average_into(workdir, out, 1, step=2) == 2
+  for name in ("config.json", "vocab.model"):
+    with open(os.path.join(workdir, name), "rb") as a, open(os.path.join(out, name), "rb") as b:
+      assert a.read() == b.read(), name
+  assert checkpoints.steps_on_disk(out) == [2]
+  target = state.setup(config).restore_target()
+  source = checkpoints.Checkpointer(workdir, keep=10**6, async_save=False)
+  original, original_iterator = source.restore(2, target)
+  source.close()
+  result = checkpoints.Checkpointer(out, keep=10**6, async_save=False)
+  written, written_iterator = result.restore(2, target)
+  result.close()
+  assert written_iterator == original_iterator
+  assert int(written.step) == int(original.step)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(written.opt_state),
+               jax.device_get(original.opt_state))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(written.params),
+               jax.device_get(original.params))
+
+
+@pytest.mark.parametrize("same", [
+    lambda w: w, lambda w: w + "/", lambda w: f"{w}/../{os.path.basename(w)}"],
+    ids=["as_is", "trailing_slash", "dot_dot"])
+def test_output_equal_to_the_run_is_a_one_line_error(trained, same):
+  """The run's own directory, however spelled, is refused before anything is written."""
+  _, workdir = trained
+  before = checkpoints.steps_on_disk(workdir)
+  with pytest.raises(ConfigError) as error:
+    average_checkpoints.average_into(workdir, same(workdir), 2)
+  assert str(error.value) == ("--output_workdir must differ from --workdir (a run's own "
+                              "checkpoints are never overwritten)")
+  assert checkpoints.steps_on_disk(workdir) == before
+
+
+def test_output_equal_to_a_relative_spelling_of_the_run_is_refused(trained, monkeypatch):
+  _, workdir = trained
+  monkeypatch.chdir(os.path.dirname(workdir))
+  with pytest.raises(ConfigError, match="must differ from --workdir"):
+    average_checkpoints.average_into(workdir, os.path.basename(workdir), 2)
+
+
+def test_output_that_holds_checkpoints_is_a_one_line_error(trained, tmp_path):
+  """An output that already holds a checkpoint is refused, and left as it was."""
+  _, workdir = trained
+  out = str(tmp_path / "avg")
+  assert average_checkpoints.average_into(workdir, out, 2) == 4
+  before = {p: os.path.getmtime(os.path.join(out, "checkpoints", p))
+            for p in os.listdir(os.path.join(out, "checkpoints"))}
+  with pytest.raises(ConfigError) as error:
+    average_checkpoints.average_into(workdir, out, 1)
+  assert str(error.value) == f"{out} already holds checkpoints"
+  assert {p: os.path.getmtime(os.path.join(out, "checkpoints", p))
+          for p in os.listdir(os.path.join(out, "checkpoints"))} == before
+
+
+def test_an_empty_checkpoint_folder_from_a_failed_try_is_reused(trained, tmp_path):
+  _, workdir = trained
+  out = tmp_path / "avg"
+  (out / "checkpoints").mkdir(parents=True)
+  assert average_checkpoints.average_into(workdir, str(out), 2) == 4
+  assert checkpoints.steps_on_disk(str(out)) == [4]
+
+
+def _average_checkpoints(*args):
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "transformer.tools.average_checkpoints", *args],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_command_line_errors_are_one_line(tmp_path):
+  """The command exits 1 with one `error:` line for missing flags, an output equal to
+  the run, and an output that already holds checkpoints."""
+  run, out = tmp_path / "run", tmp_path / "out"
+  (out / "checkpoints" / "3").mkdir(parents=True)
+  for args, message in [
+      (["--workdir", str(run)], "error: --workdir and --output_workdir are required"),
+      (["--workdir", str(run), "--output_workdir", f"{run}/"],
+       "error: --output_workdir must differ from --workdir (a run's own checkpoints are "
+       "never overwritten)"),
+      (["--workdir", str(run), "--output_workdir", str(out)],
+       f"error: {out} already holds checkpoints")]:
+    result = _average_checkpoints(*args)
+    assert result.returncode == 1, (args, result.stdout[-2000:])
+    assert result.stderr.strip().splitlines()[-1] == message

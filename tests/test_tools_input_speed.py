@@ -1,0 +1,101 @@
+"""`python -m transformer.tools.input_speed`: counting a batch's pairs and tokens, and
+timing the training stream of a tiny TSV run. Timings themselves are not asserted."""
+
+import numpy as np
+import pytest
+
+from tests.tiny_run import make_config
+from transformer.data import pipeline
+from transformer.tools import input_speed
+
+
+def test_count_unpacked_batch():
+  """Pairs are rows with any target token; tokens are non-pad source + target tokens
+  (decoder_input repeats the target and is not counted); all-pad fill rows count nothing."""
+  batch = {
+      "source": np.array([[5, 6, 1, 0], [7, 1, 0, 0], [0, 0, 0, 0]], np.int32),
+      "target": np.array([[8, 1, 0], [9, 9, 1], [0, 0, 0]], np.int32),
+      "decoder_input": np.array([[2, 8, 0], [2, 9, 9], [0, 0, 0]], np.int32),
+  }
+  assert input_speed.count(batch) == (2, 3 + 2 + 2 + 3)
+
+
+def test_count_packed_batch():
+  """Packed rows hold several pairs: one per target segment (segments count from 1);
+  segment ids and positions are not tokens."""
+  batch = {
+      "source": np.array([[5, 1, 6, 7, 1, 0], [4, 4, 4, 1, 0, 0], [0] * 6], np.int32),
+      "source_segment_ids": np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0], [0] * 6],
+                                     np.int32),
+      "source_positions": np.array([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0], [0] * 6],
+                                   np.int32),
+      "target": np.array([[8, 1, 9, 1, 0, 0], [5, 1, 0, 0, 0, 0], [0] * 6], np.int32),
+      "target_segment_ids": np.array([[1, 1, 2, 2, 0, 0], [1, 1, 0, 0, 0, 0], [0] * 6],
+                                     np.int32),
+      "target_positions": np.array([[0, 1, 0, 1, 0, 0], [0, 1, 0, 0, 0, 0], [0] * 6],
+                                   np.int32),
+      "decoder_input": np.array([[2, 8, 2, 9, 0, 0], [2, 5, 0, 0, 0, 0], [0] * 6], np.int32),
+  }
+  assert input_speed.count(batch) == (3, 5 + 4 + 4 + 2)
+
+
+def test_count_decoder_only_batch():
+  """A decoder-only batch has no source: its target tokens alone are counted."""
+  batch = {"target": np.array([[0, 0, 7, 1], [0, 5, 1, 0]], np.int32),
+           "decoder_input": np.array([[2, 4, 1, 7], [2, 3, 1, 5]], np.int32)}
+  assert input_speed.count(batch) == (2, 4)
+
+
+class _Recording:
+  """Wraps a train iterator, keeping every batch it hands out and whether it was closed."""
+
+  def __init__(self, iterator):
+    self.iterator, self.batches, self.closed = iterator, [], 0
+
+  def __next__(self):
+    batch = next(self.iterator)
+    self.batches.append(batch)
+    return batch
+
+  def close(self):
+    self.closed += 1
+    self.iterator.close()
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+  """The iterators `measure` makes, recorded."""
+  made = []
+  real = pipeline.make_train_iterator
+
+  def make(*args, **kwargs):
+    made.append(_Recording(real(*args, **kwargs)))
+    return made[-1]
+  monkeypatch.setattr(pipeline, "make_train_iterator", make)
+  return made
+
+
+@pytest.mark.parametrize("batching", ["tokens", "packed"])
+def test_measure_times_the_asked_batches_after_one_warm_up(small_corpus, recorded, batching):
+  """`num_batches` batches are timed after one untimed warm-up; the rates are the counts
+  of exactly those batches over the time; the stream is closed afterwards."""
+  config = make_config(small_corpus, batching=batching)
+  r = input_speed.measure(config, 3)
+  assert r["batches"] == 3
+  assert r["seconds"] > 0 and r["examples_per_sec"] > 0 and r["tokens_per_sec"] > 0
+  [iterator] = recorded
+  assert len(iterator.batches) == 4 and iterator.closed == 1
+  counts = [input_speed.count(b) for b in iterator.batches[1:]]
+  assert r["examples_per_sec"] * r["seconds"] == pytest.approx(sum(p for p, _ in counts))
+  assert r["tokens_per_sec"] * r["seconds"] == pytest.approx(sum(t for _, t in counts))
+  if batching == "packed":
+    assert "target_segment_ids" in iterator.batches[1]
+
+
+def test_measure_closes_the_stream_when_counting_fails(small_corpus, recorded, monkeypatch):
+  def broken(batch):
+    raise RuntimeError("broken count")
+  monkeypatch.setattr(input_speed, "count", broken)
+  with pytest.raises(RuntimeError, match="broken count"):
+    input_speed.measure(make_config(small_corpus), 2)
+  assert recorded[0].closed == 1
