@@ -41,8 +41,10 @@ def main(argv):
       return
     if not _WORKDIR.value:
       raise app.UsageError("--workdir is required (where checkpoints and logs go)")
+    from transformer.evaluation import validation
     from transformer.training import loop
-    result = loop.train_and_evaluate(config, _WORKDIR.value)
+    result = loop.train_and_evaluate(config, _WORKDIR.value,
+                                     validation=validation.ValidationWithBleu)
   except (config_lib.ConfigError, RuntimeError) as e:
     distributed.exit_with_error(e)
   logging.info("finished: %s", result)

@@ -152,12 +152,14 @@ def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
   """No dead options: a real run (train, validate with BLEU, checkpoint) reads every key,
   and the model's modules read every ModelConfig field."""
   from tests.tiny_run import make_config
+  from transformer.evaluation.validation import ValidationWithBleu
   from transformer.training import loop, state
   config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
                        eval_bleu_sentences=4, num_eval_batches=1, checkpoint_every_steps=3,
                        checkpoint_every_minutes=60.0, log_every_steps=2)
   RecordingConfig.reads = set()
-  loop.train_and_evaluate(_recording(config), str(tmp_path / "run"))
+  loop.train_and_evaluate(_recording(config), str(tmp_path / "run"),
+                          validation=ValidationWithBleu)
   unread = sorted(set(config_lib.flatten(config_lib.base_config())) - RecordingConfig.reads)
   assert not unread, f"config keys never read: {unread}"
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from transformer.evaluation.validation import ValidationWithBleu
 from transformer.training import checkpoints, loop, sharding, state
 from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
 
@@ -132,7 +133,7 @@ def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path)
   workdir = str(tmp_path / "validated")
   config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
                        eval_bleu_sentences=8, max_decode_extra_len=4)
-  result = loop.train_and_evaluate(config, workdir)
+  result = loop.train_and_evaluate(config, workdir, validation=ValidationWithBleu)
   records = read_metrics(workdir, kind="validation")
   assert [r["step"] for r in records] == [2, 4]
   for r in records:

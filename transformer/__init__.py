@@ -1,6 +1,7 @@
 """The Transformer of "Attention Is All You Need" in JAX/Flax.
 
-One folder per layer; each imports only from the layers listed before it:
+One folder per layer; each imports only from the layers listed before it
+(tests/test_package_layout.py checks it):
 
   config.py, messages.py   every config key and its checks; one-line messages
   model/                   the Flax modules and decoding (beam, greedy, sampling)

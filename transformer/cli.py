@@ -12,12 +12,8 @@ import logging
 import os
 import sys
 
-# Before TensorFlow loads (TF_CPP_MIN_LOG_LEVEL is read then): its C++ INFO lines, such
-# as "oneDNN custom operations are on", are hidden; its warnings are not.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-
-from absl import app, flags  # noqa: E402
-from absl import logging as absl_logging  # noqa: E402
+from absl import app, flags
+from absl import logging as absl_logging
 
 UsageError = app.UsageError
 

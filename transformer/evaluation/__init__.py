@@ -4,4 +4,5 @@
   score.py           evaluate_split: a whole split once, in order; BLEU, chrF, perplexity
   bleu.py            sacreBLEU, the paper's tokenized BLEU, chrF
   attention_maps.py  heatmaps of every head for one sentence
+  validation.py      training's periodic validation: loss, perplexity and BLEU
 """

@@ -21,7 +21,6 @@ from absl import logging
 
 from transformer import config as config_lib
 from transformer import data
-from transformer.evaluation import bleu, translate
 from transformer.training import (checkpoints, flops, metrics, prefetch, reporting, sharding,
                                   state, steps)
 
@@ -120,36 +119,37 @@ class Progress:
     return record
 
 
-class Validator:
-  """Validation loss and perplexity; BLEU of a beam-searched subset of the split."""
+class ValidationLoss:
+  """Loss and perplexity on the validation split, or on its first num_eval_batches.
+
+  The loop builds it as `ValidationLoss(config, setup, tokenizer)` and calls it with the
+  parameters every eval_every_steps; evaluation.validation.ValidationWithBleu adds the
+  BLEU of a beam-searched subset (what train.py runs).
+  """
 
   def __init__(self, config, run_setup: state.Setup, tokenizer):
-    self._config, self._setup, self._tokenizer = config, run_setup, tokenizer
+    self.config, self.setup, self.tokenizer = config, run_setup, tokenizer
     self._eval_step = steps.jit_eval_step(run_setup)
     self._batches = data.make_eval_batches(config, tokenizer, "validation",
                                            process_index=jax.process_index(),
                                            process_count=jax.process_count())
-    self._bleu_pairs = []
-    if config.eval_bleu_sentences and not config.model.decoder_only:
-      self._bleu_pairs = data.load_raw_pairs(config, "validation")[:config.eval_bleu_sentences]
 
   def __call__(self, params) -> dict[str, Any]:
-    s = self._setup
-    result = metrics.evaluate_loss(self._eval_step, params, self._batches, s.mesh, s.rules,
-                                   self._config.num_eval_batches)
-    if self._bleu_pairs:
-      hypotheses = translate.beam_translate(s.model, params, self._tokenizer, self._config,
-                                            s.mesh, s.rules, [x for x, _ in self._bleu_pairs])
-      result["bleu"] = bleu.sacre_bleu(hypotheses, [r for _, r in self._bleu_pairs]).score
-    return result
+    return metrics.evaluate_loss(self._eval_step, params, self._batches, self.setup.mesh,
+                                 self.setup.rules, self.config.num_eval_batches)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) in `workdir`; returns the last validation metrics."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       validation=ValidationLoss) -> dict[str, Any]:
+  """Trains (or resumes) in `workdir`; returns the last validation metrics.
+
+  validation: what runs every config.eval_every_steps, built as
+  `validation(config, setup, tokenizer)` and called with the parameters.
+  """
   # Everything that can be wrong is checked before any compile.
   config_lib.validate(config)
   check_workdir_writable(workdir)
-  run = TrainingRun(config, workdir)
+  run = TrainingRun(config, workdir, validation)
   try:
     return run.train()
   finally:
@@ -159,7 +159,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 class TrainingRun:
   """One run in a workdir: built (and restored) at construction, then `train()`."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               validation=ValidationLoss):
     self.config = config
     self.is_chief = jax.process_index() == 0
     # --- Mesh, model, optimizer and the sharded state's shapes.
@@ -182,7 +183,7 @@ class TrainingRun:
     self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief)
     self.total_steps = config.num_train_steps * config.grad_accum_steps
     self.progress = Progress(flops.total_peak_flops(), self.total_steps)
-    self.validate = Validator(config, self.setup, self.tokenizer) if (
+    self.validate = validation(config, self.setup, self.tokenizer) if (
         config.eval_every_steps) else None
     self.batches = None
     self.last_save_time = time.time()

@@ -1,0 +1,70 @@
+"""The package's layers import only downward: the layout README's code map describes."""
+
+import ast
+import os
+
+from tests.tiny_run import REPO
+
+PACKAGE = os.path.join(REPO, "transformer")
+FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
+# What each layer may import from the package, besides itself (the rest is upward).
+ALLOWED = {
+    "messages": set(),
+    "config": {"messages"},
+    "cli": {"config", "messages"},
+    "model": {"config", "messages"},
+    "data": {"config", "messages"},
+    "training": {"config", "messages", "model", "data"},
+    "evaluation": {"config", "messages", "model", "data", "training"},
+    "sweeps": {"config", "messages", "cli", "model", "data", "training", "evaluation"},
+    "tools": {"config", "messages", "cli", "model", "data", "training", "evaluation"},
+}
+
+
+def _layer(module: str) -> str | None:
+  parts = module.split(".")
+  if parts[0] != "transformer" or len(parts) < 2:
+    return None
+  return parts[1]
+
+
+def _imported_layers(path: str) -> set[str]:
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  layers = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    else:
+      continue
+    layers |= {layer for layer in map(_layer, names) if layer}
+  return layers
+
+
+def test_every_module_imports_only_lower_layers():
+  upward = []
+  for root, _, files in os.walk(PACKAGE):
+    for name in files:
+      if not name.endswith(".py"):
+        continue
+      path = os.path.join(root, name)
+      relative = os.path.relpath(path, PACKAGE)
+      own = relative.split(os.sep)[0].removesuffix(".py")
+      if own == "__init__":
+        continue
+      assert own in ALLOWED, f"{relative}: a module outside the known layers"
+      for layer in _imported_layers(path) - {own}:
+        if layer not in ALLOWED[own]:
+          upward.append(f"{relative} imports transformer.{layer}")
+  assert not upward, upward
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+  """The test above would fail: an import of evaluation from training is found."""
+  module = tmp_path / "loop.py"
+  module.write_text("from transformer.evaluation import bleu\nimport transformer.model.decoding\n")
+  assert _imported_layers(str(module)) == {"evaluation", "model"}
+  assert "evaluation" not in ALLOWED["training"]
+  assert set(FOLDERS) <= set(ALLOWED)

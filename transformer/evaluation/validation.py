@@ -1,0 +1,32 @@
+"""Validation during training with BLEU: the loop's loss and perplexity, plus the sacreBLEU
+of the first config.eval_bleu_sentences validation sentences, beam-searched.
+
+train.py hands `ValidationWithBleu` to `training.loop.train_and_evaluate`; the training
+layer itself never imports evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformer import data
+from transformer.evaluation import bleu, translate
+from transformer.training.loop import ValidationLoss
+
+
+class ValidationWithBleu(ValidationLoss):
+
+  def __init__(self, config, run_setup, tokenizer):
+    super().__init__(config, run_setup, tokenizer)
+    self._bleu_pairs = []
+    if config.eval_bleu_sentences and not config.model.decoder_only:
+      self._bleu_pairs = data.load_raw_pairs(config, "validation")[:config.eval_bleu_sentences]
+
+  def __call__(self, params) -> dict[str, Any]:
+    result = super().__call__(params)
+    if self._bleu_pairs:
+      s = self.setup
+      hypotheses = translate.beam_translate(s.model, params, self.tokenizer, self.config,
+                                            s.mesh, s.rules, [x for x, _ in self._bleu_pairs])
+      result["bleu"] = bleu.sacre_bleu(hypotheses, [r for _, r in self._bleu_pairs]).score
+    return result
