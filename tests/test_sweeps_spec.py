@@ -95,6 +95,14 @@ def test_missing_sweep_file_is_an_error(tmp_path):
     spec.load_sweep(missing)
 
 
+def test_shipped_sweep_files_load_from_any_directory(tmp_path, monkeypatch):
+  """`--sweep configs/sweeps/table3.py` works outside the repository, as --config does."""
+  monkeypatch.chdir(tmp_path)
+  sweep = spec.load_sweep("configs/sweeps/table3.py")
+  assert sweep.name == "table3" and sweep.rows[0].name == "base"
+  assert spec.row_config(sweep, sweep.rows[0]).model.d_model == 512
+
+
 @pytest.mark.parametrize("name,ok", [
     ("A1", True), ("big.v2", True), ("x_y-z", True), ("", False), (".hidden", False),
     ("-x", False), ("a/b", False), ("a b", False), ("..", False)])

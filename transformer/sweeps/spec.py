@@ -50,9 +50,11 @@ class Sweep:
 
 def load_sweep(path: str) -> Sweep:
   """Reads a sweep file and checks its shape: base config, unique row names."""
-  if not os.path.isfile(path):
-    raise SweepError(f"{path}: no such file")
-  module = config_lib.import_file(path, prefix="sweep")
+  try:  # relative to the working directory, else to the repository
+    resolved = config_lib.resolve_config_file(path)
+  except config_lib.ConfigError:
+    raise SweepError(f"{path}: no such file") from None
+  module = config_lib.import_file(resolved, prefix="sweep")
   base_config = getattr(module, "BASE_CONFIG", None)
   if not isinstance(base_config, str) or not base_config:
     raise SweepError(f"{path}: BASE_CONFIG = 'FILE[:ARG]' is missing")
