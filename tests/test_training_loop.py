@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import pytest
 
-from transformer.evaluation.validation import ValidationWithBleu
 from transformer.training import checkpoints, loop, sharding, state
 from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
 
@@ -127,22 +126,6 @@ def test_two_processes_match_one_process_with_the_same_devices(small_corpus, tmp
   assert len(single_losses) == 4
   np.testing.assert_allclose(multi_losses, single_losses, rtol=1e-5)
   assert checkpoints.Checkpointer(multi, keep=5).all_steps() == [2, 4]
-
-
-def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path):
-  workdir = str(tmp_path / "validated")
-  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
-                       eval_bleu_sentences=8, max_decode_extra_len=4)
-  result = loop.train_and_evaluate(config, workdir, validation=ValidationWithBleu)
-  records = read_metrics(workdir, kind="validation")
-  assert [r["step"] for r in records] == [2, 4]
-  for r in records:
-    assert r["ppl"] > 1 and 0 <= r["bleu"] <= 100
-    assert r["ppl"] == pytest.approx(np.exp(r["ce"]), rel=1e-6)
-  assert result["step"] == 4 and result["ppl"] == records[-1]["ppl"]
-  train = read_metrics(workdir)
-  for key in ("step", "loss", "ce", "ppl", "lr", "tokens_per_sec", "mfu", "elapsed_s"):
-    assert key in train[-1], key
 
 
 def test_time_based_checkpoints(small_corpus, tmp_path):

@@ -75,6 +75,7 @@ def layer_stack(layer_class, cfg: ModelConfig, x_BxLxD: Array, *args, **attribut
 
 
 class Encoder(nn.Module):
+  """Source tokens -> the final encoder output [B, S, D] (the decoder's memory)."""
   config: ModelConfig
   embed: Embed
 
