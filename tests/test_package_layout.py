@@ -61,6 +61,50 @@ def test_every_module_imports_only_lower_layers():
   assert not upward, upward
 
 
+def _module_name(path: str) -> str:
+  relative = os.path.relpath(path, REPO).removesuffix(".py").replace(os.sep, ".")
+  return relative.removesuffix(".__init__")
+
+
+def _imported_modules(path: str, known: set[str]) -> set[str]:
+  """The package's modules that `path` imports (a `from X import y` counts X.y if it is one)."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      for alias in node.names:
+        child = f"{node.module}.{alias.name}"
+        found.add(child if child in known else node.module)
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names}
+  return found & known
+
+
+def test_no_module_imports_itself_in_a_circle():
+  paths = [os.path.join(root, name) for root, _, files in os.walk(PACKAGE)
+           for name in files if name.endswith(".py")]
+  known = {_module_name(p) for p in paths}
+  # Package __init__ files only document and re-export: an import of `transformer.model`
+  # stands for the modules it re-exports, whose own imports the graph already holds.
+  graph = {_module_name(p): set() if p.endswith("__init__.py") else
+           _imported_modules(p, known) - {_module_name(p)} for p in paths}
+  visiting, done = [], set()
+
+  def visit(module):
+    if module in done:
+      return
+    assert module not in visiting, " -> ".join(visiting[visiting.index(module):] + [module])
+    visiting.append(module)
+    for imported in sorted(graph.get(module, ())):
+      visit(imported)
+    visiting.pop()
+    done.add(module)
+
+  for module in sorted(graph):
+    visit(module)
+
+
 def test_the_checker_sees_an_upward_import(tmp_path):
   """The test above would fail: an import of evaluation from training is found."""
   module = tmp_path / "loop.py"
