@@ -1,5 +1,6 @@
 """Metrics agree with sacrebleu and apply the paper's tokenization."""
 
+import logging
 
 import pytest
 import sacrebleu
@@ -55,3 +56,14 @@ def test_tokenized_bleu_scores_the_compound_split_moses_tokens():
   tokenized, references = [paper(t) for t in HYPOTHESES], [paper(t) for t in REFERENCES]
   assert bleu.tokenized_bleu(HYPOTHESES, REFERENCES, "en").score == pytest.approx(
       sacrebleu.corpus_bleu(tokenized, [references], tokenize="none", smooth_method="none").score)
+
+
+def test_tokenized_bleu_does_not_warn_that_its_input_is_tokenized(caplog):
+  """The paper's protocol scores tokenized text on purpose: no 'forgot to detokenize'."""
+  hypotheses = ["the cat sat on the mat ."] * 120
+  with caplog.at_level(logging.WARNING):
+    bleu.tokenized_bleu(hypotheses, ["the cat sat on a mat ."] * 120, "en")
+  assert not [r for r in caplog.records if "detokenize" in r.getMessage()]
+  with caplog.at_level(logging.WARNING):  # the check above can see the warning
+    sacrebleu.metrics.BLEU(tokenize="none").corpus_score(hypotheses, [hypotheses])
+  assert [r for r in caplog.records if "detokenize" in r.getMessage()]

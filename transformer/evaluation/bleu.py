@@ -52,7 +52,9 @@ def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: s
   tokenize='none' scores the text as tokenized here; smooth_method='none' matches
   multi-bleu.perl (a corpus with no matching 4-gram scores 0).
   """
-  metric = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none")
+  # force: the text is tokenized on purpose, so sacrebleu's warning that it "looks
+  # tokenized" is noise here (it does not change the score).
+  metric = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none", force=True)
   result = metric.corpus_score([paper_tokenize(h, lang) for h in hypotheses],
                                [[paper_tokenize(r, lang) for r in references]])
   return Score(result.score, str(metric.get_signature()))
