@@ -32,10 +32,6 @@ class CheckpointError(RuntimeError):
   """A checkpoint that could not be written or read; the message names the step."""
 
 
-def _reason(e: BaseException) -> str:
-  return first_line(e, with_type=True)
-
-
 def _join_orbax_threads(timeout_s: float = 60.0) -> None:
   """Waits for Orbax's background threads of a failed save. When one item of a save
   fails, the others' commit threads keep running; left alone they would outlive the
@@ -85,7 +81,7 @@ class Checkpointer:
                                             item_names=_ITEMS)
     except OSError as e:
       raise CheckpointError(f"cannot use {self.directory} for checkpoints: "
-                            f"{e.strerror or _reason(e)}") from None
+                            f"{e.strerror or first_line(e, with_type=True)}") from None
     self._writing: Optional[int] = None  # the step of a save that may still be running
     self._reported: Optional[CheckpointError] = None
 
@@ -97,8 +93,8 @@ class Checkpointer:
     step = f" at step {self._writing}" if self._writing is not None else ""
     self._writing = None
     self._reported = CheckpointError(
-        f"the checkpoint{step} could not be written ({_reason(e)}); complete "
-        f"checkpoints in {self.directory}: {self.steps_on_disk()}")
+        f"the checkpoint{step} could not be written ({first_line(e, with_type=True)}); "
+        f"complete checkpoints in {self.directory}: {self.steps_on_disk()}")
     return self._reported
 
   def latest_step(self) -> Optional[int]:
@@ -135,7 +131,7 @@ class Checkpointer:
       # A tree or shape that does not fit this config's model, or damaged files.
       raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be loaded (a "
                             f"model other than this config's, or damaged files): "
-                            f"{_reason(e)}") from e
+                            f"{first_line(e, with_type=True)}") from e
     return restored["state"], restored["data_iterator"]
 
   def saved_config(self, step: int) -> dict:
