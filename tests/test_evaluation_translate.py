@@ -9,24 +9,15 @@ import sys
 
 import pytest
 
-from tests.tiny_run import REPO, make_config
+from tests.tiny_run import REPO
 from transformer.evaluation import score, translate
-from transformer.training import checkpoints, loop, sharding
+from transformer.training import checkpoints
 from transformer.config import ConfigError
 from transformer.data import pipeline
 
 
-@pytest.fixture(scope="module")
-def trained(small_corpus, tmp_path_factory):
-  """A 4-step run with checkpoints at steps 2 and 4."""
-  workdir = str(tmp_path_factory.mktemp("run"))
-  config = make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)
-  loop.train_and_evaluate(config, workdir)
-  return config, workdir
-
-
-def test_split_is_translated_once_in_order(trained):
-  config, workdir = trained
+def test_split_is_translated_once_in_order(trained_run):
+  config, workdir = trained_run
   translator = translate.Translator(checkpoints.load_run_config(workdir), workdir)
   assert translator.step == 4
   results = score.evaluate_split(translator, "test")
@@ -46,8 +37,8 @@ def test_split_is_translated_once_in_order(trained):
   assert translator.translate_lines(files["src"][:5]) == files["hyp"][:5]
 
 
-def test_translate_handles_empty_and_overlong_lines(trained):
-  _, workdir = trained
+def test_translate_handles_empty_and_overlong_lines(trained_run):
+  _, workdir = trained_run
   translator = translate.Translator(checkpoints.load_run_config(workdir), workdir)
   long_line = " ".join(["the cat sat on the mat"] * 40)  # far beyond max_len tokens
   outputs = translator.translate_lines(["", "I like cats.", long_line])
@@ -55,8 +46,8 @@ def test_translate_handles_empty_and_overlong_lines(trained):
   assert all(isinstance(o, str) for o in outputs)
 
 
-def test_incompatible_config_fails_naming_the_key(trained):
-  config, workdir = trained
+def test_incompatible_config_fails_naming_the_key(trained_run):
+  config, workdir = trained_run
   other = config.copy_and_resolve_references()
   other.model.d_model = 48
   with pytest.raises(ConfigError) as error:
@@ -70,8 +61,8 @@ def _eval_py(*args):
                         capture_output=True, text=True, timeout=300)
 
 
-def test_eval_py_translates_to_stdout_and_reports_errors_in_one_line(trained, tmp_path):
-  _, workdir = trained
+def test_eval_py_translates_to_stdout_and_reports_errors_in_one_line(trained_run, tmp_path):
+  _, workdir = trained_run
   result = _eval_py("--workdir", workdir, "--translate", "Good morning.")
   assert result.returncode == 0, result.stderr[-2000:]
   assert len(result.stdout.splitlines()) == 1  # only the translation
@@ -81,8 +72,8 @@ def test_eval_py_translates_to_stdout_and_reports_errors_in_one_line(trained, tm
   assert missing.stderr.strip().splitlines()[-1].startswith("error: --workdir")
 
 
-def test_eval_py_writes_attention_maps(trained, tmp_path):
-  config, workdir = trained
+def test_eval_py_writes_attention_maps(trained_run, tmp_path):
+  config, workdir = trained_run
   out = tmp_path / "maps"
   result = _eval_py("--workdir", workdir, "--attention_maps", "I like cats.",
                     "--output_dir", str(out))

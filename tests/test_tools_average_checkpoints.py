@@ -10,19 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from tests.tiny_run import REPO, make_config
+from tests.tiny_run import REPO
 from transformer.config import ConfigError
 from transformer.tools import average_checkpoints
-from transformer.training import checkpoints, loop, state
-
-
-@pytest.fixture(scope="module")
-def trained(small_corpus, tmp_path_factory):
-  """A 4-step run with checkpoints at steps 2 and 4."""
-  workdir = str(tmp_path_factory.mktemp("run"))
-  config = make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)
-  loop.train_and_evaluate(config, workdir)
-  return config, workdir
+from transformer.training import checkpoints, state
 
 
 def _params(workdir, config, **kwargs):
@@ -31,8 +22,8 @@ def _params(workdir, config, **kwargs):
   return jax.device_get(params), step
 
 
-def test_averaging_gives_the_mean(trained, tmp_path):
-  config, workdir = trained
+def test_averaging_gives_the_mean(trained_run, tmp_path):
+  config, workdir = trained_run
   p2, _ = _params(workdir, config, step=2)
   p4, step = _params(workdir, config)
   assert step == 4
@@ -51,8 +42,8 @@ def test_averaging_gives_the_mean(trained, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, written, averaged)
 
 
-def test_averaging_identical_checkpoints_returns_them(trained, tmp_path):
-  config, workdir = trained
+def test_averaging_identical_checkpoints_returns_them(trained_run, tmp_path):
+  config, workdir = trained_run
   p4, _ = _params(workdir, config)
   once = str(tmp_path / "once")
   average_checkpoints.average_into(workdir, once, 1)
@@ -65,11 +56,11 @@ def test_averaging_identical_checkpoints_returns_them(trained, tmp_path):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-7), averaged, p4)
 
 
-def test_averaged_run_is_a_complete_workdir(trained, tmp_path):
+def test_averaged_run_is_a_complete_workdir(trained_run, tmp_path):
   """The output holds the run's config.json and vocab.model byte for byte and one
   checkpoint at the newest averaged step, whose optimizer and data-iterator state are
   that checkpoint's; --step picks which checkpoints are averaged."""
-  config, workdir = trained
+  config, workdir = trained_run
   out = str(tmp_path / "avg")
   assert average_checkpoints.average_into(workdir, out, 1, step=2) == 2
   for name in ("config.json", "vocab.model"):
@@ -94,9 +85,9 @@ def test_averaged_run_is_a_complete_workdir(trained, tmp_path):
 @pytest.mark.parametrize("same", [
     lambda w: w, lambda w: w + "/", lambda w: f"{w}/../{os.path.basename(w)}"],
     ids=["as_is", "trailing_slash", "dot_dot"])
-def test_output_equal_to_the_run_is_a_one_line_error(trained, same):
+def test_output_equal_to_the_run_is_a_one_line_error(trained_run, same):
   """The run's own directory, however spelled, is refused before anything is written."""
-  _, workdir = trained
+  _, workdir = trained_run
   before = checkpoints.steps_on_disk(workdir)
   with pytest.raises(ConfigError) as error:
     average_checkpoints.average_into(workdir, same(workdir), 2)
@@ -105,16 +96,16 @@ def test_output_equal_to_the_run_is_a_one_line_error(trained, same):
   assert checkpoints.steps_on_disk(workdir) == before
 
 
-def test_output_equal_to_a_relative_spelling_of_the_run_is_refused(trained, monkeypatch):
-  _, workdir = trained
+def test_output_equal_to_a_relative_spelling_of_the_run_is_refused(trained_run, monkeypatch):
+  _, workdir = trained_run
   monkeypatch.chdir(os.path.dirname(workdir))
   with pytest.raises(ConfigError, match="must differ from --workdir"):
     average_checkpoints.average_into(workdir, os.path.basename(workdir), 2)
 
 
-def test_output_that_holds_checkpoints_is_a_one_line_error(trained, tmp_path):
+def test_output_that_holds_checkpoints_is_a_one_line_error(trained_run, tmp_path):
   """An output that already holds a checkpoint is refused, and left as it was."""
-  _, workdir = trained
+  _, workdir = trained_run
   out = str(tmp_path / "avg")
   assert average_checkpoints.average_into(workdir, out, 2) == 4
   before = {p: os.path.getmtime(os.path.join(out, "checkpoints", p))
@@ -126,8 +117,8 @@ def test_output_that_holds_checkpoints_is_a_one_line_error(trained, tmp_path):
           for p in os.listdir(os.path.join(out, "checkpoints"))} == before
 
 
-def test_an_empty_checkpoint_folder_from_a_failed_try_is_reused(trained, tmp_path):
-  _, workdir = trained
+def test_an_empty_checkpoint_folder_from_a_failed_try_is_reused(trained_run, tmp_path):
+  _, workdir = trained_run
   out = tmp_path / "avg"
   (out / "checkpoints").mkdir(parents=True)
   assert average_checkpoints.average_into(workdir, str(out), 2) == 4
