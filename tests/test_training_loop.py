@@ -146,3 +146,26 @@ def test_decoder_only_language_model_trains_on_the_same_pairs(small_corpus, tmp_
   params = restored_params(workdir, config, 4)
   assert "encoder" not in params
   assert all(np.isfinite(r["loss"]) for r in read_metrics(workdir))
+
+
+def test_time_based_checkpoints_follow_process_0_on_every_host(small_corpus, monkeypatch):
+  """With several processes, each one joins the broadcast at every log step, even when its
+  own clock says no save is due (a host that skipped it would hang the others), and
+  saves exactly when process 0 says so."""
+  run = object.__new__(loop.TrainingRun)
+  run.config = make_config(small_corpus, checkpoint_every_steps=0, log_every_steps=2,
+                           checkpoint_every_minutes=1.0)
+  run.last_save_time = time.time()  # this host's clock: nothing is due
+  broadcasts = []
+
+  def process_0_says_due(value):
+    broadcasts.append(value)
+    return True
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax.experimental.multihost_utils, "broadcast_one_to_all",
+                      process_0_says_due)
+  assert run._checkpoint_due(3) is False and broadcasts == []  # not a log step
+  assert run._checkpoint_due(4) is True and broadcasts == [False]
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  assert run._checkpoint_due(4) is False and broadcasts == [False]

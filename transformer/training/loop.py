@@ -263,11 +263,15 @@ class TrainingRun:
     config = self.config
     if config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0:
       return True
-    by_time = (config.checkpoint_every_minutes and step % config.log_every_steps == 0 and
-               time.time() - self.last_save_time >= 60 * config.checkpoint_every_minutes)
-    if by_time and jax.process_count() > 1:  # every host must agree to save
-      by_time = bool(jax.experimental.multihost_utils.broadcast_one_to_all(by_time))
-    return bool(by_time)
+    if not (config.checkpoint_every_minutes and step % config.log_every_steps == 0):
+      return False
+    due = time.time() - self.last_save_time >= 60 * config.checkpoint_every_minutes
+    if jax.process_count() > 1:
+      # Hosts' clocks differ: every host takes part in the broadcast, whatever its own
+      # clock says, and all follow process 0's. A host that skipped it would leave the
+      # others waiting in a collective.
+      due = bool(jax.experimental.multihost_utils.broadcast_one_to_all(due))
+    return due
 
   def _preempted(self, step: int, preemption: PreemptionSignal) -> bool:
     preempted = preemption.received is not None
