@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from transformer import config as config_lib
 from transformer.config import EOS_ID
-from transformer.model import ModelConfig, Transformer, decoding
+from transformer.model import decoding
+from transformer.training import state
 
 
 def time_beam_search(model, params, source_BxS, *, beam_size: int, steps: int,
@@ -53,7 +54,7 @@ def main():
     parser.error("--steps must exceed --source_len: the budget is source length + extra")
 
   config = config_lib.load_config(config_lib.DEFAULT_CONFIG)
-  model = Transformer(ModelConfig.from_config(config))
+  model = state.build_model(config)
   rng_init, rng_source = jax.random.split(jax.random.PRNGKey(0))
   source_BxS = jax.random.randint(rng_source, (args.batch, args.source_len), 4,
                                   config.vocab_size, jnp.int32).at[:, -1].set(EOS_ID)
