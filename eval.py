@@ -10,16 +10,18 @@
       Write PNG heatmaps of every layer's and head's attention for that sentence.
 
 The config comes from DIR/config.json unless --config is given (then it must match
-the checkpoint's architecture).
+the checkpoint's architecture). DIR may be gs://... On several hosts every process runs
+the same command, with the same jax.distributed flags as train.py; each searches its
+share of every batch, and process 0 writes the files and prints.
 """
 
-import os
 import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
 
 from transformer import cli
+from transformer.training import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (default: the run's own WORKDIR/config.json).",
@@ -39,12 +41,17 @@ _ATTENTION_MAPS = flags.DEFINE_string("attention_maps", None,
                                       "Plot attention maps for this sentence.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
                                   "Where --attention_maps writes (default WORKDIR/attention).")
+distributed.define_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  distributed.initialize_from_flags()
+  # Imported after jax.distributed is up: nothing may touch devices before that.
+  import jax
   from transformer import config as config_lib
+  from transformer import storage
   from transformer.evaluation import score, translate
   from transformer.training import checkpoints
 
@@ -52,7 +59,7 @@ def main(argv):
   try:
     if not workdir:
       raise config_lib.ConfigError("--workdir is required")
-    if not os.path.isdir(workdir):
+    if not storage.is_dir(workdir):
       raise config_lib.ConfigError(f"--workdir {workdir} does not exist")
     config = _CONFIG.value
     if config is None:
@@ -70,15 +77,17 @@ def main(argv):
       elif _INPUT_FILE.value == "-":  # bytes that are not UTF-8 become U+FFFD, as below
         lines = sys.stdin.buffer.read().decode("utf-8", errors="replace").splitlines()
       else:
-        with open(_INPUT_FILE.value, encoding="utf-8", errors="replace") as f:
-          lines = f.read().splitlines()
-      for translation in translator.translate_lines(lines):
-        print(translation)
+        lines = storage.as_path(_INPUT_FILE.value).read_bytes().decode(
+            "utf-8", errors="replace").splitlines()
+      translations = translator.translate_lines(lines)  # every process takes part
+      if jax.process_index() == 0:
+        for translation in translations:
+          print(translation)
       return
 
     if _ATTENTION_MAPS.value is not None:
       from transformer.evaluation import attention_maps
-      out_dir = _OUTPUT_DIR.value or os.path.join(workdir, "attention")
+      out_dir = _OUTPUT_DIR.value or storage.join(workdir, "attention")
       files = attention_maps.plot_attention_maps(
           translator.model, translator.params, translator.tokenizer, _ATTENTION_MAPS.value,
           out_dir, max_len=config.max_len)
@@ -87,7 +96,7 @@ def main(argv):
 
     results = score.evaluate_split(translator, _SPLIT.value)
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
-    sys.exit(f"error: {e}")
+    distributed.exit_with_error(e)
   logging.info("results: %s", results)
   print(f"{_SPLIT.value} step {results['step']}: chrF {results['chrf']:.2f} | "
         f"tokenized BLEU {results['bleu_tok']:.2f} | ppl {results['ppl']:.2f} | "

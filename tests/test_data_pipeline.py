@@ -161,25 +161,20 @@ def test_decoder_only_batches(setup):
   assert batch["target"][0][prompt_end] != 0
 
 
-@pytest.mark.parametrize("process_count", [1, 2])
-def test_each_evaluation_sentence_exactly_once(setup, process_count):
+def test_each_evaluation_sentence_exactly_once(setup):
   config, source, tokenizer = setup
   pairs = pipeline.load_raw_pairs(config, "validation", source=source)
   assert len(pairs) > config.eval_batch_size  # several batches, the last one partial
-  indices, rows_by_index, shapes = [], {}, []
-  for p in range(process_count):
-    batches = pipeline.make_eval_batches(config, tokenizer, "validation", source=source,
-                                         process_index=p, process_count=process_count)
-    shapes.append([b["source"].shape for b in batches])
-    for batch in batches:
-      rows, length = batch["source"].shape
-      assert rows == config.eval_batch_size // process_count
-      assert length <= config.max_len and (length % 8 == 0 or length == config.max_len)
-      for row, index in enumerate(batch["index"]):
-        indices.append(index)
-        rows_by_index[index] = batch["source"][row]
-  assert all(s == shapes[0] for s in shapes)  # every process sees the same shapes
-  lengths = [length for _, length in shapes[0]]
+  batches = pipeline.make_eval_batches(config, tokenizer, "validation", source=source)
+  indices, rows_by_index = [], {}
+  for batch in batches:
+    rows, length = batch["source"].shape
+    assert rows == config.eval_batch_size
+    assert length <= config.max_len and (length % 8 == 0 or length == config.max_len)
+    for row, index in enumerate(batch["index"]):
+      indices.append(index)
+      rows_by_index[index] = batch["source"][row]
+  lengths = [b["source"].shape[1] for b in batches]
   assert lengths == sorted(lengths) and lengths[0] < lengths[-1]  # batched by length
   real = sorted(i for i in indices if i >= 0)
   assert real == list(range(len(pairs)))

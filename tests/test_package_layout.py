@@ -11,13 +11,16 @@ FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
 ALLOWED = {
     "messages": set(),
     "config": {"messages"},
+    "storage": {"messages"},
     "cli": {"config", "messages"},
     "model": {"config", "messages"},
-    "data": {"config", "messages"},
-    "training": {"config", "messages", "model", "data"},
-    "evaluation": {"config", "messages", "model", "data", "training"},
-    "sweeps": {"config", "messages", "cli", "model", "data", "training", "evaluation"},
-    "tools": {"config", "messages", "cli", "model", "data", "training", "evaluation"},
+    "data": {"config", "messages", "storage"},
+    "training": {"config", "messages", "storage", "model", "data"},
+    "evaluation": {"config", "messages", "storage", "model", "data", "training"},
+    "sweeps": {"config", "messages", "storage", "cli", "model", "data", "training",
+               "evaluation"},
+    "tools": {"config", "messages", "storage", "cli", "model", "data", "training",
+              "evaluation"},
 }
 
 

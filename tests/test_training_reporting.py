@@ -58,13 +58,20 @@ def test_values_json_cannot_hold_become_strings(tmp_path):
   assert np.isnan(record["nan"])
 
 
-def test_tensorboard_summaries_when_available(tmp_path):
-  pytest.importorskip("tensorboardX")
+def test_tensorboard_summaries_hold_each_scalar(tmp_path):
+  import tensorflow as tf
   writer = reporting.MetricsWriter(str(tmp_path))
-  writer.write(1, {"loss": 2.0})
+  writer.write(1, {"loss": 2.0, "name": "not a scalar"})
+  writer.write(2, {"ce": 1.5}, kind="eval")
   writer.close()
-  events = os.listdir(os.path.join(str(tmp_path), "tensorboard"))
-  assert any(name.startswith("events.out.tfevents") for name in events)
+  events = list((tmp_path / "tensorboard").iterdir())
+  assert len(events) == 1 and events[0].name.startswith("events.out.tfevents")
+  scalars = {}
+  for record in tf.data.TFRecordDataset(str(events[0])):
+    event = tf.compat.v1.Event.FromString(record.numpy())
+    for value in event.summary.value:
+      scalars[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+  assert scalars == {("train/loss", 1): 2.0, ("eval/ce", 2): 1.5}
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

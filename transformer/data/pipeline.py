@@ -187,8 +187,8 @@ def load_raw_pairs(config, split: str, *, source=None) -> list[tuple[str, str]]:
   return sources.raw_pairs(source or sources.make_source(config), split)
 
 
-def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index: int = 0,
-                      process_count: int = 1, source=None) -> list[dict[str, np.ndarray]]:
+def make_eval_batches(config, tokenizer: Tokenizer, split: str, *,
+                      source=None) -> list[dict[str, np.ndarray]]:
   """Every sentence of a split once, in padded batches of eval_batch_size rows.
 
   Sentences are batched in order of source length, so each batch pads only to its own
@@ -196,35 +196,31 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index
   [B] gives each row's position in the split (-1 on fill rows), so outputs can be put
   back in the split's order. A sentence longer than max_len is clipped for the model only
   (references come from load_raw_pairs), and the count is logged. With a decoder-only
-  model, 'source' is the prompt (source + EOS). Returns this process's rows; every
-  process's batches have the same shapes.
+  model, 'source' is the prompt (source + EOS).
+
+  Every process gets the same whole batches; `sharding.global_batch_from_whole` then
+  places on each device only the rows it computes, so each process works on its share
+  and every output row stays with its 'index' whatever the devices' order.
   """
-  global_rows = config.eval_batch_size
-  if global_rows % process_count:
-    raise ConfigError(f"eval_batch_size: {global_rows} must be a multiple of the "
-                      f"{process_count} processes")
   examples = _eval_examples(config, tokenizer, split, source)
   if not examples:
     return []
+  rows = config.eval_batch_size
   decoder_only = bool(config.model.decoder_only)
   max_lengths = {"source": config.max_len, "target": (2 if decoder_only else 1) * config.max_len}
   max_lengths["loss_mask"] = max_lengths["target"]
-  local_rows = global_rows // process_count
-  first = process_index * local_rows
   by_length = sorted(range(len(examples)), key=lambda i: len(examples[i]["source"]))
   batches = []
-  for start in range(0, len(examples), global_rows):
-    global_indices = by_length[start:start + global_rows]
-    mine = global_indices[first:first + local_rows]
+  for start in range(0, len(examples), rows):
+    indices = by_length[start:start + rows]
     arrays = {}
     for key in examples[0]:
-      # Every process pads to the global batch's longest row: the same shapes everywhere.
-      longest = max(len(examples[i][key]) for i in global_indices)
+      longest = max(len(examples[i][key]) for i in indices)
       length = min(batching.round_up(longest, 8), max_lengths[key])
-      rows = [examples[i][key] for i in mine] + [[]] * (local_rows - len(mine))
-      arrays[key] = batching.pad_stack(rows, length)
+      padded_rows = [examples[i][key] for i in indices] + [[]] * (rows - len(indices))
+      arrays[key] = batching.pad_stack(padded_rows, length)
     batch = batching.finalize(arrays)
-    batch["index"] = np.array(mine + [-1] * (local_rows - len(mine)), np.int32)
+    batch["index"] = np.array(indices + [-1] * (rows - len(indices)), np.int32)
     batches.append(batch)
   return batches
 

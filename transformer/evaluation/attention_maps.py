@@ -13,8 +13,8 @@ shifted right).
 from __future__ import annotations
 
 import functools
+import io
 import math
-import os
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -23,6 +23,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from transformer import storage
 from transformer.model import decoding
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
 
@@ -96,7 +97,9 @@ def _plot_heads(weights_HxQxK: np.ndarray, query_labels: Sequence[str],
     axes.set_xticks(range(num_keys), key_labels, rotation=90, fontsize=7)
     axes.set_yticks(range(num_queries), query_labels, fontsize=7)
   figure.tight_layout()
-  figure.savefig(path, dpi=100)
+  png = io.BytesIO()  # rendered in memory, then written whole: out_dir may be gs://
+  figure.savefig(png, format="png", dpi=100)
+  storage.write_bytes(path, png.getvalue())
 
 
 def plot_attention_maps(model, params: Any, tokenizer: Tokenizer, source_text: str,
@@ -126,11 +129,11 @@ def plot_attention_maps(model, params: Any, tokenizer: Tokenizer, source_text: s
       "decoder_self_attention": (target_pieces, decoder_input_pieces),
       "decoder_cross_attention": (target_pieces, source_pieces),
   }
-  os.makedirs(out_dir, exist_ok=True)
+  storage.makedirs(out_dir)
   written = []
   for kind, stack, module in ATTENTION_KINDS:
     for layer in range(model.config.num_layers):
-      path = os.path.join(out_dir, f"{kind}_layer{layer}.png")
+      path = storage.join(out_dir, f"{kind}_layer{layer}.png")
       query_labels, key_labels = labels[kind]
       title = f"{kind.replace('_', ' ')}, layer {layer}"
       _plot_heads(weights[(stack, layer, module)], query_labels, key_labels, title, path)

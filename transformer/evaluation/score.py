@@ -6,14 +6,15 @@ sentence per line, in the split's order) and .json (the scores), and returns the
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from typing import Any
 
+import jax
+
 from transformer import config as config_lib
 from transformer import data
+from transformer import storage
 from transformer.evaluation import bleu
 from transformer.evaluation.translate import Translator, search_batch
 from transformer.training import metrics, steps
@@ -38,8 +39,10 @@ def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
   loss = metrics.evaluate_loss(steps.jit_eval_step(translator.setup), translator.params,
                                batches, translator.mesh, translator.rules)
   results["ppl"], results["ce"] = loss["ppl"], loss["ce"]
-  results["path"] = _write_outputs(translator, split, [s for s, _ in texts], references,
-                                   hypotheses, results)
+  json_path = _output_stem(translator, split) + ".json"
+  if jax.process_index() == 0:  # the files are the same on every process: one writer
+    _write_outputs(json_path, [s for s, _ in texts], references, hypotheses, results)
+  results["path"] = json_path
   if not math.isfinite(results["ppl"]):
     raise RuntimeError(f"perplexity on {split} is {results['ppl']}")
   return results
@@ -74,16 +77,18 @@ def _translation_scores(hypotheses: list[str], references: list[str], config) ->
           "chrf": bleu.chrf(hypotheses, references).score}
 
 
-def _write_outputs(translator: Translator, split: str, sources: list[str],
-                   references: list[str], hypotheses: list[str], results: dict) -> str:
-  """Writes the .src/.ref/.hyp.txt files and the .json; returns the .json's path."""
-  out_dir = os.path.join(translator.workdir, "eval")
-  os.makedirs(out_dir, exist_ok=True)
+def _output_stem(translator: Translator, split: str) -> str:
+  """WORKDIR/eval/<split>-<step>[-avg<k>]."""
   averaged = f"-avg{translator.average_last}" if translator.average_last > 1 else ""
-  stem = os.path.join(out_dir, f"{split}-{translator.step}{averaged}")
+  return storage.join(translator.workdir, "eval", f"{split}-{translator.step}{averaged}")
+
+
+def _write_outputs(json_path: str, sources: list[str], references: list[str],
+                   hypotheses: list[str], results: dict) -> None:
+  """The .src/.ref/.hyp.txt files, one sentence per line in the split's order, then the
+  .json (last, so that its presence means the evaluation is complete)."""
+  stem = json_path.removesuffix(".json")
+  storage.makedirs(storage.as_path(json_path).parent)
   for suffix, lines in (("src", sources), ("ref", references), ("hyp", hypotheses)):
-    with open(f"{stem}.{suffix}.txt", "w", encoding="utf-8") as f:
-      f.writelines(line.replace("\n", " ") + "\n" for line in lines)
-  with open(f"{stem}.json", "w") as f:
-    json.dump(results, f, indent=2)
-  return f"{stem}.json"
+    storage.write_lines(f"{stem}.{suffix}.txt", lines)
+  storage.write_json(json_path, results)

@@ -22,10 +22,13 @@ from transformer.training import state as state_lib
 
 def search_batch(model, params, config: ml_collections.ConfigDict, mesh, rules,
                  source_BxS: np.ndarray) -> np.ndarray:
-  """Beam search (config's beam size and alpha) on padded source ids -> tokens [B, C]."""
-  rows = source_BxS.shape[0] // jax.process_count()  # every process holds the whole batch
-  local = source_BxS[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-  source = sharding.global_batch({"source": local}, mesh, rules)["source"]
+  """Beam search (config's beam size and alpha) on padded source ids -> tokens [B, C].
+
+  Every process passes the same whole batch and gets every row's output back, row r for
+  row r: each device searches only its own rows, and the gather follows the global
+  array's indices, not an assumed order of processes over the mesh.
+  """
+  source = sharding.global_batch_from_whole({"source": source_BxS}, mesh, rules)["source"]
   tokens, _ = decoding.beam_search(
       model, params, source, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
       max_decode_extra_len=config.max_decode_extra_len)

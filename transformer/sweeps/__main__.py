@@ -22,6 +22,7 @@ from absl import flags
 
 from transformer import cli
 from transformer import config as config_lib
+from transformer import storage
 from transformer.sweeps import launch, report, runner, spec
 
 FLAGS = flags.FLAGS
@@ -81,7 +82,7 @@ def main(argv) -> None:
     elif FLAGS.collect:
       written = report.collect(sweep, rows, configs, FLAGS.workdir,
                                FLAGS.output_dir or FLAGS.workdir)
-      print(open(written[0], encoding="utf-8").read())
+      print(storage.read_text(written[0]))
       for path in written:
         print(f"wrote {path}")
     else:

@@ -9,8 +9,9 @@ final checkpoint's beam search, without checkpoint averaging, as in the paper's 
 from __future__ import annotations
 
 import csv
-import os
+import io
 
+from transformer import storage
 from transformer.sweeps import runner, spec
 from transformer.training import describe
 
@@ -155,8 +156,10 @@ def plot(collected: list[dict], title: str, path: str) -> None:
   axes[0].legend(loc="best")
   axes[1].set_xticks(x, names)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  png = io.BytesIO()  # rendered in memory, then written whole: the path may be gs://
+  fig.savefig(png, format="png", dpi=120)
   plt.close(fig)
+  storage.write_bytes(path, png.getvalue())
 
 
 def collect(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
@@ -164,8 +167,8 @@ def collect(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
   """Writes <sweep>.md, .csv and .png to output_dir; returns their paths (md first)."""
   bleu_sources = {}
   collected = collect_rows(sweep, rows, configs, workdir, bleu_sources)
-  os.makedirs(output_dir, exist_ok=True)
-  stem = os.path.join(output_dir, sweep.name)
+  storage.makedirs(output_dir)
+  stem = storage.join(output_dir, sweep.name)
   missing = [r["row"] for r in collected if r["ppl"] is None]
   note = f"\nNot finished yet (blank): {', '.join(missing)}.\n" if missing else ""
   described = [(on, names) for on, names in bleu_sources.items() if on is not None]
@@ -174,15 +177,16 @@ def collect(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
   else:
     bleu_on = "".join(f" BLEU of {', '.join(names)} is computed on {on}."
                       for on, names in described)
-  with open(f"{stem}.md", "w", encoding="utf-8") as f:
-    f.write(f"Sweep `{sweep.name}` on `{sweep.base_config}`: final validation perplexity "
-            "(unsmoothed, per subword token) and BLEU of the last checkpoint, no averaging. "
-            "BLEU is sacreBLEU; tok BLEU is the paper's protocol (tokenized, compounds "
-            f"split).{bleu_on}\n\n")
-    f.write(markdown_table(collected) + note)
-  with open(f"{stem}.csv", "w", newline="", encoding="utf-8") as f:
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in collected)
+  storage.write_text(
+      f"{stem}.md",
+      f"Sweep `{sweep.name}` on `{sweep.base_config}`: final validation perplexity "
+      "(unsmoothed, per subword token) and BLEU of the last checkpoint, no averaging. "
+      "BLEU is sacreBLEU; tok BLEU is the paper's protocol (tokenized, compounds "
+      f"split).{bleu_on}\n\n" + markdown_table(collected) + note)
+  table = io.StringIO(newline="")
+  writer = csv.DictWriter(table, fieldnames=COLUMNS)
+  writer.writeheader()
+  writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in collected)
+  storage.write_text(f"{stem}.csv", table.getvalue())
   plot(collected, f"Sweep {sweep.name}: each row against its base row", f"{stem}.png")
   return [f"{stem}.md", f"{stem}.csv", f"{stem}.png"]

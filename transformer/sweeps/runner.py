@@ -2,8 +2,8 @@
 
 Each row trains in WORKDIR/<row> with `train.py`, then beam-searches its whole validation
 split with `eval.py`, each as a child process. A row whose final evaluation exists is
-skipped; one with checkpoints short of its last step resumes. Workdir paths may be
-gs://... where they are only read (etils.epath).
+skipped; one with checkpoints short of its last step resumes. The sweep's workdir may be
+gs://...: rows, their files and the sweep's log all go through `transformer.storage`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import subprocess
 import sys
 import time
 
-from etils import epath
-
 from transformer import config as config_lib
+from transformer import storage
 from transformer.messages import format_duration
 from transformer.sweeps.spec import Row, Sweep, SweepError, config_file, eval_args, train_args
 from transformer.training.checkpoints import steps_on_disk
@@ -30,16 +29,16 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
   back to the training run's own last validation record (BLEU of its first
   config.eval_bleu_sentences sentences, if any).
   """
-  report = epath.Path(workdir) / "eval" / f"validation-{num_train_steps}.json"
-  if report.exists():
-    found = json.loads(report.read_text())
+  report = storage.join(workdir, "eval", f"validation-{num_train_steps}.json")
+  if storage.exists(report):
+    found = storage.read_json(report)
     return {"ppl": found["ppl"], "bleu": found["bleu"], "bleu_tok": found.get("bleu_tok"),
             "bleu_sentences": found.get("num_sentences"), "source": "eval.py"}
-  metrics = epath.Path(workdir) / "metrics.jsonl"
-  if not metrics.exists():
+  metrics = storage.join(workdir, "metrics.jsonl")
+  if not storage.exists(metrics):
     return None
   last = None
-  for line in metrics.read_text().splitlines():
+  for line in storage.read_text(metrics).splitlines():
     record = json.loads(line)
     if record.get("kind") == "validation" and record.get("step") == num_train_steps:
       last = record
@@ -93,12 +92,12 @@ def _run_child(command: list[str]) -> int:
 def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
               final_eval: bool = True, python: str = sys.executable) -> list[dict]:
   """Trains and evaluates each row in turn under workdir/<row>; returns what was done."""
-  os.makedirs(workdir, exist_ok=True)
-  log_path = os.path.join(workdir, "sweep_log.jsonl")
+  storage.makedirs(workdir)
+  log = storage.AppendLog(storage.join(workdir, "sweep_log.jsonl"))
   config_path = config_file(sweep)
   done = []
   for row in rows:
-    row_dir = os.path.abspath(os.path.join(workdir, row.name))
+    row_dir = storage.join(workdir, row.name)
     steps = configs[row.name].num_train_steps
     state = row_state(row_dir, steps, final_eval)
     if state == "finished":
@@ -123,8 +122,8 @@ def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
       seconds = time.time() - started
       entry = {"row": row.name, "phase": phase, "seconds": round(seconds, 1),
                "returncode": returncode, "resumed": state == "partial" and phase == "train"}
-      with open(log_path, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+      log.write_line(json.dumps(entry))
+      log.flush()
       done.append(entry)
       if returncode != 0:
         raise SweepError(f"row {row.name}: {phase} exited with code {returncode}; "

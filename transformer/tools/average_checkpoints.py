@@ -10,13 +10,11 @@ and data-iterator state are the newest checkpoint's, plus the run's config.json 
 vocab.model, so `eval.py --workdir RUN-avg5` works on it unchanged.
 """
 
-import os
-import shutil
 import sys
 
 from absl import flags
 
-from transformer import cli
+from transformer import cli, storage
 from transformer.config import ConfigError
 from transformer.training import checkpoints, state
 
@@ -29,7 +27,7 @@ _OUTPUT = flags.DEFINE_string("output_workdir", None, "Where the averaged run is
 def average_into(workdir: str, output_workdir: str, average_last: int,
                  step: int | None = None) -> int:
   """Returns the step the averaged checkpoint is saved at."""
-  if os.path.abspath(workdir) == os.path.abspath(output_workdir):
+  if storage.join(workdir) == storage.join(output_workdir):
     raise ConfigError("--output_workdir must differ from --workdir (a run's own "
                       "checkpoints are never overwritten)")
   if checkpoints.steps_on_disk(output_workdir):  # an empty one, from a failed try, is reused
@@ -42,9 +40,9 @@ def average_into(workdir: str, output_workdir: str, average_last: int,
   newest_state, iterator_state = source.restore(newest, run.restore_target())
   source.close()
 
-  os.makedirs(output_workdir, exist_ok=True)
+  storage.makedirs(output_workdir)
   for name in ("config.json", "vocab.model"):
-    shutil.copyfile(os.path.join(workdir, name), os.path.join(output_workdir, name))
+    storage.copy(storage.join(workdir, name), storage.join(output_workdir, name))
   target = checkpoints.Checkpointer(output_workdir, keep=1, async_save=False)
   target.save(newest, newest_state.replace(params=params), iterator_state, config)
   target.close()

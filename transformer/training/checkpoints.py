@@ -11,7 +11,6 @@ old checkpoints only after a newer one is complete, so the earlier ones stay int
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Any, Optional
@@ -19,9 +18,9 @@ from typing import Any, Optional
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-from etils import epath
 
 from transformer import config as config_lib
+from transformer import storage
 from transformer.config import ConfigError
 from transformer.messages import first_line
 
@@ -44,7 +43,8 @@ def _join_orbax_threads(timeout_s: float = 60.0) -> None:
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), "checkpoints")
+  """WORKDIR/checkpoints: absolute if local, the URL itself if gs://..."""
+  return storage.join(workdir, "checkpoints")
 
 
 def steps_on_disk(workdir: str) -> list[int]:
@@ -54,7 +54,7 @@ def steps_on_disk(workdir: str) -> list[int]:
   crash is never listed. Reads the directory, not Orbax's in-memory list, which forgets
   steps it meant to delete once a newer save started. `workdir` may be gs://...
   """
-  directory = epath.Path(workdir) / "checkpoints"
+  directory = storage.as_path(checkpoint_dir(workdir))
   if not directory.exists():
     return []
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
@@ -76,12 +76,12 @@ class Checkpointer:
     try:
       # Created here, so that a path that cannot hold checkpoints fails now, not at the
       # first save (Orbax creates it lazily).
-      epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
-      self._manager = ocp.CheckpointManager(self.directory, options=options,
+      storage.makedirs(self.directory)
+      self._manager = ocp.CheckpointManager(storage.as_path(self.directory), options=options,
                                             item_names=_ITEMS)
-    except OSError as e:
+    except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
       raise CheckpointError(f"cannot use {self.directory} for checkpoints: "
-                            f"{e.strerror or first_line(e, with_type=True)}") from None
+                            f"{storage.error_text(e)}") from None
     self._writing: Optional[int] = None  # the step of a save that may still be running
     self._reported: Optional[CheckpointError] = None
 
@@ -178,15 +178,14 @@ def check_compatible(saved: dict, config: ml_collections.ConfigDict) -> None:
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a run in `workdir` was trained with (WORKDIR/config.json)."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = storage.join(workdir, "config.json")
+  if not storage.exists(path):
     raise ConfigError(f"{workdir} holds no trained run: {path} is missing")
-  with open(path) as f:
-    try:
-      saved = json.load(f)
-    except ValueError as e:
-      raise ConfigError(f"{path} is not valid JSON ({e}); rerunning train.py on the "
-                        "workdir writes it again") from None
+  try:
+    saved = json.loads(storage.read_text(path))
+  except ValueError as e:
+    raise ConfigError(f"{path} is not valid JSON ({e}); rerunning train.py on the "
+                      "workdir writes it again") from None
   config = config_lib.base_config()
   config.update(saved)
   return config

@@ -8,9 +8,7 @@ was, so an interrupted run ends with the same parameters as an uninterrupted one
 from __future__ import annotations
 
 import math
-import os
 import signal
-import tempfile
 import time
 from typing import Any
 
@@ -20,6 +18,7 @@ import ml_collections
 from absl import logging
 
 from transformer import config as config_lib
+from transformer import storage
 from transformer import data
 from transformer.training import (checkpoints, flops, metrics, prefetch, reporting, sharding,
                                   state, steps)
@@ -52,19 +51,14 @@ class PreemptionSignal:
 
 def check_workdir_writable(workdir: str) -> None:
   try:
-    os.makedirs(workdir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir):
-      pass
+    storage.check_writable(workdir)
   except OSError as e:
-    raise TrainingError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+    raise TrainingError(f"workdir {workdir} is not writable: {e}") from None
 
 
 def write_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """WORKDIR/config.json, written whole and renamed: a kill never leaves half of it."""
-  path = os.path.join(workdir, "config.json")
-  with open(path + ".tmp", "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  os.replace(path + ".tmp", path)
+  """WORKDIR/config.json, written whole: a kill never leaves half of it."""
+  storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
 
 class Progress:
@@ -130,9 +124,7 @@ class ValidationLoss:
   def __init__(self, config, run_setup: state.Setup, tokenizer):
     self.config, self.setup, self.tokenizer = config, run_setup, tokenizer
     self._eval_step = steps.jit_eval_step(run_setup)
-    self._batches = data.make_eval_batches(config, tokenizer, "validation",
-                                           process_index=jax.process_index(),
-                                           process_count=jax.process_count())
+    self._batches = data.make_eval_batches(config, tokenizer, "validation")
 
   def __call__(self, params) -> dict[str, Any]:
     return metrics.evaluate_loss(self._eval_step, params, self._batches, self.setup.mesh,

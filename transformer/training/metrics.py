@@ -38,11 +38,14 @@ def token_averages(sums: dict[str, float]) -> dict[str, float]:
 
 def evaluate_loss(p_eval_step, params: Any, eval_batches: Iterable[dict], mesh, rules,
                   max_batches: int = 0) -> dict[str, float]:
-  """Unsmoothed cross-entropy and perplexity over a split (or its first `max_batches`)."""
+  """Unsmoothed cross-entropy and perplexity over a split (or its first `max_batches`).
+
+  `eval_batches`: whole batches, the same on every process (data.make_eval_batches).
+  """
   pending = []
   for i, batch in enumerate(eval_batches):
     if max_batches and i >= max_batches:
       break
     batch = {k: v for k, v in batch.items() if k != "index"}
-    pending.append(p_eval_step(params, sharding.global_batch(batch, mesh, rules)))
+    pending.append(p_eval_step(params, sharding.global_batch_from_whole(batch, mesh, rules)))
   return token_averages(sum_metrics(pending))

@@ -1,47 +1,54 @@
 """Where training reports go: a progress line, WORKDIR/metrics.jsonl and TensorBoard.
 
-Only process 0 writes; the others get a writer that does nothing.
+Only process 0 writes; the others get a writer that does nothing. Both files may live in
+a bucket (gs://...): metrics.jsonl is rewritten whole at each record (see
+`storage.AppendLog`), and TensorBoard events go through TensorFlow's summary writer,
+which reaches gs:// with the same `tf.io.gfile` client as every other file of the run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 
-from absl import logging
-
+from transformer import storage
 from transformer.messages import format_duration
 
 
 class MetricsWriter:
-  """Appends one JSON object per call to metrics.jsonl and mirrors it to TensorBoard."""
+  """Adds one JSON object per call to metrics.jsonl and mirrors it to TensorBoard."""
 
   def __init__(self, workdir: str, enabled: bool = True):
     self.enabled = enabled
     self._jsonl = None
     self._tensorboard = None
     if enabled:
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
-      try:
-        from tensorboardX import SummaryWriter
-        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
-      except ImportError:  # TensorBoard summaries are optional
-        logging.warning("tensorboardX is not installed: no TensorBoard summaries")
+      self._jsonl = storage.AppendLog(storage.join(workdir, "metrics.jsonl"))
+      import tensorflow as tf  # already loaded by the input pipeline
+      self._tf = tf
+      self._tensorboard = tf.summary.create_file_writer(storage.join(workdir, "tensorboard"))
+      self._scalar_metadata = tf.compat.v1.SummaryMetadata(
+          plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
 
   def write(self, step: int, metrics: dict, kind: str = "train") -> None:
+    """One record, in the file (and the bucket) when this returns."""
     if not self.enabled:
       return
     record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in metrics.items()}}
-    self._jsonl.write(json.dumps(record) + "\n")
-    if self._tensorboard is not None:
+    self._jsonl.write_line(json.dumps(record))
+    self._jsonl.flush()
+    with self._tensorboard.as_default():
       for key, value in record.items():
         if key not in ("step", "kind") and isinstance(value, (int, float)):
-          self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
+          # tf.summary.write with the scalar plugin's tag: what tf.summary.scalar writes,
+          # without needing the tensorboard package in the training environment.
+          self._tf.summary.write(f"{kind}/{key}", self._tf.constant(float(value)),
+                                 step=int(step), metadata=self._scalar_metadata)
+    self._tensorboard.flush()
 
   def close(self) -> None:
     if self._jsonl is not None:
-      self._jsonl.close()
+      self._jsonl.flush()
     if self._tensorboard is not None:
       self._tensorboard.close()
 

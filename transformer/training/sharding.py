@@ -4,13 +4,20 @@ The mesh has axes (data, fsdp, tensor). `config.mesh.{data,fsdp,tensor}` are the
 within a slice (-1 takes the devices left over); `config.mesh.dcn_*` multiply them across
 slices of a multi-slice TPU pod, whose links are slower, so data parallelism usually
 goes there. `config.logical_axis_rules` maps parameter and activation axis names
-(`embed`, `heads`, `mlp`, `vocab`, `batch`, ...) onto mesh axes.
+(`embed`, `heads`, `mlp`, `vocab`, `batch`, `activation_batch`, ...) onto mesh axes.
+
+Parameters get their shardings from `logical_to_sharding`. Activations are constrained
+inside the model (transformer/model/primitives.py: `constrain`), which takes effect only
+while a function is traced under `activation_sharding(mesh, rules)`; `with_activation_sharding`
+wraps a function to be jitted so that its every trace is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -68,6 +75,32 @@ def axis_rules(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]
   return tuple(rules)
 
 
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules) -> Iterator[None]:
+  """While tracing in here, the model's activation constraints apply under `rules`.
+
+  flax reads the rules from its context and needs a mesh in jax's; the abstract mesh is
+  enough, and unlike `jax.set_mesh` it may be entered inside a function being jitted.
+  Outside this context the constraints are no-ops and XLA propagates shardings alone.
+  """
+  with nn.logical_axis_rules(rules), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    yield
+
+
+def with_activation_sharding(fn: Callable, mesh: Mesh, rules) -> Callable:
+  """`fn` that runs (and so is traced) under `activation_sharding(mesh, rules)`.
+
+  For the function handed to `jax.jit`: the context is then part of every trace, not of
+  whoever happens to call the jitted function first (jit's cache does not key on
+  flax's rules).
+  """
+  @functools.wraps(fn)
+  def traced_under_rules(*args, **kwargs):
+    with activation_sharding(mesh, rules):
+      return fn(*args, **kwargs)
+  return traced_under_rules
+
+
 def logical_to_sharding(tree: Any, mesh: Mesh, rules) -> Any:
   """NamedShardings for a pytree (typically `jax.eval_shape` output) of boxed arrays.
 
@@ -83,12 +116,16 @@ def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, spec)
 
 
-def batch_row_multiple(mesh: Mesh, rules) -> int:
-  """Global batch rows must be a multiple of this to split evenly over devices and hosts."""
+def batch_row_shards(mesh: Mesh, rules) -> int:
+  """How many slices a batch's rows are split into (the mesh axes the 'batch' rule names)."""
   spec = nn.logical_to_mesh_axes(("batch",), rules)[0]
   axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
-  devices_per_row_shard = math.prod(mesh.shape[a] for a in axes)
-  return math.lcm(devices_per_row_shard, jax.process_count())
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_row_multiple(mesh: Mesh, rules) -> int:
+  """Global batch rows must be a multiple of this to split evenly over devices and hosts."""
+  return math.lcm(batch_row_shards(mesh, rules), jax.process_count())
 
 
 def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh, rules) -> dict:
@@ -99,6 +136,22 @@ def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh, rules) -> dict:
     sharding = batch_sharding(mesh, rules, local.ndim)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
   return {k: to_global(v) for k, v in local_batch.items()}
+
+
+def global_batch_from_whole(whole_batch: dict[str, np.ndarray], mesh: Mesh, rules) -> dict:
+  """A batch every process holds whole -> global jax.Arrays with the same row order.
+
+  Each device gets exactly the rows its shard covers, whichever process owns it and
+  wherever the mesh puts it: on a TPU pod the mesh follows the physical topology, so
+  devices of one process need not hold one contiguous block of rows, and the process
+  order of `global_batch` would not be the batch's order. Evaluation uses this, so that
+  row r of every output is row r of the batch it was given.
+  """
+  def to_global(whole):
+    whole = np.asarray(whole)
+    sharding = batch_sharding(mesh, rules, whole.ndim)
+    return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+  return {k: to_global(v) for k, v in whole_batch.items()}
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -19,6 +19,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
+from transformer.config import ConfigError
 from transformer.model import ModelConfig, Transformer
 from transformer.training import sharding
 from transformer.training.optimizer import make_optimizer
@@ -80,6 +81,10 @@ def setup(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> Setup:
   """Builds everything but the arrays; `mesh` defaults to the config's over all devices."""
   mesh = mesh if mesh is not None else sharding.create_mesh(config)
   rules = sharding.axis_rules(config)
+  row_shards = sharding.batch_row_shards(mesh, rules)
+  if config.eval_batch_size % row_shards:
+    raise ConfigError(f"eval_batch_size: {config.eval_batch_size} sentences do not split "
+                      f"over the {row_shards} devices a batch's rows are spread over")
   model = build_model(config)
   optimizer = make_optimizer(config)
   boxed = jax.eval_shape(functools.partial(init_boxed_state, model, optimizer, config),
