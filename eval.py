@@ -86,6 +86,9 @@ def main(argv):
       return
 
     if _ATTENTION_MAPS.value is not None:
+      if jax.process_count() > 1:
+        raise config_lib.ConfigError("--attention_maps runs on one process (it plots one "
+                                     "sentence); start eval.py without the cluster flags")
       from transformer.evaluation import attention_maps
       out_dir = _OUTPUT_DIR.value or storage.join(workdir, "attention")
       files = attention_maps.plot_attention_maps(
@@ -98,6 +101,8 @@ def main(argv):
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
     distributed.exit_with_error(e)
   logging.info("results: %s", results)
+  if jax.process_index() != 0:  # the same scores on every process: one prints them
+    return
   print(f"{_SPLIT.value} step {results['step']}: chrF {results['chrf']:.2f} | "
         f"tokenized BLEU {results['bleu_tok']:.2f} | ppl {results['ppl']:.2f} | "
         f"{results['sentences_per_sec']:.1f} sentences/s | {results['path']}")

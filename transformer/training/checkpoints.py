@@ -1,8 +1,9 @@
 """Orbax checkpoints: the train state, the data iterator's position and the config.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}. Orbax writes each
-checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete,
-so a save torn by a crash is never listed, `latest_step()` is always a whole checkpoint,
+checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete
+(on gs://, into `<step>/`, marked complete by a last `commit_success.txt`), so a save
+torn by a crash is never listed, `latest_step()` is always a whole checkpoint,
 and the training run's next start deletes the leftover. A save that fails (a full disk)
 surfaces as a one-line `CheckpointError` at the next save or at the end; Orbax deletes
 old checkpoints only after a newer one is complete, so the earlier ones stay intact.
@@ -48,16 +49,19 @@ def checkpoint_dir(workdir: str) -> str:
 
 
 def steps_on_disk(workdir: str) -> list[int]:
-  """Steps of the complete checkpoints in a run's workdir, as the directory lists them.
+  """Steps of the complete checkpoints in a run's workdir, as the storage lists them.
 
-  Orbax renames a checkpoint to its step only once it is complete, so a save torn by a
-  crash is never listed. Reads the directory, not Orbax's in-memory list, which forgets
-  steps it meant to delete once a newer save started. `workdir` may be gs://...
+  A save torn by a crash is never listed: on local disk Orbax renames a checkpoint to
+  its step only once it is complete; on cloud storage, which cannot rename a folder,
+  it writes straight into `<step>/` and adds `commit_success.txt` last. Reads the
+  storage, not Orbax's in-memory list, which forgets steps it meant to delete once a
+  newer save started. `workdir` may be gs://...
   """
   directory = storage.as_path(checkpoint_dir(workdir))
   if not directory.exists():
     return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and ocp.step.is_path_finalized(p))
 
 
 class Checkpointer:
