@@ -195,13 +195,12 @@ def test_long_pairs_are_dropped_or_clipped_keeping_eos():
 def test_get_tokenizer_copies_to_workdir_and_resumes_from_it(setup, tmp_path):
   config, source, tokenizer = setup
   workdir = tmp_path / "run"
-  got = tokenizer_lib.get_tokenizer(config, str(workdir), process_index=0, process_count=1,
-                                    source=source)
+  got = tokenizer_lib.get_tokenizer(config, str(workdir), source=source)
   assert (workdir / "vocab.model").read_bytes() == tokenizer.model_proto == got.model_proto
   # A resumed run uses the workdir's copy even if the settings now point elsewhere.
   other = config.copy_and_resolve_references()
   other.vocab_cache_dir = str(tmp_path / "empty_cache")
-  resumed = tokenizer_lib.get_tokenizer(other, str(workdir), process_index=1, process_count=2)
+  resumed = tokenizer_lib.get_tokenizer(other, str(workdir))
   assert resumed.model_proto == tokenizer.model_proto
 
 

@@ -4,7 +4,6 @@ and the cache file name."""
 
 import io
 import os
-import threading
 import types
 
 import numpy as np
@@ -203,28 +202,3 @@ def test_load_workdir_tokenizer(tokenizer, tmp_path):
   tokenizer_lib.copy_vocab_to_workdir(tokenizer, str(tmp_path))
   assert tokenizer_lib.load_workdir_tokenizer(str(tmp_path)).model_proto == (
       tokenizer.model_proto)
-
-
-def test_other_processes_wait_for_process_0s_vocabulary(tokenizer, tmp_path, monkeypatch):
-  """A process other than 0 never trains: it waits for the cache file, then loads it, and
-  gives up in one line if it never appears."""
-  def no_training(*args, **kwargs):
-    raise AssertionError("only process 0 trains the vocabulary")
-  monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
-  config = config_lib.base_config()
-  config.vocab_cache_dir = str(tmp_path)
-  with pytest.raises(ConfigError, match=r"process 1/2 waited 0s for .*; is the directory "
-                                        r"shared\?$"):
-    tokenizer_lib.load_or_train_tokenizer(config, process_index=1, process_count=2,
-                                          source=_source(), wait_timeout_s=0.0, poll_s=0.01)
-
-  path = tokenizer_lib.vocab_cache_path(config, _source())
-  writer = threading.Timer(0.3, tokenizer.save, args=(path,))
-  writer.start()
-  try:
-    loaded = tokenizer_lib.load_or_train_tokenizer(config, process_index=1, process_count=2,
-                                                   source=_source(), wait_timeout_s=30.0,
-                                                   poll_s=0.05)
-  finally:
-    writer.join()
-  assert loaded.model_proto == tokenizer.model_proto

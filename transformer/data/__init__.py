@@ -15,6 +15,7 @@ from transformer.data.pipeline import load_raw_pairs
 from transformer.data.pipeline import make_eval_batches
 from transformer.data.pipeline import make_train_iterator
 from transformer.data.sources import make_source
+from transformer.data.tokenizer import Tokenizer
 from transformer.data.tokenizer import get_tokenizer
 from transformer.data.tokenizer import load_or_train_tokenizer
 from transformer.data.tokenizer import load_workdir_tokenizer

@@ -133,40 +133,28 @@ def training_sentences(source, max_per_side: int) -> Iterable[str]:
       yield t.decode("utf-8")
 
 
-def load_or_train_tokenizer(config, *, process_index: int = 0, process_count: int = 1,
-                            source=None, wait_timeout_s: float = 3 * 3600,
-                            poll_s: float = 5.0) -> Tokenizer:
-  """The cached vocabulary, trained first if missing.
+def load_or_train_tokenizer(config, *, source=None) -> Tokenizer:
+  """The cached vocabulary, trained (and cached) first if missing.
 
-  With several processes, process 0 trains and writes the file; the others wait for it,
-  so vocab_cache_dir must be on storage every host sees (e.g. the GCS data_dir).
+  Only one process of a job calls this (training.loop shares its result with the
+  others), so two hosts never train or write the same file.
   """
   source = source or sources.make_source(config)
   path = vocab_cache_path(config, source)
   if tf.io.gfile.exists(path):
     logging.info("Vocabulary: reusing %s", path)
     return Tokenizer.load(path)
-
-  if process_index == 0:
-    logging.info("Vocabulary: training %s %d on %s (%s)", config.vocab_type,
-                 config.vocab_size, source.name, config.direction)
-    start = time.time()
-    sentences = itertools.islice(training_sentences(source, config.vocab_max_sentences),
-                                 2 * config.vocab_max_sentences)
-    tokenizer = train_tokenizer(sentences, vocab_size=config.vocab_size,
-                                vocab_type=config.vocab_type)
-    tokenizer.save(path)
-    logging.info("Vocabulary: %d pieces in %.1fs -> %s", tokenizer.vocab_size,
-                 time.time() - start, path)
-    return tokenizer
-
-  deadline = time.time() + wait_timeout_s
-  while not tf.io.gfile.exists(path):
-    if time.time() > deadline:
-      raise ConfigError(f"vocab_cache_dir: process {process_index}/{process_count} waited "
-                        f"{wait_timeout_s:.0f}s for {path}; is the directory shared?")
-    time.sleep(poll_s)
-  return Tokenizer.load(path)
+  logging.info("Vocabulary: training %s %d on %s (%s)", config.vocab_type,
+               config.vocab_size, source.name, config.direction)
+  start = time.time()
+  sentences = itertools.islice(training_sentences(source, config.vocab_max_sentences),
+                               2 * config.vocab_max_sentences)
+  tokenizer = train_tokenizer(sentences, vocab_size=config.vocab_size,
+                              vocab_type=config.vocab_type)
+  tokenizer.save(path)
+  logging.info("Vocabulary: %d pieces in %.1fs -> %s", tokenizer.vocab_size,
+               time.time() - start, path)
+  return tokenizer
 
 
 def copy_vocab_to_workdir(tokenizer: Tokenizer, workdir: str) -> str:
@@ -176,19 +164,13 @@ def copy_vocab_to_workdir(tokenizer: Tokenizer, workdir: str) -> str:
   return path
 
 
-def get_tokenizer(config, workdir: str, *, process_index: int | None = None,
-                  process_count: int | None = None, source=None) -> Tokenizer:
+def get_tokenizer(config, workdir: str, *, source=None) -> Tokenizer:
   """The run's vocabulary: WORKDIR/vocab.model when resuming, else the cached one
-  (trained if needed), which process 0 then copies into the workdir."""
+  (trained if needed), then copied into the workdir. For one process of a job."""
   if tf.io.gfile.exists(os.path.join(workdir, WORKDIR_VOCAB_NAME)):
     return load_workdir_tokenizer(workdir)
-  if process_index is None or process_count is None:
-    import jax  # pylint: disable=g-import-not-at-top  (only the trainer's path needs it)
-    process_index, process_count = jax.process_index(), jax.process_count()
-  tokenizer = load_or_train_tokenizer(config, process_index=process_index,
-                                      process_count=process_count, source=source)
-  if process_index == 0:
-    copy_vocab_to_workdir(tokenizer, workdir)
+  tokenizer = load_or_train_tokenizer(config, source=source)
+  copy_vocab_to_workdir(tokenizer, workdir)
   return tokenizer
 
 

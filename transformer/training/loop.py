@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.experimental.multihost_utils
 import ml_collections
+import numpy as np
 from absl import logging
 
 from transformer import config as config_lib
@@ -148,6 +149,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     run.close()
 
 
+def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> data.Tokenizer:
+  """The run's vocabulary on every process: process 0 loads or trains it (and copies it
+  into the workdir), then broadcasts the model's bytes to the others.
+
+  No host but process 0 reads the vocabulary cache or waits for a file to appear, so
+  the cache may be on a disk only process 0 sees (the default, ~/.cache).
+  """
+  if jax.process_count() == 1:
+    return data.get_tokenizer(config, workdir)
+  model_proto = data.get_tokenizer(config, workdir).model_proto if jax.process_index() == 0 \
+      else b""
+  broadcast = jax.experimental.multihost_utils.broadcast_one_to_all
+  size = int(broadcast(np.int64(len(model_proto))))
+  buffer = np.zeros(size, np.uint8)
+  buffer[:len(model_proto)] = np.frombuffer(model_proto, np.uint8)
+  return data.Tokenizer(np.asarray(broadcast(buffer)).tobytes())
+
+
 class TrainingRun:
   """One run in a workdir: built (and restored) at construction, then `train()`."""
 
@@ -162,7 +181,7 @@ class TrainingRun:
     if self.is_chief:
       write_run_config(config, workdir)
     # --- Data.
-    self.tokenizer = data.get_tokenizer(config, workdir)
+    self.tokenizer = shared_tokenizer(config, workdir)
     self.train_iter = data.make_train_iterator(
         config, self.tokenizer, process_index=jax.process_index(),
         process_count=jax.process_count(),
