@@ -149,3 +149,18 @@ def test_a_checkpoint_without_its_commit_marker_is_not_a_step(gcs):  # noqa: F81
     with tf.io.gfile.GFile(f"{gcs.url}/run/checkpoints/{name}", "w") as f:
       f.write("x")
   assert checkpoints.steps_on_disk(f"{gcs.url}/run") == [4]
+
+
+def test_a_bucket_that_cannot_be_used_is_a_one_line_error(bucket_run):
+  start, _, url, flags, _ = bucket_run
+  for args, expected in (
+      ([os.path.join(REPO, "train.py"), "--workdir", "gs://no-such-bucket/run"] + flags,
+       "error: workdir gs://no-such-bucket/run is not writable: "),
+      ([os.path.join(REPO, "eval.py"), "--workdir", f"{url}/never-trained"],
+       f"error: --workdir {url}/never-trained does not exist")):
+    process = start(args)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 1, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(expected), last
+    assert "Traceback" not in output

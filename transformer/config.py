@@ -137,7 +137,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.dcn_data = 1
   c.mesh.dcn_fsdp = 1
   c.mesh.dcn_tensor = 1
-  # Model logical axis -> mesh axes. Parameters name logical axes only; this maps them.
+  # Model logical axis -> mesh axes (None: replicated). The model names logical axes
+  # only; this maps them. Parameters: `embed` over fsdp (ZeRO-3 style), heads, mlp and
+  # vocab over tensor (Megatron style). Activations have their own `activation_*` names,
+  # since their rows already take fsdp and an array can use a mesh axis once: rows over
+  # data and fsdp, heads, mlp and vocab over tensor, d_model and lengths whole.
+  # `batch` places the input batches (transformer/training/sharding.py).
   c.logical_axis_rules = [
       ("batch", ("data", "fsdp")),
       ("vocab", "tensor"),
@@ -147,6 +152,13 @@ def base_config() -> ml_collections.ConfigDict:
       ("kv", None),
       ("length", None),
       ("layers", None),
+      ("activation_batch", ("data", "fsdp")),
+      ("activation_length", None),
+      ("activation_embed", None),
+      ("activation_heads", "tensor"),
+      ("activation_kv", None),
+      ("activation_mlp", "tensor"),
+      ("activation_vocab", "tensor"),
   ]
 
   c.model = model_config()
@@ -327,16 +339,29 @@ def _check_mesh(config: ml_collections.ConfigDict, flat: dict) -> None:
          "at most one axis may be -1 (fill with the remaining devices)")
   for rule in config.logical_axis_rules:
     _check(len(rule) == 2, "logical_axis_rules", f"each rule is (logical, mesh axes): {rule!r}")
+    physical = rule[1]
+    axes = (physical,) if isinstance(physical, str) else tuple(physical or ())
+    unknown = [a for a in axes if a not in MESH_AXES]
+    _check(not unknown, "logical_axis_rules",
+           f"{rule[0]!r} names {', '.join(map(repr, unknown))}, not a mesh axis "
+           f"({', '.join(MESH_AXES)})")
+    _check(len(set(axes)) == len(axes), "logical_axis_rules",
+           f"{rule[0]!r} names a mesh axis twice: {physical!r}")
   # Axis sizes known without the device count; create_mesh checks again once -1 is resolved.
   check_fits_mesh(config, {a: flat[f"mesh.{a}"] * flat[f"mesh.dcn_{a}"]
                            if -1 not in (flat[f"mesh.{a}"], flat[f"mesh.dcn_{a}"]) else -1
                            for a in MESH_AXES})
 
 
-# Sizes of parameter dimensions and the logical axis each is named by in the model.
+# Sizes of parameter and activation dimensions and the logical axis each is named by in
+# the model. Activations would split unevenly rather than fail (XLA pads), so they are
+# held to the same rule. Batch rows and lengths vary by batch: sharding.py checks rows.
 _SHARDED_SIZES = (("model.num_heads", "heads"), ("model.d_model", "embed"),
                   ("model.d_ff", "mlp"), ("vocab_size", "vocab"), ("model.d_k", "kv"),
-                  ("model.d_v", "kv"))
+                  ("model.d_v", "kv"),
+                  ("model.num_heads", "activation_heads"), ("model.d_model", "activation_embed"),
+                  ("model.d_ff", "activation_mlp"), ("vocab_size", "activation_vocab"),
+                  ("model.d_k", "activation_kv"), ("model.d_v", "activation_kv"))
 
 
 def check_fits_mesh(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:

@@ -43,7 +43,11 @@ def join(path: str | os.PathLike, *parts: str) -> str:
 
 def error_text(e: BaseException) -> str:
   """One line for an I/O error from any backend (OSError or tf.errors.*)."""
-  return getattr(e, "strerror", None) or first_line(e, with_type=True)
+  if isinstance(e, OSError) and e.strerror:
+    return e.strerror
+  if isinstance(e, OSError):
+    return first_line(e)
+  return first_line(e, with_type=True)
 
 
 def exists(path: str | os.PathLike) -> bool:
@@ -54,8 +58,23 @@ def is_dir(path: str | os.PathLike) -> bool:
   return as_path(path).is_dir()
 
 
+def _check_bucket(path: epath.Path) -> None:
+  """OSError if the bucket of a URL does not exist (or cannot be seen with these
+  credentials). TensorFlow's GCS client, asked to create folders in a missing bucket,
+  retries forever instead of failing: a mistyped bucket would hang a whole pod."""
+  text = os.fspath(path)
+  scheme, _, rest = text.partition("://")
+  bucket = f"{scheme}://{rest.split('/')[0]}"
+  if not epath.Path(bucket).exists():
+    raise FileNotFoundError(f"bucket {bucket} does not exist or cannot be read with "
+                            "these credentials")
+
+
 def makedirs(path: str | os.PathLike) -> None:
-  as_path(path).mkdir(parents=True, exist_ok=True)
+  folder = as_path(path)
+  if is_remote(folder):
+    _check_bucket(folder)
+  folder.mkdir(parents=True, exist_ok=True)
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -108,7 +127,7 @@ def check_writable(directory: str | os.PathLike) -> None:
   folder = as_path(directory)
   probe = folder / f".write_probe_{uuid.uuid4().hex}"  # unique across hosts sharing a bucket
   try:
-    folder.mkdir(parents=True, exist_ok=True)
+    makedirs(folder)
     probe.write_text("")
     probe.unlink()
   except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)

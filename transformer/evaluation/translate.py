@@ -29,9 +29,10 @@ def search_batch(model, params, config: ml_collections.ConfigDict, mesh, rules,
   array's indices, not an assumed order of processes over the mesh.
   """
   source = sharding.global_batch_from_whole({"source": source_BxS}, mesh, rules)["source"]
-  tokens, _ = decoding.beam_search(
-      model, params, source, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
-      max_decode_extra_len=config.max_decode_extra_len)
+  with sharding.activation_sharding(mesh, rules):  # traced with the activations' axes
+    tokens, _ = decoding.beam_search(
+        model, params, source, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
+        max_decode_extra_len=config.max_decode_extra_len)
   if jax.process_count() > 1:
     return np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
   return np.asarray(jax.device_get(tokens))

@@ -4,6 +4,9 @@ With `use_cache`, the module keeps a 'cache' collection. The first call creates 
 self-attention K/V buffers, sized by that call's length C, or the cross-attention K/V,
 projected once from the final encoder output. Later self-attention calls feed one token
 per sentence ([B, 1]) and write its K/V at `cache_position`.
+
+Q, K, V, the attention logits and the output carry sharding constraints (`constrain`):
+rows over the batch axes, heads over the tensor axis, under the config's rules.
 """
 
 from __future__ import annotations
@@ -14,9 +17,37 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
-from transformer.model.primitives import (MASKED_LOGIT, Array, ModelConfig, apply_rope,
-                                          attention_mask, dense_init)
+from transformer.model.primitives import (BATCH, BLD, BLHK, HEADS, LENGTH, MASKED_LOGIT,
+                                          Array, ModelConfig, apply_rope, attention_mask,
+                                          constrain)
+
+
+class Projection(nn.Module):
+  """x W without bias, contracting the last `num_in` dimensions of x with W's first.
+
+  What nn.DenseGeneral computes, with the same parameter ('kernel') and the same initial
+  values, but DenseGeneral draws a multi-dimensional kernel flat and reshapes it, and
+  flax reruns that initializer at every apply to check shapes: under a mesh and axis
+  rules (transformer/training/sharding.py) the flat draw meets the kernel's 3-axis
+  sharding and fails. This kernel is drawn in its final shape.
+  """
+  config: ModelConfig
+  features: tuple[int, ...]
+  axes: tuple[str, ...]  # the kernel's logical axes: contracted dimensions, then features
+  num_in: int = 1
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    shape = x.shape[x.ndim - self.num_in:] + self.features
+    init = nn.initializers.xavier_uniform(in_axis=tuple(range(self.num_in)),
+                                          out_axis=tuple(range(self.num_in, len(shape))))
+    kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), shape,
+                        cfg.param_dtype)
+    x, kernel = promote_dtype(x, kernel, dtype=cfg.dtype)
+    return jnp.tensordot(x, kernel, axes=self.num_in)
 
 
 class MultiHeadAttention(nn.Module):
@@ -40,19 +71,22 @@ class MultiHeadAttention(nn.Module):
       q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache)
     if q_BxLxHxK is None:  # the call that creates the cache only sizes it
       return jnp.zeros_like(x_BxLxD)
-    out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic)
-    return self._dense(self.config.d_model, ("heads", "kv", "embed"), "out",
-                       axis=(-2, -1))(out_BxLxHxE)
+    out_BxLxHxE = constrain(
+        self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic), BLHK)
+    out_BxLxD = self._dense(self.config.d_model, ("heads", "kv", "embed"), "out",
+                            axis=(-2, -1))(out_BxLxHxE)
+    return constrain(out_BxLxD, BLD)
 
-  def _dense(self, features, axes: tuple[str, ...], name: str, axis=-1) -> nn.DenseGeneral:
-    cfg = self.config
-    return nn.DenseGeneral(features, axis=axis, use_bias=False, kernel_init=dense_init(axes),
-                           name=name, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  def _dense(self, features, axes: tuple[str, ...], name: str, axis=-1) -> "Projection":
+    features = features if isinstance(features, tuple) else (features,)
+    num_in = len(axis) if isinstance(axis, tuple) else 1
+    return Projection(self.config, features, axes, num_in, name=name)
 
   def _self_qkv(self, x_BxLxD, mask_Bx1xLxS, positions_BxL, use_cache, cache_position):
     """Q, K, V (and the mask) of self-attention; with the cache, K/V of all written slots."""
     h, k, e = self.config.num_heads, self.config.d_k, self.config.d_v
-    qkv_BxLxHx2KE = self._dense((h, 2 * k + e), ("embed", "heads", "kv"), "qkv")(x_BxLxD)
+    qkv_BxLxHx2KE = constrain(
+        self._dense((h, 2 * k + e), ("embed", "heads", "kv"), "qkv")(x_BxLxD), BLHK)
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = jnp.split(qkv_BxLxHx2KE, [k, 2 * k], axis=-1)
     if self.config.positional == "rope":
       q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL)
@@ -67,8 +101,11 @@ class MultiHeadAttention(nn.Module):
     # One new token per sentence: write its K/V at the current position and attend over
     # the buffer, masking the slots not yet written.
     start = (0, cache_position, 0, 0)
-    key_cache.value = jax.lax.dynamic_update_slice(key_cache.value, k_BxSxHxK, start)
-    value_cache.value = jax.lax.dynamic_update_slice(value_cache.value, v_BxSxHxE, start)
+    # Constrained as they are stored: the buffers are the loop carry of the search.
+    key_cache.value = constrain(
+        jax.lax.dynamic_update_slice(key_cache.value, k_BxSxHxK, start), BLHK)
+    value_cache.value = constrain(
+        jax.lax.dynamic_update_slice(value_cache.value, v_BxSxHxE, start), BLHK)
     batch, cache_len = key_cache.value.shape[:2]
     written_BxC = jnp.broadcast_to(jnp.arange(cache_len) <= cache_position,
                                    (batch, cache_len)).astype(jnp.int32)
@@ -78,14 +115,14 @@ class MultiHeadAttention(nn.Module):
   def _cross_qkv(self, x_BxLxD, memory_BxSxD, use_cache):
     """Q from the decoder, K and V from the final encoder output (cached once per source)."""
     h, k, e = self.config.num_heads, self.config.d_k, self.config.d_v
-    q_BxLxHxK = self._dense((h, k), ("embed", "heads", "kv"), "query")(x_BxLxD)
+    q_BxLxHxK = constrain(self._dense((h, k), ("embed", "heads", "kv"), "query")(x_BxLxD), BLHK)
     project_kv = self._dense((h, k + e), ("embed", "heads", "kv"), "kv")
     if not use_cache:
-      kv_BxSxHxKE = project_kv(memory_BxSxD)
+      kv_BxSxHxKE = constrain(project_kv(memory_BxSxD), BLHK)
     elif not self.has_variable("cache", "cross_kv"):
       # K/V depend on the source only: projected once, when the cache is created, and
       # reused at every step.
-      kv_BxSxHxKE = project_kv(memory_BxSxD)
+      kv_BxSxHxKE = constrain(project_kv(memory_BxSxD), BLHK)
       self.variable("cache", "cross_kv", lambda: kv_BxSxHxKE)
       return None, None, None
     else:
@@ -104,7 +141,8 @@ class MultiHeadAttention(nn.Module):
           implementation=cfg.attention_kernel)
     # Explicit weights: sown for attention maps, and dropout-able.
     q_BxLxHxK = q_BxLxHxK / jnp.sqrt(cfg.d_k).astype(q_BxLxHxK.dtype)
-    logits_BxHxLxS = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK)
+    logits_BxHxLxS = constrain(jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK),
+                               (BATCH, HEADS, LENGTH, None))
     logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS.astype(jnp.float32), MASKED_LOGIT)
     weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
     self.sow("intermediates", "attention_weights", weights_BxHxLxS)

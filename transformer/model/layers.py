@@ -4,6 +4,10 @@ the encoder and decoder layers built from them.
 Paper defaults: post-LN sublayers `LayerNorm(x + Dropout(F(x)))`, ReLU feed-forward,
 embeddings scaled by sqrt(d_model), one embedding matrix for the source, the target and
 the output projection. Shape letters: transformer/model/primitives.py.
+
+What leaves each layer is constrained to [activation_batch, activation_length,
+activation_embed] (`constrain`), the feed-forward hidden layer to activation_mlp and the
+logits to activation_vocab, so every residual stream is split the same way on any mesh.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from transformer.model.attention import MultiHeadAttention
-from transformer.model.primitives import (Array, ModelConfig, dense_init, layer_norm,
-                                          sinusoidal_encoding, zeros_init)
+from transformer.model.primitives import (BLD, BLF, Array, ModelConfig, constrain,
+                                          dense_init, layer_norm, sinusoidal_encoding,
+                                          zeros_init)
 
 
 class Embed(nn.Module):
@@ -89,6 +94,9 @@ class InputEmbedding(nn.Module):
           (cfg.max_position, cfg.d_model), cfg.param_dtype)
       x_BxLxD = x_BxLxD + jnp.take(table_PxD, positions_BxL, axis=0).astype(x_BxLxD.dtype)
     # rope: positions enter inside attention, nothing is added here.
+    # Fixed here because the gather from the table (vocab over tensor, embed over fsdp)
+    # would otherwise hand its own layout to the whole stack.
+    x_BxLxD = constrain(x_BxLxD, BLD)
     return nn.Dropout(cfg.dropout_rate)(x_BxLxD, deterministic=deterministic)
 
 
@@ -102,14 +110,17 @@ class FeedForward(nn.Module):
     dense = lambda features, axes, name, use_bias=True: nn.Dense(
         features, use_bias=use_bias, name=name, kernel_init=dense_init(axes),
         bias_init=zeros_init(axes[-1:]), dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-    if cfg.activation == "swiglu":
+    gated = cfg.activation == "swiglu"
+    if gated:
       gate_BxLxF = dense(cfg.d_ff, ("embed", "mlp"), "wi_gate", use_bias=False)(x_BxLxD)
       up_BxLxF = dense(cfg.d_ff, ("embed", "mlp"), "wi_up", use_bias=False)(x_BxLxD)
       hidden_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
-      return dense(cfg.d_model, ("mlp", "embed"), "wo", use_bias=False)(hidden_BxLxF)
-    activation = {"relu": nn.relu, "gelu": nn.gelu}[cfg.activation]
-    hidden_BxLxF = activation(dense(cfg.d_ff, ("embed", "mlp"), "wi")(x_BxLxD))
-    return dense(cfg.d_model, ("mlp", "embed"), "wo")(hidden_BxLxF)
+    else:
+      activation = {"relu": nn.relu, "gelu": nn.gelu}[cfg.activation]
+      hidden_BxLxF = activation(dense(cfg.d_ff, ("embed", "mlp"), "wi")(x_BxLxD))
+    hidden_BxLxF = constrain(hidden_BxLxF, BLF)
+    out_BxLxD = dense(cfg.d_model, ("mlp", "embed"), "wo", use_bias=not gated)(hidden_BxLxF)
+    return constrain(out_BxLxD, BLD)
 
 
 class Sublayer(nn.Module):
@@ -122,8 +133,10 @@ class Sublayer(nn.Module):
     norm = layer_norm(cfg, "norm")
     dropout = nn.Dropout(cfg.dropout_rate)
     if cfg.norm == "pre":
-      return x_BxLxD + dropout(sublayer(norm(x_BxLxD)), deterministic=deterministic)
-    return norm(x_BxLxD + dropout(sublayer(x_BxLxD), deterministic=deterministic))
+      y_BxLxD = x_BxLxD + dropout(sublayer(norm(x_BxLxD)), deterministic=deterministic)
+    else:
+      y_BxLxD = norm(x_BxLxD + dropout(sublayer(x_BxLxD), deterministic=deterministic))
+    return constrain(y_BxLxD, BLD)
 
 
 # The layers take their Python flags (deterministic, use_cache) as module attributes, not

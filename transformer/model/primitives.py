@@ -5,8 +5,9 @@ Shape letters in names (`x_BxTxD` is x with shape [B, T, D]):
   D d_model          H heads              K d_k (query/key)   E d_v (value)
   F d_ff             V vocabulary         C decoding cache length
 
-Every parameter names logical axes (`vocab`, `embed`, `heads`, `kv`, `mlp`, `length`);
-the training code maps them onto the device mesh, the model never sees it.
+Every parameter names logical axes (`vocab`, `embed`, `heads`, `kv`, `mlp`, `length`),
+and the activations that matter are constrained to `activation_*` axes (`constrain`);
+the training code maps both onto the device mesh, the model never sees it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,22 @@ Array = jax.Array
 # Masked attention logits get this instead of -inf, so an all-masked row (a padding
 # query) gives a finite uniform softmax, not NaN; exp() of it underflows to exactly 0.
 MASKED_LOGIT = -1e9
+
+# Logical axes of activations. They are named apart from the parameters' axes because
+# the two go to different mesh axes: a weight's `embed` dimension is split over fsdp,
+# while a batch of activations already uses fsdp for its rows, and one array can use a
+# mesh axis only once. config.logical_axis_rules says where each goes.
+BATCH = "activation_batch"
+LENGTH = "activation_length"
+EMBED = "activation_embed"
+HEADS = "activation_heads"
+KV = "activation_kv"  # per-head d_k or d_v
+MLP = "activation_mlp"
+VOCAB = "activation_vocab"
+BLD = (BATCH, LENGTH, EMBED)
+BLHK = (BATCH, LENGTH, HEADS, KV)
+BLF = (BATCH, LENGTH, MLP)
+BLV = (BATCH, LENGTH, VOCAB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +86,15 @@ class ModelConfig:
              if f.name in config.model}
     return cls(vocab_size=config.vocab_size,
                max_position=config.max_len + config.max_decode_extra_len + 1, **model)
+
+
+def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
+  """x, its sharding fixed by logical axis names, so meshes split it by design rather
+  than by XLA's propagation. Applies only while flax's axis rules and a mesh are in
+  context (transformer/training/sharding.py: `activation_sharding`); without them, as
+  when tests call the model directly, a no-op.
+  """
+  return nn.with_logical_constraint(x, axes)
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:

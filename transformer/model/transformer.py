@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from transformer.model.layers import DecoderLayer, Embed, EncoderLayer, InputEmbedding
-from transformer.model.primitives import (Array, ModelConfig, attention_mask,
-                                          default_positions, dense_init, layer_norm,
-                                          segment_ids_from_tokens)
+from transformer.model.primitives import (BLD, BLV, Array, ModelConfig, attention_mask,
+                                          constrain, default_positions, dense_init,
+                                          layer_norm, segment_ids_from_tokens)
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute every activation in the backward pass
@@ -89,7 +89,7 @@ class Encoder(nn.Module):
     x_BxSxD = layer_stack(EncoderLayer, cfg, x_BxSxD, mask_Bx1xSxS, source_positions_BxS,
                           deterministic=deterministic)
     if cfg.norm == "pre":
-      x_BxSxD = layer_norm(cfg, "final_norm")(x_BxSxD)
+      x_BxSxD = constrain(layer_norm(cfg, "final_norm")(x_BxSxD), BLD)
     return x_BxSxD
 
 
@@ -123,7 +123,7 @@ class Decoder(nn.Module):
                           memory_BxSxD, cross_mask, cache_position,
                           deterministic=deterministic, use_cache=use_cache)
     if cfg.norm == "pre":
-      y_BxTxD = layer_norm(cfg, "final_norm")(y_BxTxD)
+      y_BxTxD = constrain(layer_norm(cfg, "final_norm")(y_BxTxD), BLD)
     if cfg.tie_embeddings:
       logits_BxTxV = self.embed.attend(y_BxTxD)
     else:
@@ -131,7 +131,8 @@ class Decoder(nn.Module):
           cfg.vocab_size, use_bias=False, name="output_projection",
           kernel_init=dense_init(("embed", "vocab")), dtype=cfg.dtype,
           param_dtype=cfg.param_dtype)(y_BxTxD)
-    return logits_BxTxV.astype(jnp.float32)
+    # The largest activation of a step: split over the tensor axis along the vocabulary.
+    return constrain(logits_BxTxV.astype(jnp.float32), BLV)
 
 
 class Transformer(nn.Module):

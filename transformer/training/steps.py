@@ -96,6 +96,7 @@ def jit_train_step(setup: Setup):
   """train_step compiled over the mesh: state sharded in and out, and donated."""
   step = functools.partial(train_step, model=setup.model, optimizer=setup.optimizer,
                            config=setup.config)
+  step = sharding.with_activation_sharding(step, setup.mesh, setup.rules)
   batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
   return jax.jit(step, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
@@ -105,6 +106,7 @@ def jit_train_step(setup: Setup):
 def jit_eval_step(setup: Setup):
   """eval_step over the mesh; batches hold only [B, L] arrays (drop 'index' first)."""
   step = functools.partial(eval_step, model=setup.model, config=setup.config)
+  step = sharding.with_activation_sharding(step, setup.mesh, setup.rules)
   batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
   return jax.jit(step, in_shardings=(setup.state_shardings.params, batch_sharding),
                  out_shardings=sharding.replicated(setup.mesh))

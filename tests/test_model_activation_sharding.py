@@ -1,0 +1,153 @@
+"""Activations sharded by design: the model's `activation_*` constraints on real meshes.
+
+A small model's training step is compiled for the 8 fake CPU devices of
+tests/conftest.py (transformer/tools/memory.py lowers it), and XLA's memory analysis
+and partitioned HLO are read back. Without the constraints XLA follows the parameters'
+shardings: on an fsdp mesh the residual stream is split along d_model, and every device
+keeps the whole batch, which the memory and HLO checks here catch.
+"""
+
+import functools
+import re
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from transformer import config as config_lib
+from transformer.model import decoding
+from transformer.tools import memory
+from transformer.training import sharding, state
+
+ROWS, LENGTH = 32, 32  # the global batch of every compiled step
+D, F, V = 64, 256, 512  # d_model, d_ff, vocab_size of the small model
+
+
+def small_config(**model) -> ml_collections.ConfigDict:
+  config = config_lib.base_config()
+  config.vocab_size = V
+  config.model.update(num_layers=1, d_model=D, d_ff=F, num_heads=8, d_k=8, d_v=8)
+  config.model.update(model)
+  return config
+
+
+@functools.cache
+def lowered_step(sizes: tuple[int, int, int]):
+  """(setup, lowered, compiled) train step of the small model on a data,fsdp,tensor mesh."""
+  run, lowered = memory.lower_train_step(small_config(), sizes, ROWS, LENGTH)
+  return run, lowered, lowered.compile()
+
+
+def _bytes(sizes, kind: str) -> int:
+  return getattr(lowered_step(sizes)[2].memory_analysis(), f"{kind}_size_in_bytes")
+
+
+def _shapes(hlo: str) -> set[str]:
+  """The f32 array shapes of a partitioned HLO module: per device, e.g. 'f32[4,32,256]'."""
+  return set(re.findall(r"f32\[[\d,]+\]", hlo))
+
+
+@pytest.mark.parametrize("sizes", [(1, 8, 1), (1, 1, 8), (2, 2, 2)])
+def test_state_bytes_per_device_fall_as_one_over_fsdp_times_tensor(sizes):
+  """Parameters and Adam moments (the step's arguments) split over fsdp x tensor.
+
+  The tolerance covers what stays whole: LayerNorm and bias vectors on a tensor mesh, the
+  step counter and the batch.
+  """
+  _, fsdp, tensor = sizes
+  replicated = _bytes((8, 1, 1), "argument")
+  split = _bytes(sizes, "argument")
+  assert replicated / (fsdp * tensor) <= split <= 1.15 * replicated / (fsdp * tensor)
+
+
+def test_fsdp_splits_activations_by_rows_as_data_does():
+  """At an equal global batch fsdp=8 holds what data=8 holds: 1/8 of the rows.
+
+  Left to propagation (no constraints) the fsdp step follows the weights, whose d_model
+  is split over fsdp, keeps every row on every device and needs 2.5x the temporaries.
+  """
+  assert _bytes((1, 8, 1), "temp") <= 1.1 * _bytes((8, 1, 1), "temp")
+
+
+def test_temporaries_fall_as_tensor_grows():
+  """Rows stay whole on every device of a tensor mesh, as on one device, but heads, d_ff
+  and the vocabulary split 8 ways (d_model does not: the residual stream is whole)."""
+  assert _bytes((1, 1, 8), "temp") < 0.5 * _bytes((1, 1, 1), "temp")
+
+
+def test_compiled_activations_carry_the_designed_sharding():
+  """Per-device HLO shapes: rows split over fsdp, d_ff and vocabulary over tensor."""
+  rows = ROWS // 8
+  fsdp_hlo = lowered_step((1, 8, 1))[2].as_text()
+  assert f"f32[{rows},{LENGTH},{D}]" in _shapes(fsdp_hlo)  # residual stream: 1/8 of rows
+  assert f"f32[{rows},{LENGTH},{F}]" in _shapes(fsdp_hlo)  # FFN hidden layer
+  # What propagation alone does on fsdp: whole rows, d_model split 8 ways.
+  assert f"f32[{ROWS},{LENGTH},{D // 8}]" not in _shapes(fsdp_hlo)
+  assert f"f32[{ROWS},{LENGTH},{F}]" not in _shapes(fsdp_hlo)
+
+  tensor_hlo = lowered_step((1, 1, 8))[2].as_text()
+  assert f"f32[{ROWS},{LENGTH},{F // 8}]" in _shapes(tensor_hlo)
+  assert not {f"f32[{ROWS},{LENGTH},{F}]", f"f32[{ROWS},{LENGTH},{V}]",
+              f"f32[{ROWS * LENGTH},{V}]"} & _shapes(tensor_hlo)
+
+
+def _constraints(text: str) -> list[str]:
+  """The sharding constraints of a lowered (StableHLO + Shardy) module."""
+  return re.findall(r"sdy\.sharding_constraint %\S+ <@mesh, (\[.*?\])>", text)
+
+
+def test_constraints_name_the_rules_mesh_axes_and_vanish_outside_them():
+  """Under the rules: rows over (data, fsdp) and the FFN hidden layer's d_ff over tensor.
+
+  Traced with no rules in context (unit tests, or a caller that never enters
+  `activation_sharding`), the same model carries no constraint at all.
+  """
+  run, lowered, _ = lowered_step((2, 2, 2))
+  constraints = _constraints(lowered.as_text())
+  assert constraints
+  assert all(c.startswith('[{"data", "fsdp"}') for c in constraints)
+  assert '[{"data", "fsdp"}, {}, {"tensor"}]' in constraints  # [B, L, F] and [B, L, V]
+
+  step = jax.jit(lambda params, batch: run.model.apply(
+      {"params": params}, batch["source"], batch["decoder_input"]))
+  batch = memory.abstract_batch(run.config, ROWS, LENGTH,
+                                sharding.batch_sharding(run.mesh, run.rules))
+  assert not _constraints(step.lower(run.restore_target().params, batch).as_text())
+
+
+@pytest.mark.parametrize("model", [
+    dict(scan_layers=True, remat="full"),
+    dict(num_layers=2, remat="dots"),
+    dict(decoder_only=True, tie_embeddings=False),
+    dict(norm="pre", activation="swiglu", positional="rope", attention_kernel="xla",
+         scan_layers=True),
+], ids=["scan-remat", "loop-remat", "decoder_only-untied", "pre-swiglu-rope-xla"])
+def test_every_variant_traces_under_the_rules(model):
+  """Scanned or looped layers, remat, decoder-only, untied, pre-LN, SwiGLU, RoPE, fused
+  attention: the constraints trace on a 2x2x2 mesh (lowering; compiling is slow)."""
+  _, lowered = memory.lower_train_step(small_config(**model), (2, 2, 2), ROWS, LENGTH)
+  assert '[{"data", "fsdp"}, {}, {"tensor"}]' in _constraints(lowered.as_text())
+
+
+def test_beam_search_under_the_rules_finds_the_same_translations():
+  """batch * beam rows through the cache (self-attention K/V buffers, cross K/V, one token
+  per step; scanned, so with a leading layer axis) on a 2x2x2 mesh: constrained, the
+  search returns what it returns unconstrained."""
+  config = memory.mesh_config(small_config(scan_layers=True), (2, 2, 2))
+  run = state.setup(config)
+  params = run.init_state(jax.random.key(0)).params
+  source = np.random.default_rng(0).integers(4, V, (4, 7), dtype=np.int32)
+  source[:, -1] = config_lib.EOS_ID
+  source = sharding.global_batch({"source": source}, run.mesh, run.rules)["source"]
+  search = dict(beam_size=2, alpha=0.6, max_decode_extra_len=4)
+
+  with sharding.activation_sharding(run.mesh, run.rules):
+    lowered = decoding.beam_search_state.lower(run.model, params, source, **search)
+    assert _constraints(lowered.as_text())
+    constrained = decoding.beam_search_state(run.model, params, source, **search)
+  unconstrained = decoding.beam_search_state(run.model, params, source, **search)
+  np.testing.assert_array_equal(constrained.finished_seqs_BxKxC1,
+                                unconstrained.finished_seqs_BxKxC1)
+  np.testing.assert_allclose(constrained.finished_scores_BxK,
+                             unconstrained.finished_scores_BxK, rtol=1e-5)
