@@ -27,7 +27,7 @@ train: install
 # Two workers, one test file each at a time: most tests wait on single-threaded work
 # (start-up, tracing, compiling, subprocesses), so two share the cores well.
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache

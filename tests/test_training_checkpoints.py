@@ -57,8 +57,8 @@ def test_steps_on_disk_lists_complete_steps_in_numeric_order(tmp_path):
   for name in ("10", "3", "200", "7.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp-1712",
                "latest", "1e3", "-4"):
     (directory / name).mkdir(parents=True)
-  (directory / "5").write_text("")  # whatever the listing holds, a digit name counts
-  assert checkpoints.steps_on_disk(str(tmp_path)) == [3, 5, 10, 200]
+  (directory / "5").write_text("")  # a file, not a checkpoint folder
+  assert checkpoints.steps_on_disk(str(tmp_path)) == [3, 10, 200]
 
 
 def test_steps_on_disk_of_a_missing_directory_is_empty(tmp_path):
