@@ -6,7 +6,6 @@ seconds. Runs that must really die or span processes go through `train.py`.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -93,39 +92,6 @@ def test_sigterm_saves_the_current_step_and_exits_zero(small_corpus, tmp_path):
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert f"resumed from step {steps[0]}" in rerun.stderr
   assert read_metrics(workdir)[-1]["step"] == steps[0] + 2
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def test_two_processes_match_one_process_with_the_same_devices(small_corpus, tmp_path):
-  """2 hosts x 2 devices (gloo collectives) == 1 host x 4 devices, step for step."""
-  base = [sys.executable, "train.py", "--config", "configs/default.py"]
-  overrides = flag_overrides(small_corpus, num_train_steps=4, checkpoint_every_steps=2)
-  single = str(tmp_path / "single")
-  result = subprocess.run(base + ["--workdir", single] + overrides, cwd=REPO, env=_env(4),
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-
-  multi = str(tmp_path / "multi")
-  port = _free_port()
-  processes = [subprocess.Popen(
-      base + ["--workdir", multi, f"--coordinator_address=localhost:{port}",
-              "--num_processes=2", f"--process_id={i}"] + overrides,
-      cwd=REPO, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
-  outputs = [p.communicate(timeout=300)[0] for p in processes]
-  for p, output in zip(processes, outputs):
-    assert p.returncode == 0, output[-3000:]
-  assert "process 0 of 2" in outputs[0] and "process 1 of 2" in outputs[1]
-  single_losses = [r["loss"] for r in read_metrics(single)]
-  multi_losses = [r["loss"] for r in read_metrics(multi)]
-  assert len(single_losses) == 4
-  np.testing.assert_allclose(multi_losses, single_losses, rtol=1e-5)
-  assert checkpoints.Checkpointer(multi, keep=5).all_steps() == [2, 4]
 
 
 def test_time_based_checkpoints(small_corpus, tmp_path):
