@@ -75,3 +75,12 @@ def test_decoder_only_batch_masks_the_prompt():
   assert set(batch) == {"target", "decoder_input"}
   np.testing.assert_array_equal(batch["decoder_input"], [[BOS_ID, 11, 12, EOS_ID, 21, 0, 0, 0]])
   np.testing.assert_array_equal(batch["target"], [[0, 0, 0, 21, EOS_ID, 0, 0, 0]])
+
+
+def test_geometric_length_is_the_smallest_doubling_that_holds_n():
+  assert [batching.geometric_length(n, 256) for n in (1, 8, 9, 16, 17, 100, 200, 256)] == \
+      [8, 8, 16, 16, 32, 128, 256, 256]
+  assert batching.geometric_length(70, 100) == 100  # capped at max_len
+  # However many lengths a split has, at most log2(cap / 8) + 1 shapes come out.
+  assert {batching.geometric_length(n, 256) for n in range(1, 257)} == {
+      8, 16, 32, 64, 128, 256}

@@ -170,7 +170,10 @@ def test_each_evaluation_sentence_exactly_once(setup):
   for batch in batches:
     rows, length = batch["source"].shape
     assert rows == config.eval_batch_size
-    assert length <= config.max_len and (length % 8 == 0 or length == config.max_len)
+    # The smallest of 8, 16, 32, ... (or max_len) that holds the batch's longest source.
+    longest = max(int((row != 0).sum()) for row in batch["source"])
+    assert length in (8, 16, 32, 64, 128, 256, config.max_len) and length >= longest
+    assert length == 8 or length // 2 < longest or length == config.max_len
     for row, index in enumerate(batch["index"]):
       indices.append(index)
       rows_by_index[index] = batch["source"][row]

@@ -23,6 +23,18 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
+def geometric_length(n: int, cap: int, smallest: int = 8) -> int:
+  """The smallest of smallest, 2*smallest, 4*smallest, ... that holds n, at most `cap`.
+
+  Evaluation pads each batch to this: log2(cap / smallest) + 1 lengths at most per
+  array (6 for max_len 256), so a whole split compiles a handful of shapes.
+  """
+  length = smallest
+  while length < n:
+    length *= 2
+  return min(length, cap)
+
+
 def side_of(key: str) -> str:
   return "source" if key.startswith("source") else "target"
 

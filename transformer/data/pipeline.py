@@ -192,7 +192,8 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *,
   """Every sentence of a split once, in padded batches of eval_batch_size rows.
 
   Sentences are batched in order of source length, so each batch pads only to its own
-  longest sentence (rounded up to a multiple of 8: few shapes, little padding); 'index'
+  longest sentence, rounded up to 8, 16, 32, ... (at most max_len): a handful of shapes
+  to compile for a whole split, whatever its size; 'index'
   [B] gives each row's position in the split (-1 on fill rows), so outputs can be put
   back in the split's order. A sentence longer than max_len is clipped for the model only
   (references come from load_raw_pairs), and the count is logged. With a decoder-only
@@ -216,7 +217,7 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *,
     arrays = {}
     for key in examples[0]:
       longest = max(len(examples[i][key]) for i in indices)
-      length = min(batching.round_up(longest, 8), max_lengths[key])
+      length = batching.geometric_length(longest, max_lengths[key])
       padded_rows = [examples[i][key] for i in indices] + [[]] * (rows - len(indices))
       arrays[key] = batching.pad_stack(padded_rows, length)
     batch = batching.finalize(arrays)
