@@ -1,13 +1,16 @@
 """The label-smoothed loss and the sharded train step on several meshes."""
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from transformer import config as config_lib
+from transformer.training import optimizer as optimizer_lib
 from transformer.training import sharding, state, steps
 
 
@@ -85,30 +88,102 @@ def test_meshes_agree_with_one_device(mesh_shape):
   assert shard_shape == (64 // mesh_shape[2], 32 // mesh_shape[1])
 
 
+def unequal_microbatches(batch, count=4):
+  """`count` row slices of `batch`, padded to clearly unequal real-token counts."""
+  parts = []
+  rows = len(batch["target"]) // count
+  for i in range(count):
+    part = {k: v[i * rows:(i + 1) * rows].copy() for k, v in batch.items()}
+    keep = 2 + 3 * i  # real target tokens per row: 2, 5, 8, 11 (of 12)
+    part["target"][:, keep:] = 0
+    part["target"][:, keep - 1] = config_lib.EOS_ID
+    part["decoder_input"][:, keep:] = 0
+    parts.append(part)
+  return parts
+
+
+def recording_optimizer():
+  """Identity updates; its state keeps the last gradient it was handed."""
+  return optax.GradientTransformation(
+      lambda params: {"last_grads": jax.tree.map(jnp.zeros_like, params)},
+      lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads),
+                                     {"last_grads": grads}))
+
+
+def gradient_handed_to_optimizer(config, optimizer, batches, inner_state):
+  """Runs train_step over `batches` with `optimizer`; returns what its inner part saw."""
+  run = state.setup(config, sharding.create_mesh(config, jax.devices()[:1]))
+  params = run.init_state(jax.random.key(0)).params
+  train_state = state.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                 opt_state=optimizer.init(params))
+  step = jax.jit(functools.partial(steps.train_step, model=run.model, optimizer=optimizer,
+                                   config=config))
+  for batch in batches:
+    train_state, _ = step(train_state, batch)
+  return jax.device_get(inner_state(train_state.opt_state)["last_grads"])
+
+
+def assert_trees_close(got, want, rtol):
+  """Per parameter, |got - want| / |want| in the global (Frobenius) norm."""
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    error = np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+    assert error <= rtol, f"{jax.tree_util.keystr(path)}: relative error {error:.2e}"
+
+
+def test_accumulation_weighs_microbatches_by_tokens_like_one_big_batch():
+  config = tiny_config()
+  config.model.dropout_rate = 0.0
+  microbatches = unequal_microbatches(synthetic_batch(config))
+  assert len({int((m["target"] != 0).sum()) for m in microbatches}) == 4
+  big_batch = {k: np.concatenate([m[k] for m in microbatches]) for k in microbatches[0]}
+  big = gradient_handed_to_optimizer(config, recording_optimizer(), [big_batch],
+                                     lambda s: s)
+  config.grad_accum_steps = 4
+  accumulated = gradient_handed_to_optimizer(
+      config, optimizer_lib.accumulate_by_tokens(recording_optimizer(), 4), microbatches,
+      lambda s: s.inner_state)
+  assert_trees_close(accumulated, big, rtol=1e-6)
+  # Averaging the microbatch means (optax.MultiSteps, the old behaviour) is far off here.
+  config.grad_accum_steps = 1
+  mean_of_means = gradient_handed_to_optimizer(
+      config, optax.MultiSteps(recording_optimizer(), 4), microbatches,
+      lambda s: s.inner_opt_state)
+  with pytest.raises(AssertionError, match="relative error"):
+    assert_trees_close(mean_of_means, big, rtol=1e-2)
+
+
 def test_training_reduces_loss_and_accumulation_matches_big_batch():
   config = tiny_config()
   config.model.dropout_rate = 0.0
   devices = jax.devices()[:1]
   losses, _, _ = run_steps(config, devices, num_steps=6)
   assert losses[-1] < losses[0]
-  # Two accumulated half batches make one update with the full batch's mean gradient
-  # (equal token counts per half here, so per-half means average to the full mean).
-  batch = synthetic_batch(config)
-  params_after = {}
-  for accum in (1, 2):
+  # Two Adam updates, each from four accumulated microbatches with unequal token counts,
+  # land where two updates on the big batches do; warmup counts updates, not microbatches.
+  batches = [synthetic_batch(config, seed=s) for s in (0, 1)]
+  params_after, lrs = {}, {}
+  for accum in (1, 4):
     config.grad_accum_steps = accum
     run = state.setup(config, sharding.create_mesh(config, devices))
     train_state = run.init_state(jax.random.key(0))
     step = steps.jit_train_step(run)
-    if accum == 1:
-      train_state, _ = step(train_state, sharding.global_batch(batch, run.mesh, run.rules))
-    else:
-      for half in (slice(0, 4), slice(4, 8)):
-        part = {k: v[half] for k, v in batch.items()}
-        train_state, _ = step(train_state, sharding.global_batch(part, run.mesh, run.rules))
+    lrs[accum] = []
+    for batch in batches:
+      microbatches = unequal_microbatches(batch)
+      if accum == 1:
+        microbatches = [{k: np.concatenate([m[k] for m in microbatches])
+                         for k in microbatches[0]}]
+      for part in microbatches:
+        train_state, metrics = step(train_state, sharding.global_batch(part, run.mesh, run.rules))
+        lrs[accum].append(float(metrics["lr"]))
+    assert int(train_state.step) == 2 * accum
     params_after[accum] = jax.device_get(train_state.params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               params_after[1], params_after[2])
+  assert lrs[4] == [lr for lr in lrs[1] for _ in range(4)]
+  # Elementwise, Adam's first steps are about lr * gradient / |gradient|: an entry near 0
+  # magnifies float32 rounding of the summation order, so the strict 1e-6 check is on the
+  # gradient (above); here 1e-5 is 1e-3 of a step (lr is about 1e-2).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+               params_after[4], params_after[1])
 
 
 def test_forced_nan_makes_the_loss_nan_at_that_step():

@@ -65,23 +65,51 @@ def loss_fn(params, batch: dict[str, Array], dropout_rng: Array, *, model: Trans
   return loss, sums
 
 
+def _summed_loss_fn(params, batch: dict[str, Array], dropout_rng: Array, *,
+                    nan_at_step: Array | None = None, **kwargs):
+  """loss_fn with the microbatch's loss SUM as the objective (gradient accumulation).
+
+  Returns (loss_sum, (per-token loss, sums)); injected NaNs reach both.
+  """
+  loss, sums = loss_fn(params, batch, dropout_rng, nan_at_step=nan_at_step, **kwargs)
+  loss_sum = sums["loss_sum"]
+  if nan_at_step is not None:
+    loss_sum = loss_sum * jnp.where(nan_at_step, jnp.nan, 1.0)
+  return loss_sum, (loss, sums)
+
+
 def train_step(state: TrainState, batch: dict[str, Array], *, model: Transformer,
                optimizer, config: ml_collections.ConfigDict) -> tuple[TrainState, dict]:
-  """One update on a global batch. Returns the new state and summed metrics."""
+  """One update on a global batch, or one microbatch of it. Returns the new state and metrics.
+
+  With grad_accum_steps > 1 the step differentiates the microbatch's loss sum and the
+  optimizer (optimizer.accumulate_by_tokens) divides the k microbatches' summed gradient
+  by their summed token count, so the update equals the one big batch's. Metrics are the
+  microbatch's sums; `loss` is its per-token loss, and `grad_norm` the global norm of its
+  per-token mean gradient (with or without accumulation; before clipping).
+  """
   # Dropout masks depend only on (seed, step): a resumed run draws the same ones.
   dropout_rng = jax.random.fold_in(
       jax.random.key(config.seed + 1, impl=config.dropout_rng_impl), state.step)
   nan_at_step = None
   if config.debug_nan_step > 0:
     nan_at_step = state.step + 1 == config.debug_nan_step
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (loss, sums), grads = grad_fn(state.params, batch, dropout_rng, model=model,
-                                label_smoothing=config.label_smoothing,
-                                nan_at_step=nan_at_step)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  loss_kwargs = dict(model=model, label_smoothing=config.label_smoothing,
+                     nan_at_step=nan_at_step)
+  if config.grad_accum_steps > 1:
+    grad_fn = jax.value_and_grad(_summed_loss_fn, has_aux=True)
+    (_, (loss, sums)), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
+                                          num_tokens=sums["num_tokens"])
+    grad_norm = optax.tree_utils.tree_norm(grads) / jnp.maximum(sums["num_tokens"], 1.0)
+  else:
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, sums), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    grad_norm = optax.tree_utils.tree_norm(grads)
   params = optax.apply_updates(state.params, updates)
   update_count = state.step // config.grad_accum_steps
-  metrics = dict(sums, loss=loss, grad_norm=optax.tree_utils.tree_norm(grads),
+  metrics = dict(sums, loss=loss, grad_norm=grad_norm,
                  lr=learning_rate_schedule(config)(update_count))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
