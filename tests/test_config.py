@@ -92,6 +92,13 @@ def test_inconsistent_values_are_named(key, value, expected):
   assert _bad(mutate).startswith(expected)
 
 
+@pytest.mark.parametrize("key", ["dtype", "param_dtype"])
+def test_float16_is_rejected_for_lack_of_loss_scaling(key):
+  message = _bad(lambda c: setattr(c.model, key, "float16"))
+  assert message.startswith(f"config.model.{key}: float16")
+  assert "use bfloat16" in message and "loss scaling" in message
+
+
 def test_odd_d_model_fails_only_for_sinusoids():
   assert "d_model must be even" in _bad(lambda c: setattr(c.model, "d_model", 511))
   config = config_lib.base_config()

@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 
 import chex
+import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from transformer.model import Transformer
-from transformer.model.attention import MultiHeadAttention
+from transformer.model.attention import MultiHeadAttention, Projection, attention_scores
 from transformer.model.primitives import attention_mask
 from tests.model_helpers import (tiny_config, example_inputs, random_params, run, param_shapes,
                                 packed_batch, BATCH, SOURCE_LEN, TARGET_LEN, VOCAB, D_MODEL,
@@ -78,3 +80,106 @@ def test_dot_product_attention_kernel_matches_einsum(decoder_only):
   # Asking for the weights falls back to einsum, which sows them.
   _, state = run(fused, params, **batch, mutable=["intermediates"])
   assert "attention_weights" in state["intermediates"]["decoder"]["layer_0"]["self_attention"]
+
+
+def _bf16_rounded(x):
+  return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def test_attention_scores_are_float32_products_of_bfloat16_inputs():
+  rng = np.random.default_rng(0)
+  q_BxLxHxK = jnp.asarray(rng.normal(scale=2.0, size=(BATCH, TARGET_LEN, NUM_HEADS, 16)),
+                          jnp.bfloat16)
+  k_BxSxHxK = jnp.asarray(rng.normal(scale=2.0, size=(BATCH, SOURCE_LEN, NUM_HEADS, 16)),
+                          jnp.bfloat16)
+  scores_BxHxLxS = attention_scores(q_BxLxHxK, k_BxSxHxK)
+  assert scores_BxHxLxS.dtype == jnp.float32
+  # Products of bf16 numbers are exact in f64: the f32-accumulated reference.
+  exact = np.einsum("blhk,bshk->bhls", np.asarray(q_BxLxHxK, np.float64),
+                    np.asarray(k_BxSxHxK, np.float64))
+  np.testing.assert_allclose(scores_BxHxLxS, exact, rtol=1e-6, atol=1e-5)
+  # Scores of tens rounded to bf16 move by up to ~0.1: visibly not what came out.
+  assert np.abs(_bf16_rounded(exact) - exact).max() > 1e-2
+  assert not np.allclose(scores_BxHxLxS, _bf16_rounded(exact), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_scores_gradients_match_autodiff(dtype):
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.normal(size=(BATCH, TARGET_LEN, NUM_HEADS, D_K)), dtype)
+  k = jnp.asarray(rng.normal(size=(BATCH, SOURCE_LEN, NUM_HEADS, D_K)), dtype)
+  weights = jnp.asarray(rng.normal(size=(BATCH, NUM_HEADS, TARGET_LEN, SOURCE_LEN)))
+  reference = lambda q, k: jnp.einsum("blhk,bshk->bhls", q, k,
+                                      preferred_element_type=jnp.float32)
+  ours = jax.grad(lambda q, k: jnp.sum(attention_scores(q, k) * weights), argnums=(0, 1))(q, k)
+  expected = jax.grad(lambda q, k: jnp.sum(reference(q, k) * weights), argnums=(0, 1))(q, k)
+  tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+  for got, want in zip(ours, expected):
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tolerance, atol=tolerance)
+
+
+def test_bfloat16_attention_softmax_sees_unrounded_scores():
+  """The weights sown by the module are the softmax of f32 products of its bf16 Q and K
+  (captured as the qkv projection returns them), not of scores rounded to bf16."""
+  cfg = tiny_config(dtype="bfloat16")
+  rng = np.random.default_rng(2)
+  x_BxTxD = jnp.asarray(rng.normal(size=(BATCH, TARGET_LEN, D_MODEL)), jnp.float32)
+  mask = attention_mask(jnp.ones((BATCH, TARGET_LEN), jnp.int32),
+                        jnp.ones((BATCH, TARGET_LEN), jnp.int32), causal=False)
+  module = MultiHeadAttention(cfg)
+  # Small enough weights that the softmax is not one-hot, so rounding the scores shows.
+  shapes = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), x_BxTxD, mask))["params"]
+  params = jax.tree.map(
+      lambda leaf: jnp.asarray(rng.normal(scale=0.5, size=leaf.shape), leaf.dtype), shapes)
+  _, state = module.apply({"params": params}, x_BxTxD, mask, mutable=["intermediates"],
+                          capture_intermediates=lambda m, _: isinstance(m, Projection))
+  qkv_BxTxHx2KE = np.asarray(state["intermediates"]["qkv"]["__call__"][0], np.float64)
+  (weights_BxHxTxT,) = state["intermediates"]["attention_weights"]
+  assert weights_BxHxTxT.dtype == jnp.float32
+
+  def softmax(scores):
+    e = np.exp(scores - scores.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+  q, k = qkv_BxTxHx2KE[..., :D_K], qkv_BxTxHx2KE[..., D_K:2 * D_K]
+  exact = np.einsum("blhk,bshk->bhls", q, k)
+  expected, rounded = softmax(exact / np.sqrt(D_K)), softmax(_bf16_rounded(exact) / np.sqrt(D_K))
+  assert np.abs(rounded - expected).max() > 1e-3  # the case tells the two apart
+  np.testing.assert_allclose(weights_BxHxTxT, expected, rtol=1e-5, atol=1e-6)
+
+
+def _all_equations(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs nested in it (jit, custom_vjp, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (list, tuple)) else [value]):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _all_equations(sub)
+
+
+@pytest.mark.parametrize("self_attention", [True, False], ids=["self", "cross"])
+def test_bfloat16_forward_never_widens_bfloat16_scores(self_attention):
+  cfg = tiny_config(dtype="bfloat16", d_v=5)  # weights x V must not look like [B, H, T, S]
+  x_BxTxD = jnp.zeros((BATCH, TARGET_LEN, D_MODEL))
+  memory_BxSxD = jnp.zeros((BATCH, SOURCE_LEN, D_MODEL))
+  kv_len = TARGET_LEN if self_attention else SOURCE_LEN
+  mask = attention_mask(jnp.ones((BATCH, TARGET_LEN), jnp.int32),
+                        jnp.ones((BATCH, kv_len), jnp.int32), causal=self_attention)
+  kwargs = {} if self_attention else {"memory_BxSxD": memory_BxSxD}
+  module = MultiHeadAttention(cfg, self_attention=self_attention)
+  variables = jax.eval_shape(module.init, jax.random.key(0), x_BxTxD, mask, **kwargs)
+  jaxpr = jax.make_jaxpr(lambda v: module.apply(v, x_BxTxD, mask, **kwargs))(variables).jaxpr
+  scores_shape = (BATCH, NUM_HEADS, TARGET_LEN, kv_len)
+  score_dots = [eqn for eqn in _all_equations(jaxpr) if eqn.primitive.name == "dot_general"
+                and eqn.outvars[0].aval.shape == scores_shape]
+  assert score_dots and all(eqn.outvars[0].aval.dtype == jnp.float32 for eqn in score_dots)
+  widened = [eqn for eqn in _all_equations(jaxpr)
+             if eqn.primitive.name == "convert_element_type"
+             and eqn.invars[0].aval.shape == scores_shape
+             and eqn.invars[0].aval.dtype == jnp.bfloat16]
+  assert not widened

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import numpy_reference
-from transformer.model.layers import DecoderLayer, FeedForward, InputEmbedding, tied_projection
+from transformer.model.layers import (DecoderLayer, FeedForward, InputEmbedding, OutputProjection,
+                                      tied_projection, untied_projection)
+from transformer.model.primitives import dense_init
 from tests.model_helpers import (tiny_config, example_inputs, abstract_variables, random_params,
                                 run, boxed_params, param_shapes, BATCH, SOURCE_LEN, TARGET_LEN,
                                 VOCAB, D_MODEL, D_FF, POSITIONAL_KINDS)
@@ -160,3 +162,67 @@ def test_tied_projection_gradients_match_autodiff(dtype):
     assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=tolerance, atol=tolerance)
+
+
+def _bf16_rounded(x):
+  return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def test_untied_output_projection_gives_float32_accumulated_logits():
+  """Logits of bf16 hidden states come out in f32, as the exact products of the bf16
+  inputs, not rounded to bf16."""
+  cfg = tiny_config(dtype="bfloat16", tie_embeddings=False)
+  rng = np.random.default_rng(3)
+  hidden_BxTxD = jnp.asarray(rng.normal(scale=3.0, size=(BATCH, TARGET_LEN, D_MODEL)),
+                             jnp.bfloat16)
+  kernel_DxV = jnp.asarray(rng.normal(size=(D_MODEL, VOCAB)), jnp.float32)
+  logits_BxTxV = OutputProjection(cfg).apply({"params": {"kernel": kernel_DxV}}, hidden_BxTxD)
+  assert logits_BxTxV.dtype == jnp.float32
+  exact = np.asarray(hidden_BxTxD, np.float64) @ _bf16_rounded(kernel_DxV)
+  rounded = _bf16_rounded(exact)
+  error, rounding_error = np.abs(logits_BxTxV - exact).max(), np.abs(rounded - exact).max()
+  assert rounding_error > 1e-2  # the case tells the two apart
+  assert error < 1e-3 * rounding_error
+  # The parameter is the one nn.DenseGeneral made: checkpoints still load.
+  dense = nn.DenseGeneral(VOCAB, use_bias=False, kernel_init=dense_init(("embed", "vocab")))
+  assert (jax.eval_shape(dense.init, jax.random.key(0), hidden_BxTxD) ==
+          jax.eval_shape(OutputProjection(cfg).init, jax.random.key(0), hidden_BxTxD))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_untied_projection_gradients_match_autodiff(dtype):
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, D_MODEL)), dtype)
+  kernel = jnp.asarray(np.random.default_rng(1).normal(size=(D_MODEL, VOCAB)), dtype)
+  weights = jnp.asarray(np.random.default_rng(2).normal(size=(6, VOCAB)), jnp.float32)
+  reference = lambda x, w: jnp.einsum("nd,dv->nv", x, w, preferred_element_type=jnp.float32)
+  ours = jax.grad(lambda x, w: jnp.sum(untied_projection(x, w) * weights), argnums=(0, 1))(
+      x, kernel)
+  expected = jax.grad(lambda x, w: jnp.sum(reference(x, w) * weights), argnums=(0, 1))(
+      x, kernel)
+  tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+  for got, want in zip(ours, expected):
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False], ids=["tied", "untied"])
+def test_bfloat16_model_logits_are_float32(tie_embeddings):
+  cfg = tiny_config(dtype="bfloat16", tie_embeddings=tie_embeddings)
+  params = random_params(tiny_config(tie_embeddings=tie_embeddings))
+  source, decoder_input = example_inputs(cfg)
+  # Compiled once, the hidden state with the logits: XLA may fuse bf16 ops differently.
+  logits, state = jax.jit(lambda p: run(
+      cfg, p, source, decoder_input, mutable=["intermediates"],
+      capture_intermediates=lambda module, _: isinstance(module, DecoderLayer)))(params)
+  assert logits.dtype == jnp.float32
+  # The final hidden state times E^T (tied) or W (untied), accumulated in f32.
+  last_layer = state["intermediates"]["decoder"][f"layer_{cfg.num_layers - 1}"]
+  hidden = np.asarray(last_layer["__call__"][0], np.float64)
+  if tie_embeddings:
+    matrix_DxV = _bf16_rounded(params["shared_embedding"]["embedding"]).T
+  else:
+    matrix_DxV = _bf16_rounded(params["decoder"]["output_projection"]["kernel"])
+  exact = hidden @ matrix_DxV
+  np.testing.assert_allclose(logits, exact, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(logits, _bf16_rounded(exact), rtol=1e-5, atol=1e-5)

@@ -29,7 +29,7 @@ UNK_ID = 3
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
 NORM_KINDS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")
 BATCHING_KINDS = ("tokens", "packed")
 VOCAB_TYPES = ("bpe", "unigram")
 RNG_IMPLS = ("threefry2x32", "philox4x32", "rbg", "unsafe_rbg")
@@ -279,8 +279,11 @@ def _check_model(m: ml_collections.ConfigDict, flat: dict) -> None:
   _check_choice(flat, "model.positional", POSITIONAL_KINDS)
   _check_choice(flat, "model.norm", NORM_KINDS)
   _check_choice(flat, "model.activation", ACTIVATIONS)
-  _check_choice(flat, "model.dtype", DTYPES)
-  _check_choice(flat, "model.param_dtype", DTYPES)
+  for key in ("model.dtype", "model.param_dtype"):
+    # float16's narrow range needs dynamic loss scaling, which training does not do.
+    _check(flat[key] != "float16", key,
+           "float16 is not supported (no dynamic loss scaling); use bfloat16")
+    _check_choice(flat, key, DTYPES)
   _check_choice(flat, "model.remat", REMAT_POLICIES)
   _check_choice(flat, "model.attention_kernel", ATTENTION_KERNELS)
   if m.attention_kernel != "einsum":

@@ -131,23 +131,63 @@ class MultiHeadAttention(nn.Module):
     return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE
 
   def _attend(self, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic):
-    """softmax(Q K^T / sqrt(d_k)) V: written out, or jax.nn.dot_product_attention."""
+    """softmax(Q K^T / sqrt(d_k)) V: written out, or jax.nn.dot_product_attention.
+
+    In mixed precision both paths take the scores and the softmax in f32 and the
+    weights x V product in the compute dtype.
+    """
     cfg = self.config
     if cfg.attention_kernel != "einsum" and not self.is_mutable_collection("intermediates"):
       # XLA's fused form, or cuDNN flash attention on GPU. The attention weights never
-      # materialize, so attention maps (intermediates) take the einsum path.
+      # materialize, so attention maps (intermediates) take the einsum path. It has no
+      # precision argument and needs none: its xla form takes bf16 Q K^T with
+      # preferred_element_type=f32 (and the BF16_BF16_F32 dot algorithm) and a f32
+      # softmax, and cuDNN's flash attention keeps the scores in f32 inside the kernel;
+      # both cast the weights to V's dtype, as below.
       return jax.nn.dot_product_attention(
           q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask=mask_Bx1xLxS, scale=1.0 / math.sqrt(cfg.d_k),
           implementation=cfg.attention_kernel)
-    # Explicit weights: sown for attention maps, and dropout-able.
-    q_BxLxHxK = q_BxLxHxK / jnp.sqrt(cfg.d_k).astype(q_BxLxHxK.dtype)
-    logits_BxHxLxS = constrain(jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK),
-                               (BATCH, HEADS, LENGTH, None))
-    logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS.astype(jnp.float32), MASKED_LOGIT)
+    # Explicit weights: sown for attention maps, and dropout-able. Scaled in f32, where
+    # 1/sqrt(d_k) costs no rounding of q, and fused by XLA with the mask and softmax.
+    logits_BxHxLxS = constrain(attention_scores(q_BxLxHxK, k_BxSxHxK),
+                               (BATCH, HEADS, LENGTH, None)) / math.sqrt(cfg.d_k)
+    logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS, MASKED_LOGIT)
     weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
     self.sow("intermediates", "attention_weights", weights_BxHxLxS)
+    # Weights in [0, 1] lose little in bf16 (relative rounding only), and weights x V is
+    # a matmul as large as Q K^T: it runs at the compute dtype's speed.
     weights_BxHxLxS = weights_BxHxLxS.astype(cfg.dtype)
     if cfg.attention_dropout_rate > 0:
       weights_BxHxLxS = nn.Dropout(cfg.attention_dropout_rate)(
           weights_BxHxLxS, deterministic=deterministic)
     return jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
+
+
+@jax.custom_vjp
+def attention_scores(q_BxLxHxK: Array, k_BxSxHxK: Array) -> Array:
+  """Q K^T, unscaled, as f32 [B, H, L, S] whatever the dtype of q and k.
+
+  Accumulated in f32 and never rounded to the compute dtype: scores of a few tens
+  rounded to bf16 (8 significant bits) move by ~0.1, visibly reshaping the softmax.
+  The backward pass is written out so its two matmuls stay in the compute dtype, the
+  f32 cotangent cast down to it: left to autodiff, that f32 cotangent would turn them
+  into f32 matmuls (q and k widened), twice the cost on accelerators.
+  """
+  return jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
+
+
+def _attention_scores_forward(q_BxLxHxK, k_BxSxHxK):
+  return attention_scores(q_BxLxHxK, k_BxSxHxK), (q_BxLxHxK, k_BxSxHxK)
+
+
+def _attention_scores_backward(residuals, grad_BxHxLxS):
+  q_BxLxHxK, k_BxSxHxK = residuals
+  grad_BxHxLxS = grad_BxHxLxS.astype(q_BxLxHxK.dtype)
+  grad_q_BxLxHxK = jnp.einsum("bhls,bshk->blhk", grad_BxHxLxS, k_BxSxHxK,
+                              preferred_element_type=jnp.float32)
+  grad_k_BxSxHxK = jnp.einsum("bhls,blhk->bshk", grad_BxHxLxS, q_BxLxHxK,
+                              preferred_element_type=jnp.float32)
+  return grad_q_BxLxHxK.astype(q_BxLxHxK.dtype), grad_k_BxSxHxK.astype(k_BxSxHxK.dtype)
+
+
+attention_scores.defvjp(_attention_scores_forward, _attention_scores_backward)

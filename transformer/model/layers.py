@@ -1,5 +1,5 @@
-"""The layers: embedding and its tied projection, feed-forward, residual sublayers, and
-the encoder and decoder layers built from them.
+"""The layers: embedding and the output projection (tied or not), feed-forward, residual
+sublayers, and the encoder and decoder layers built from them.
 
 Paper defaults: post-LN sublayers `LayerNorm(x + Dropout(F(x)))`, ReLU feed-forward,
 embeddings scaled by sqrt(d_model), one embedding matrix for the source, the target and
@@ -18,6 +18,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.primitives import (BLD, BLF, Array, ModelConfig, constrain,
@@ -48,9 +49,54 @@ class Embed(nn.Module):
     return logits_NxV.reshape(batch, length, -1)
 
 
+class OutputProjection(nn.Module):
+  """The untied pre-softmax projection x W, logits in f32.
+
+  The parameter is nn.DenseGeneral's without bias ('kernel', [D, V], the same initial
+  values), so checkpoints are unchanged; the matmul is `untied_projection`'s.
+  """
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD: Array) -> Array:
+    cfg = self.config
+    kernel_DxV = self.param("kernel", dense_init(("embed", "vocab")),
+                            (cfg.d_model, cfg.vocab_size), cfg.param_dtype)
+    x_BxLxD, kernel_DxV = promote_dtype(x_BxLxD, kernel_DxV, dtype=cfg.dtype)
+    batch, length, d_model = x_BxLxD.shape
+    logits_NxV = untied_projection(x_BxLxD.reshape(batch * length, d_model), kernel_DxV)
+    return logits_NxV.reshape(batch, length, -1)
+
+
+@jax.custom_vjp
+def untied_projection(x_NxD: Array, kernel_DxV: Array) -> Array:
+  """Logits x W in f32: accumulated in f32, never rounded to the compute dtype.
+
+  The backward pass is written out for the same reason as `tied_projection`'s: left to
+  autodiff, the f32 logit gradient would turn both its matmuls into f32 ones.
+  """
+  return jnp.einsum("nd,dv->nv", x_NxD, kernel_DxV, preferred_element_type=jnp.float32)
+
+
+def _untied_projection_forward(x_NxD, kernel_DxV):
+  return untied_projection(x_NxD, kernel_DxV), (x_NxD, kernel_DxV)
+
+
+def _untied_projection_backward(residuals, grad_NxV):
+  x_NxD, kernel_DxV = residuals
+  grad_NxV = grad_NxV.astype(x_NxD.dtype)  # bf16 matmuls in mixed precision, f32 sums
+  grad_x_NxD = jnp.einsum("nv,dv->nd", grad_NxV, kernel_DxV, preferred_element_type=jnp.float32)
+  grad_kernel_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV, preferred_element_type=jnp.float32)
+  return grad_x_NxD.astype(x_NxD.dtype), grad_kernel_DxV.astype(kernel_DxV.dtype)
+
+
+untied_projection.defvjp(_untied_projection_forward, _untied_projection_backward)
+
+
 @jax.custom_vjp
 def tied_projection(x_NxD: Array, table_VxD: Array) -> Array:
-  """Logits x E^T in f32, for the tied pre-softmax projection.
+  """Logits x E^T in f32 (accumulated in f32, never rounded to the compute dtype), for
+  the tied pre-softmax projection.
 
   The backward pass is written out so the weight gradient is (x^T g)^T: the [N, V]
   logit gradient (the largest array of a step) is never transposed, only the smaller

@@ -18,9 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.model.layers import DecoderLayer, Embed, EncoderLayer, InputEmbedding
+from transformer.model.layers import (DecoderLayer, Embed, EncoderLayer, InputEmbedding,
+                                      OutputProjection)
 from transformer.model.primitives import (BLD, BLV, Array, ModelConfig, attention_mask,
-                                          constrain, default_positions, dense_init,
+                                          constrain, default_positions,
                                           layer_norm, segment_ids_from_tokens)
 
 _REMAT_POLICIES = {
@@ -127,10 +128,7 @@ class Decoder(nn.Module):
     if cfg.tie_embeddings:
       logits_BxTxV = self.embed.attend(y_BxTxD)
     else:
-      logits_BxTxV = nn.DenseGeneral(
-          cfg.vocab_size, use_bias=False, name="output_projection",
-          kernel_init=dense_init(("embed", "vocab")), dtype=cfg.dtype,
-          param_dtype=cfg.param_dtype)(y_BxTxD)
+      logits_BxTxV = OutputProjection(cfg, name="output_projection")(y_BxTxD)
     # The largest activation of a step: split over the tensor axis along the vocabulary.
     return constrain(logits_BxTxV.astype(jnp.float32), BLV)
 
