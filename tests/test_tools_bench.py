@@ -12,7 +12,7 @@ import sys
 
 from transformer.training import flops
 from transformer.model import ModelConfig
-from tests.tiny_run import flag_overrides, make_config
+from tests.tiny_run import REPO, flag_overrides, make_config
 
 ROWS, SEQ_LEN = 4, 24
 
@@ -50,8 +50,12 @@ def test_bench_json_reports_every_measurement(small_corpus):
   model_config = ModelConfig.from_config(make_config(small_corpus))
   assert train["flops_per_step"] == flops.training_flops(model_config, ROWS, SEQ_LEN, SEQ_LEN)
   assert math.isclose(train["tokens_per_sec"], ROWS * SEQ_LEN / train["step_time_s"])
-  assert math.isclose(train["mfu"], train["flops_per_step"] / train["step_time_s"] /
+  assert math.isclose(train["hfu"], train["flops_per_step"] / train["step_time_s"] /
                       peak["peak_flops_per_sec"])
+  # Random full-length rows: no padding, so the real-token count is the padded one.
+  assert train["padding_efficiency"] == 1.0
+  assert math.isclose(train["real_flops_per_step"], train["flops_per_step"])
+  assert math.isclose(train["mfu"], train["hfu"])
   assert train["step_time_min_s"] <= train["step_time_s"] <= train["step_time_max_s"]
   assert train["compile_s"] > 0 and train["num_params"] > 0
   assert beam["steps"] == 30 and beam["sentences"] == 2
@@ -72,4 +76,23 @@ def test_bench_human_readable_lines(small_corpus):
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert lines[0].startswith("peak: ") and "GFLOP/s" in lines[0]
-  assert lines[1].startswith(f"train_step: {ROWS} x {SEQ_LEN} tokens") and "MFU" in lines[1]
+  assert lines[1].startswith(f"train_step: {ROWS} x {SEQ_LEN} tokens")
+  assert "% (= HFU, 100% real tokens)" in lines[1] and ", MFU " in lines[1]
+
+
+def test_bench_lines_for_a_device_with_no_known_peak():
+  """An unknown device kind: no peak, no MFU, said in words rather than as a number."""
+  code = """if True:
+    from transformer.tools import bench
+    print(bench.describe({"name": "peak", "peak_flops_per_sec": None, "num_devices": 1,
+                          "device": "Mystery 9000", "source": "device kind not in the bf16 table"}))
+    print(bench.describe({"name": "train_step", "rows": 4, "seq_len": 8, "compile_s": 1.0,
+                          "step_time_s": 0.5, "tokens_per_sec": 64.0, "flops_per_sec": 2e9,
+                          "mfu": None, "hfu": None, "padding_efficiency": 1.0}))"""
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  peak, train = result.stdout.strip().splitlines()
+  assert peak == ("peak: unknown (device kind not in the bf16 table, 1 x Mystery 9000): "
+                  "no MFU")
+  assert train.endswith("2.0 GFLOP/s, MFU n/a")

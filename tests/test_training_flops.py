@@ -5,6 +5,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from transformer import config as config_lib
@@ -149,13 +150,95 @@ def test_measure_matmul_peak_is_positive():
 
 
 @pytest.mark.parametrize("kind,peak", [
-    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12), ("TPU v6e", 918e12),
-    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-40GB", 312e12)])
+    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12), ("TPU v6 lite", 918e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA A100-SXM4-80GB", 312e12)])
 def test_accelerator_peaks_come_from_the_table(kind, peak):
+  device = types.SimpleNamespace(device_kind=kind, platform="tpu" if "TPU" in kind else "gpu")
+  assert flops.device_peak_flops(device) == peak
+
+
+@pytest.mark.parametrize("kind,peak", [
+    ("NVIDIA L4", 121e12), ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12)])
+def test_peaks_match_the_whole_device_kind(kind, peak):
+  """Substrings once judged an L40S as an L4 (3x the MFU) and a PCIe H100 as an SXM one."""
   device = types.SimpleNamespace(device_kind=kind, platform="gpu")
   assert flops.device_peak_flops(device) == peak
 
 
-def test_unknown_accelerator_has_no_peak():
+@pytest.mark.parametrize("kind", ["Mystery Accelerator 9000", "NVIDIA L4 Super", "nvidia l4",
+                                  "NVIDIA H100"])
+def test_unknown_device_kind_has_no_peak_and_says_so_once(kind, monkeypatch):
+  notes = []
+  monkeypatch.setattr(flops.logging, "warning", lambda *args: notes.append(args[0] % args[1:]))
+  monkeypatch.setattr(flops, "_noted_unknown", set())
+  device = types.SimpleNamespace(device_kind=kind, platform="gpu")
+  assert flops.device_peak_flops(device) is None
+  assert flops.device_peak_flops(device) is None
+  assert len(notes) == 1 and repr(kind) in notes[0] and "_KNOWN_PEAKS" in notes[0]
+
+
+def test_unknown_device_has_no_total_peak_and_no_utilisation(monkeypatch):
   device = types.SimpleNamespace(device_kind="Mystery Accelerator 9000", platform="gpu")
-  assert math.isnan(flops.device_peak_flops(device))
+  monkeypatch.setattr(flops.jax, "devices", lambda: [device])
+  monkeypatch.setattr(flops.jax, "device_count", lambda: 4)
+  assert flops.total_peak_flops() is None
+  assert flops.utilisation(1e12, 1.0, None) is None
+  known = types.SimpleNamespace(device_kind="NVIDIA L4", platform="gpu")
+  monkeypatch.setattr(flops.jax, "devices", lambda: [known])
+  assert flops.total_peak_flops() == 4 * 121e12
+
+
+# --- Real tokens (MFU) against padded shapes (HFU).
+
+def padded(lengths, width):
+  """Rows of real tokens (ids >= 4) then padding, one row per length."""
+  rows = np.zeros((len(lengths), width), np.int32)
+  for row, n in enumerate(lengths):
+    rows[row, :n] = 7
+  return rows
+
+
+def test_count_tokens_of_length_bucketed_rows():
+  """One sentence pair per row: its real tokens, whatever the padded width."""
+  src, tgt = [7, 3, 1], [4, 9, 2]
+  counts = jax.device_get(flops.count_tokens({"source": padded(src, 8),
+                                              "target": padded(tgt, 10)}))
+  assert counts == {"source_tokens": 11, "target_tokens": 15, "source_sq": 49 + 9 + 1,
+                    "target_sq": 16 + 81 + 4, "source_target": 28 + 27 + 2,
+                    "source_slots": 24, "target_slots": 30}
+
+
+def test_count_tokens_of_packed_rows_pairs_segments_by_id():
+  """Row 0 packs pairs (s, t) = (2, 3) and (3, 1); row 1 holds (1, 2) and padding."""
+  source_segments = np.array([[1, 1, 2, 2, 2, 0], [1, 0, 0, 0, 0, 0]], np.int32)
+  target_segments = np.array([[1, 1, 1, 2, 0], [1, 1, 0, 0, 0]], np.int32)
+  batch = {"source": np.where(source_segments > 0, 9, 0).astype(np.int32),
+           "target": np.where(target_segments > 0, 9, 0).astype(np.int32),
+           "source_segment_ids": source_segments, "target_segment_ids": target_segments}
+  counts = jax.device_get(jax.jit(flops.count_tokens)(batch))
+  assert counts == {"source_tokens": 6, "target_tokens": 6, "source_sq": 4 + 9 + 1,
+                    "target_sq": 9 + 1 + 4, "source_target": 6 + 3 + 2,
+                    "source_slots": 12, "target_slots": 10}
+
+
+@pytest.mark.parametrize("decoder_only", [False, True])
+def test_real_flops_are_the_sum_over_sentence_pairs(decoder_only):
+  cfg = tiny(decoder_only=decoder_only)
+  src, tgt = [5, 2, 6], [3, 8, 1]
+  batch = {"target": padded(tgt, 8)}
+  if not decoder_only:
+    batch["source"] = padded(src, 7)
+  real = flops.real_training_flops(cfg, jax.device_get(flops.count_tokens(batch)))
+  # Each pair as if it were a batch of one at its own lengths: hand-checked above.
+  assert real == sum(flops.training_flops(cfg, 1, s, t) for s, t in zip(src, tgt))
+  assert real < flops.training_flops(cfg, 3, 7, 8)
+
+
+def test_full_rows_need_what_the_padded_shape_computes():
+  """No padding: MFU and HFU count the same FLOPs (the benchmark's case)."""
+  cfg = tiny()
+  counts = jax.device_get(flops.count_tokens({"source": padded([S] * 4, S),
+                                              "target": padded([T] * 4, T)}))
+  assert flops.real_training_flops(cfg, counts) == flops.training_flops(cfg, 4, S, T)

@@ -11,10 +11,12 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.training import checkpoints, loop, sharding, state
+from transformer.model import ModelConfig
+from transformer.training import checkpoints, flops, loop, reporting, sharding, state
 from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
 
 
@@ -38,6 +40,66 @@ def test_stop_and_resume_equals_straight_run(small_corpus, tmp_path):
   config = make_config(small_corpus)
   jax.tree.map(np.testing.assert_array_equal, restored_params(straight, config, 6),
                restored_params(resumed, config, 6))
+
+
+def half_padded_batch(rows=4, length=8):
+  """Every row half real: a source and a target sentence of length / 2 tokens."""
+  half = np.zeros((rows, length), np.int32)
+  half[:, :length // 2] = 9
+  return {"source": half, "target": half.copy()}
+
+
+WINDOW_S = 1000.0
+
+
+def progress_record(peak, cfg, batch, steps=2):
+  """Progress over `steps` steps of `batch` (padded FLOPs as the loop charges them), in a
+  window of 1000 s (give or take the milliseconds this takes)."""
+  progress = loop.Progress(peak_flops=peak, total_steps=10, model_config=cfg)
+  rows, length = batch["target"].shape
+  for step in range(1, steps + 1):
+    metrics = {"loss": jnp.float32(2.0), "loss_sum": 8.0, "ce_sum": 8.0, "correct_sum": 1.0,
+               "num_tokens": 4.0, "lr": 1e-3, "grad_norm": 1.0}
+    progress.add(step, metrics, flops.training_flops(cfg, rows, length, length),
+                 flops.count_tokens(batch))
+  progress._window_start = time.time() - WINDOW_S
+  return progress.record(steps)
+
+
+def test_mfu_counts_real_tokens_and_hfu_the_padded_shape():
+  cfg = ModelConfig(vocab_size=40, max_position=16, num_layers=2, d_model=12, d_ff=20,
+                    num_heads=3, d_k=4, d_v=5)
+  peak = 1e6
+  record = progress_record(peak, cfg, half_padded_batch())
+  # Computed here from the shapes: 2 steps of 4 rows, 8 slots padded, 4 tokens real.
+  padded = 2 * 4 * flops.training_flops(cfg, 1, 8, 8)
+  real = 2 * 4 * flops.training_flops(cfg, 1, 4, 4)
+  assert record["hfu"] == pytest.approx(padded / WINDOW_S / peak, rel=1e-3)
+  assert record["mfu"] == pytest.approx(real / WINDOW_S / peak, rel=1e-3)
+  assert record["mfu"] == pytest.approx(record["hfu"] * real / padded, rel=1e-12)
+  assert record["mfu"] < 0.6 * record["hfu"]  # attention is quadratic: below the 50% real
+  assert record["padding_efficiency"] == 0.5
+  assert record["source_padding_efficiency"] == 0.5
+  line = reporting.progress_line(2, 10, record, started=0.0)
+  assert f"| MFU {100 * record['mfu']:.1f}% (HFU {100 * record['hfu']:.1f}%, 50% real) |" in line
+
+
+def test_unknown_peak_reports_padding_but_no_utilisation():
+  cfg = ModelConfig(vocab_size=40, max_position=16, num_layers=1, d_model=8, d_ff=16,
+                    num_heads=2, d_k=4, d_v=4)
+  record = progress_record(None, cfg, half_padded_batch())
+  assert "mfu" not in record and "hfu" not in record
+  assert record["padding_efficiency"] == 0.5
+  assert "| MFU n/a (50% real) |" in reporting.progress_line(2, 10, record, started=0.0)
+
+
+def test_logged_records_carry_mfu_hfu_and_padding(small_corpus, tmp_path):
+  workdir = str(tmp_path / "mfu")
+  loop.train_and_evaluate(make_config(small_corpus, num_train_steps=2), workdir)
+  for r in read_metrics(workdir):
+    # Packed rows of the corpus are mostly, never wholly, real.
+    assert 0.5 < r["padding_efficiency"] < 1 and 0.5 < r["source_padding_efficiency"] < 1
+    assert 0 < r["mfu"] < r["hfu"]
 
 
 def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(small_corpus, tmp_path):

@@ -85,7 +85,8 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 def metrics(**overrides):
   m = {"loss": 4.11349, "ppl": 45.2049, "accuracy": 0.30951, "lr": 3.1234e-4,
-       "tokens_per_sec": 2950.4, "mfu": 0.38, "eta_s": 552.0}
+       "tokens_per_sec": 2950.4, "mfu": 0.38, "hfu": 0.4132, "padding_efficiency": 0.9215,
+       "eta_s": 552.0}
   return {**m, **overrides}
 
 
@@ -93,7 +94,7 @@ def test_progress_line_shows_every_number(monkeypatch):
   monkeypatch.setattr(reporting.time, "time", lambda: 1000.0)
   line = reporting.progress_line(500, 6000, metrics(), started=1000.0 - 125.0)
   assert line == ("step 500/6000 | loss 4.113 | ppl 45.20 | acc 0.310 | lr 3.12e-04 | "
-                  "2,950 tok/s | MFU 38.0% | ETA 9m12s | 2m05s elapsed")
+                  "2,950 tok/s | MFU 38.0% (HFU 41.3%, 92% real) | ETA 9m12s | 2m05s elapsed")
 
 
 def test_progress_line_with_unknown_eta_and_long_runs(monkeypatch):
@@ -103,6 +104,18 @@ def test_progress_line_with_unknown_eta_and_long_runs(monkeypatch):
                                  started=10_000.0 - 7500.0)
   assert line.startswith("step 7/100000 | ")
   assert "| 1,234,567 tok/s |" in line
-  assert "| MFU 0.4% |" in line
+  assert "| MFU 0.4% (HFU 41.3%, 92% real) |" in line
   assert "| ETA ? |" in line
   assert line.endswith("| 2h05m elapsed")
+
+
+def test_progress_line_without_a_known_peak(monkeypatch):
+  """An unknown device kind: the record has no mfu or hfu, and the line says n/a."""
+  monkeypatch.setattr(reporting.time, "time", lambda: 1000.0)
+  m = metrics()
+  del m["mfu"], m["hfu"]
+  line = reporting.progress_line(500, 6000, m, started=1000.0 - 125.0)
+  assert "| 2,950 tok/s | MFU n/a (92% real) | ETA 9m12s |" in line
+  del m["padding_efficiency"]
+  line = reporting.progress_line(500, 6000, m, started=1000.0 - 125.0)
+  assert "| 2,950 tok/s | MFU n/a | ETA 9m12s |" in line

@@ -7,12 +7,14 @@
 One process measures, in order:
   peak            the device's peak FLOP/s: measured with a large f32 matmul on CPU (in
                   this run, so MFU is against what this machine does now), a table of
-                  known bf16 peaks on GPU/TPU;
+                  known bf16 peaks on GPU/TPU (a device kind not in it: no MFU);
   train_step      compile time, then the median time of `--steps` training steps after
                   `--warmup` steps, each synchronized with block_until_ready; target
-                  tokens/s, model FLOP/s and MFU (FLOPs as transformer/training/flops.py counts
-                  them: matmuls, 3x forward for training); peak device memory where the
-                  backend reports it, and the compiled step's temporary buffer size;
+                  tokens/s, model FLOP/s, MFU and HFU (FLOPs as transformer/training/flops.py
+                  counts them: matmuls, 3x forward for training). The batch has no
+                  padding, so MFU (real tokens) equals HFU (padded shape) here, unlike
+                  in training; peak device memory where the backend reports it, and the
+                  compiled step's temporary buffer size;
   beam_search     beam search (cache on, early stopping off) of `--decode_batch`
                   random sentences for `--decode_steps` steps: sentences/s, tokens/s;
   input_pipeline  batches of the config's dataset, tokenized and batched exactly as
@@ -21,7 +23,7 @@ One process measures, in order:
 The model and optimizer are the config's, on random weights and random full-length
 batches of `--batch_tokens / --seq_len` rows of `--seq_len` source and target tokens.
 `--json` prints one JSON object per measurement (keys include name, tokens_per_sec, mfu,
-step_time_s); docs/performance.md records the figures.
+step_time_s; mfu is null where there is none); docs/performance.md records the figures.
 """
 
 from __future__ import annotations
@@ -87,17 +89,21 @@ def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str,
 def measure_peak() -> dict[str, Any]:
   device = jax.devices()[0]
   peak = flops.total_peak_flops()
+  if device.platform == "cpu":
+    source = "measured f32 matmul"
+  else:
+    source = "bf16 table" if peak is not None else "device kind not in the bf16 table"
   return {"name": "peak", "device": device.device_kind, "num_devices": jax.device_count(),
-          "peak_flops_per_sec": peak,
-          "source": "measured f32 matmul" if device.platform == "cpu" else "bf16 table"}
+          "peak_flops_per_sec": peak, "source": source}
 
 
-def measure_train_step(config, rows: int, seq_len: int, peak: float, num_steps: int = 10,
+def measure_train_step(config, rows: int, seq_len: int, peak: float | None, num_steps: int = 10,
                        warmup: int = 2):
   """Compiles and times the config's training step; returns (result, model, params)."""
   run = state.setup(config)
   train_state = run.init_state(jax.random.key(config.seed))
-  batch = sharding.global_batch(benchmark_batch(config, rows, seq_len), run.mesh, run.rules)
+  host_batch = benchmark_batch(config, rows, seq_len)
+  batch = sharding.global_batch(host_batch, run.mesh, run.rules)
   step_fn = steps.jit_train_step(run)
 
   start = time.perf_counter()
@@ -120,13 +126,20 @@ def measure_train_step(config, rows: int, seq_len: int, peak: float, num_steps: 
   target_tokens = rows * seq_len
   source_len = 0 if config.model.decoder_only else seq_len
   step_flops = flops.training_flops(run.model.config, rows, source_len, seq_len)
+  # Counted as training counts them: with no padding the two agree, which is the check
+  # that MFU here is comparable with the training log's.
+  counts = jax.device_get(flops.count_tokens(host_batch))
+  real_flops = flops.real_training_flops(run.model.config, counts)
   result = {
       "name": "train_step", "rows": rows, "seq_len": seq_len,
       "compile_s": compile_s, "step_time_s": step_time,
       "step_time_min_s": min(times), "step_time_max_s": max(times),
       "tokens_per_sec": target_tokens / step_time,
       "flops_per_step": step_flops, "flops_per_sec": step_flops / step_time,
-      "mfu": step_flops / step_time / peak,
+      "real_flops_per_step": real_flops,
+      "mfu": flops.utilisation(real_flops, step_time, peak),
+      "hfu": flops.utilisation(step_flops, step_time, peak),
+      "padding_efficiency": float(counts["target_tokens"] / counts["target_slots"]),
       "num_params": run.num_params,
   }
   result.update(_memory(compiled))
@@ -182,9 +195,20 @@ def _fmt_bytes(n: int) -> str:
   return f"{n / 2**20:,.0f} MiB"
 
 
+def _utilisation_text(result: dict[str, Any]) -> str:
+  if result["mfu"] is None:
+    return "MFU n/a"
+  # Random full-length rows: nothing is padding, so MFU and HFU are one number.
+  return (f"MFU {100 * result['mfu']:.1f}% (= HFU, "
+          f"{100 * result['padding_efficiency']:.0f}% real tokens)")
+
+
 def describe(result: dict[str, Any]) -> str:
   name = result["name"]
   if name == "peak":
+    if result["peak_flops_per_sec"] is None:
+      return (f"peak: unknown ({result['source']}, {result['num_devices']} x "
+              f"{result['device']}): no MFU")
     return (f"peak: {result['peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s ({result['source']}, "
             f"{result['num_devices']} x {result['device']})")
   if result.get("skipped"):
@@ -195,7 +219,7 @@ def describe(result: dict[str, Any]) -> str:
     return (f"train_step: {result['rows']} x {result['seq_len']} tokens, "
             f"compile {result['compile_s']:.1f} s, step {result['step_time_s'] * 1e3:,.1f} ms "
             f"(median), {result['tokens_per_sec']:,.0f} target tokens/s, "
-            f"{result['flops_per_sec'] / 1e9:,.1f} GFLOP/s, MFU {100 * result['mfu']:.1f}%"
+            f"{result['flops_per_sec'] / 1e9:,.1f} GFLOP/s, {_utilisation_text(result)}"
             + (f", {', '.join(memory)}" if memory else ""))
   if name == "beam_search":
     return (f"beam_search: beam {result['beam_size']}, {result['sentences']} sentences x "

@@ -1,18 +1,44 @@
-"""Model FLOPs and device peaks, for throughput and MFU (model FLOPs utilization).
+"""Model FLOPs and device peaks, for throughput, MFU and HFU.
 
-FLOPs count the matrix multiplications the model really does (2 per multiply-add),
-including the output projection and the attention score and value products over the
-full (masked) length; the tied embedding lookup is free. Training is 3x the forward
+FLOPs count the matrix multiplications the model does (2 per multiply-add), including
+the output projection; the tied embedding lookup is free. Training is 3x the forward
 pass (forward, and backward for activations and for weights).
+
+Two counts, for two questions:
+
+  padded (HFU)  what the step computes on its [B, S] / [B, T] arrays: every row at the
+                full padded length, attention over all S or T keys for every position,
+                padding included. Against the peak this is the hardware FLOPs
+                utilisation: how busy the matmul units were (remat's recomputation is
+                not added, so with remat on it is a lower bound).
+  real (MFU)    what the model needs for the tokens it trained on: each real sentence
+                pair (s source, t target tokens) costs `forward_flops(cfg, s, t)`, i.e.
+                per-token matmuls for its s + t tokens only, and attention of each real
+                query over the s or t real keys of its own sentence (not over a padded
+                row, nor over the other sentences packed into it). This is the model
+                FLOPs utilisation, comparable across batching schemes.
+
+A pair's forward FLOPs split into per-token and attention parts (A = 2 N H (d_k + d_v),
+the QK^T and AV products of one query over one key, over N layers):
+
+  forward(s, t) = P_src * s + P_tgt * t + A * (s^2 + t^2 + s t)
+
+with s^2 the encoder's self-attention, t^2 the decoder's and s t the cross-attention
+(a decoder-only model has P_src = 0 and only A * t^2). Causal masking does not halve the
+t^2 term: the model computes the whole score matrix, then masks it. So the real FLOPs
+of a batch need only five sums over its sentence pairs: sum s, sum t, sum s^2, sum t^2
+and sum s t (`count_tokens`, on device).
 """
 
 from __future__ import annotations
 
 import time
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 
+from transformer.config import PAD_ID
 from transformer.model import ModelConfig
 
 TRAINING_FLOPS_PER_FORWARD = 3
@@ -23,29 +49,35 @@ def _ffn_flops_per_token(cfg: ModelConfig) -> int:
   return 2 * matrices * cfg.d_model * cfg.d_ff
 
 
-def forward_flops(cfg: ModelConfig, source_len: int, target_len: int) -> int:
-  """Forward FLOPs for one sentence pair of the given (padded) lengths."""
+def _flop_terms(cfg: ModelConfig) -> tuple[int, int, int]:
+  """(P_src, P_tgt, A) of the module docstring: forward FLOPs per source token, per
+  target token, and per (query, key) pair of any attention."""
   d, h, k, e = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.d_v
   self_proj = 2 * d * h * (2 * k + e) + 2 * h * e * d  # fused QKV, then W_O
   ffn = _ffn_flops_per_token(cfg)
-  total = 0
-  if not cfg.decoder_only:
-    scores_enc = 2 * source_len * h * (k + e)  # QK^T and AV, per query token
-    total += cfg.num_layers * source_len * (self_proj + scores_enc + ffn)
-  scores_self = 2 * target_len * h * (k + e)
-  per_target = self_proj + scores_self + ffn
-  if not cfg.decoder_only:
-    cross_q_out = 2 * d * h * k + 2 * h * e * d
-    per_target += cross_q_out + 2 * source_len * h * (k + e)
-    # Cross-attention K/V are projected once per source token in every decoder layer.
-    total += cfg.num_layers * source_len * 2 * d * h * (k + e)
-  total += cfg.num_layers * target_len * per_target
-  total += target_len * 2 * d * cfg.vocab_size  # pre-softmax projection
-  return total
+  attention = cfg.num_layers * 2 * h * (k + e)  # QK^T and AV, per query per key
+  per_target = cfg.num_layers * (self_proj + ffn) + 2 * d * cfg.vocab_size  # + output proj.
+  if cfg.decoder_only:
+    return 0, per_target, attention
+  # Cross-attention: queries and W_O per target token; K/V projected once per source
+  # token in every decoder layer.
+  per_target += cfg.num_layers * (2 * d * h * k + 2 * h * e * d)
+  per_source = cfg.num_layers * (self_proj + ffn + 2 * d * h * (k + e))
+  return per_source, per_target, attention
+
+
+def forward_flops(cfg: ModelConfig, source_len: int, target_len: int) -> int:
+  """Forward FLOPs for one sentence pair of the given lengths (padded or real)."""
+  per_source, per_target, attention = _flop_terms(cfg)
+  if cfg.decoder_only:
+    return per_target * target_len + attention * target_len**2
+  return (per_source * source_len + per_target * target_len
+          + attention * (source_len**2 + target_len**2 + source_len * target_len))
 
 
 def training_flops(cfg: ModelConfig, batch_size: int, source_len: int, target_len: int) -> int:
-  """FLOPs of one training step on a [batch_size, source_len/target_len] batch."""
+  """FLOPs of one training step on a [batch_size, source_len/target_len] batch, padding
+  included: what the hardware computes (HFU)."""
   return TRAINING_FLOPS_PER_FORWARD * batch_size * forward_flops(cfg, source_len, target_len)
 
 
@@ -54,26 +86,108 @@ def training_flops_per_target_token(cfg: ModelConfig, seq_len: int) -> float:
   return training_flops(cfg, 1, seq_len, seq_len) / seq_len
 
 
-# Dense bf16 peak FLOP/s per device (f32 peaks are lower: MFU in f32 is measured against
-# the bf16 peak unless noted, as large-scale codebases report it).
+# --- Real tokens: what the model needs (MFU).
+
+TOKEN_COUNT_KEYS = ("source_tokens", "target_tokens", "source_sq", "target_sq",
+                    "source_target", "source_slots", "target_slots")
+
+
+def _segment_lengths(ids_BxL: jax.Array, segment_ids_BxL: jax.Array | None,
+                     width: int) -> jax.Array:
+  """Real tokens of each (row, segment id) as [B, width]; column 0 (padding) is zero.
+
+  Without segment ids a row's real tokens are one segment, id 1 (length-bucketed rows).
+  """
+  real_BxL = ids_BxL != PAD_ID
+  segments_BxL = real_BxL.astype(jnp.int32) if segment_ids_BxL is None else segment_ids_BxL
+  segments_BxL = jnp.where(real_BxL, segments_BxL, 0)
+  rows = jnp.arange(ids_BxL.shape[0])[:, None]
+  lengths = jnp.zeros((ids_BxL.shape[0], width), jnp.float32)
+  return lengths.at[rows, segments_BxL].add(1.0).at[:, 0].set(0.0)
+
+
+def count_tokens(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The sums `real_training_flops` needs, over a batch's sentence pairs (jittable).
+
+  Keys: source_tokens and target_tokens (sum s, sum t), source_sq and target_sq
+  (sum s^2, sum t^2), source_target (sum s t, pairing a row's source and target
+  segments by id, as packing writes them), and source_slots / target_slots (B S, B T:
+  the padded shape). float32 scalars: exact to 2^24, past which a rounding of 1e-7 does
+  not matter for a utilisation. A decoder-only batch has zeros for the source.
+  """
+  target_BxT = batch["target"]
+  rows, target_len = target_BxT.shape
+  source_BxS = batch.get("source")
+  source_len = 0 if source_BxS is None else source_BxS.shape[1]
+  width = max(source_len, target_len) + 1  # segment ids count from 1 and fit in a row
+  target_lengths = _segment_lengths(target_BxT, batch.get("target_segment_ids"), width)
+  if source_BxS is None:
+    source_lengths = jnp.zeros_like(target_lengths)
+  else:
+    source_lengths = _segment_lengths(source_BxS, batch.get("source_segment_ids"), width)
+  return {
+      "source_tokens": jnp.sum(source_lengths), "target_tokens": jnp.sum(target_lengths),
+      "source_sq": jnp.sum(source_lengths**2), "target_sq": jnp.sum(target_lengths**2),
+      "source_target": jnp.sum(source_lengths * target_lengths),
+      "source_slots": jnp.float32(rows * source_len),
+      "target_slots": jnp.float32(rows * target_len),
+  }
+
+
+def real_training_flops(cfg: ModelConfig, counts: dict[str, float]) -> float:
+  """Training FLOPs the model needs for the real tokens of `counts` (`count_tokens`,
+  summed over any number of batches): sum over pairs of 3 x forward_flops(s, t)."""
+  per_source, per_target, attention = _flop_terms(cfg)
+  c = {k: float(v) for k, v in counts.items()}  # float64: float32 would round the products
+  forward = per_target * c["target_tokens"] + attention * c["target_sq"]
+  if not cfg.decoder_only:
+    forward += per_source * c["source_tokens"] + attention * (c["source_sq"] + c["source_target"])
+  return TRAINING_FLOPS_PER_FORWARD * forward
+
+
+# --- Device peaks.
+
+# Dense (no structured sparsity) bf16 tensor-core peak FLOP/s of one JAX device, keyed
+# by the exact `jax.devices()[0].device_kind`: on GPU the CUDA device name (what
+# nvidia-smi shows), on TPU JAX's name of the chip (v4 and later: one device per chip).
+# Datasheets print sparse figures with an asterisk; these are half of those. A kind not
+# listed gets no MFU rather than a neighbour's peak: substring matching once judged an
+# L40S against the L4 (3x too much MFU) and an H100 PCIe against the SXM part.
+# f32 runs are measured against the bf16 peak too, as large-scale codebases report it.
 _KNOWN_PEAKS = {
-    "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v5": 459e12,
-    "tpu v6 lite": 918e12,
-    "tpu v6e": 918e12,
-    "tpu7x": 2307e12,
-    "h200": 989e12,
-    "h100": 989e12,
-    "a100": 312e12,
-    "v100": 125e12,
-    "l4": 121e12,
-    "a10g": 125e12,
+    # NVIDIA H100 datasheet: SXM 1,979 / PCIe 1,513 / NVL 1,671 TFLOPS BF16 sparse.
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    # NVIDIA H200 datasheet: SXM 1,979 / NVL 1,671 TFLOPS BF16 sparse.
+    "NVIDIA H200": 989e12,  # SXM
+    "NVIDIA H200 NVL": 835e12,
+    # NVIDIA HGX B200: 36 PFLOPS FP16/BF16 sparse for 8 GPUs.
+    "NVIDIA B200": 2250e12,
+    # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, SXM and PCIe alike.
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    # NVIDIA L4 / L40 / L40S datasheets: 242 / 362.1 / 733 TFLOPS BF16 sparse.
+    "NVIDIA L4": 121e12,
+    "NVIDIA L40": 181e12,
+    "NVIDIA L40S": 362e12,
+    # NVIDIA A10 datasheet: 125 TFLOPS BF16 dense. (AWS's A10G is a different part.)
+    "NVIDIA A10": 125e12,
+    # Google Cloud TPU system-architecture pages, bf16 per chip.
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,  # v5p, as older libtpu names it
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "TPU7x": 2307e12,  # Ironwood
 }
 
 _measured_cpu_peak: float | None = None
+_noted_unknown: set[str] = set()
 
 
 def measure_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
@@ -89,27 +203,39 @@ def measure_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
   return 2 * size**3 / best
 
 
-def device_peak_flops(device: jax.Device | None = None) -> float:
-  """Peak FLOP/s of one device: a known table for accelerators, measured for CPU."""
+def device_peak_flops(device: jax.Device | None = None) -> float | None:
+  """Peak FLOP/s of one device: measured on CPU, else the table's entry for exactly this
+  device kind; None (no MFU, and a one-time note saying why) for a kind not listed."""
   global _measured_cpu_peak
   device = device or jax.devices()[0]
-  kind = device.device_kind.lower()
-  for name, peak in _KNOWN_PEAKS.items():
-    if name in kind:
-      return peak
+  if device.device_kind in _KNOWN_PEAKS:
+    return _KNOWN_PEAKS[device.device_kind]
   if device.platform == "cpu":
     if _measured_cpu_peak is None:
       _measured_cpu_peak = measure_matmul_peak()
     return _measured_cpu_peak
-  return float("nan")
+  if device.device_kind not in _noted_unknown:
+    _noted_unknown.add(device.device_kind)
+    logging.warning(
+        "MFU not reported: no peak FLOP/s is known for device kind %r. Add its dense bf16 "
+        "peak (from the vendor's datasheet) under that exact name to _KNOWN_PEAKS in "
+        "transformer/training/flops.py.", device.device_kind)
+  return None
 
 
-def total_peak_flops() -> float:
-  """Peak FLOP/s of all devices of the job: per device times the device count.
+def total_peak_flops() -> float | None:
+  """Peak FLOP/s of all devices of the job (per device times the device count), or None.
 
   Fake CPU devices (--xla_force_host_platform_device_count) share the same cores, so on
   CPU the one measured peak is the whole machine's.
   """
   device = jax.devices()[0]
   peak = device_peak_flops(device)
-  return peak if device.platform == "cpu" else peak * jax.device_count()
+  if peak is None or device.platform == "cpu":
+    return peak
+  return peak * jax.device_count()
+
+
+def utilisation(step_flops: float, seconds: float, peak: float | None) -> float | None:
+  """FLOPs done in `seconds` as a fraction of the peak; None when the peak is unknown."""
+  return None if peak is None else step_flops / seconds / peak

@@ -21,6 +21,7 @@ from absl import logging
 from transformer import config as config_lib
 from transformer import storage
 from transformer import data
+from transformer.model import ModelConfig
 from transformer.training import (checkpoints, flops, metrics, prefetch, reporting, sharding,
                                   state, steps)
 
@@ -67,19 +68,33 @@ class Progress:
 
   Losses are checked for NaN/Inf in order, each step once: at log steps and before
   every checkpoint, so a NaN state is never written.
+
+  Utilisation, against `peak_flops` (None: unknown device, so neither is reported):
+    hfu  the FLOPs of the padded batch shapes (`step_flops`): what the hardware computed;
+    mfu  the FLOPs the model needs for the real tokens (`token_counts`, from
+         flops.count_tokens, with `model_config`): comparable across batchings, and
+         the figure tokens/s (real target tokens) goes with.
+  and padding_efficiency (real target tokens / target slots; source_padding_efficiency
+  likewise), which is why the two differ.
   """
 
-  def __init__(self, peak_flops: float, total_steps: int):
+  def __init__(self, peak_flops: float | None, total_steps: int,
+               model_config: ModelConfig | None = None):
     self.peak_flops = peak_flops
     self.total_steps = total_steps
+    self.model_config = model_config
     self._pending: list[tuple[int, dict]] = []  # (step, metrics) since the last record
     self._checked = 0  # how many of _pending are known finite
-    self._pending_flops = 0
+    self._pending_flops = 0  # padded-shape FLOPs since the last record
+    self._pending_counts: list[dict] = []  # flops.count_tokens of each step, on device
     self._window_start = time.time()
 
-  def add(self, step: int, step_metrics: dict, step_flops: int) -> None:
+  def add(self, step: int, step_metrics: dict, step_flops: int,
+          token_counts: dict | None = None) -> None:
     self._pending.append((step, step_metrics))
     self._pending_flops += step_flops
+    if token_counts is not None:
+      self._pending_counts.append(token_counts)
 
   def check_finite(self) -> None:
     """Raises at the first step whose loss is NaN or Inf (fetches unchecked losses)."""
@@ -92,7 +107,7 @@ class Progress:
     self._checked = len(self._pending)
 
   def record(self, step: int) -> dict[str, float]:
-    """Averages since the last record, throughput, MFU and ETA; starts a new window."""
+    """Averages since the last record, throughput, MFU/HFU and ETA; starts a new window."""
     self.check_finite()
     count = len(self._pending)
     sums = metrics.sum_metrics([m for _, m in self._pending])
@@ -106,12 +121,30 @@ class Progress:
         "grad_norm": sums["grad_norm"] / count,
         "tokens_per_sec": sums["num_tokens"] / elapsed,
         "steps_per_sec": steps_per_sec,
-        "mfu": self._pending_flops / elapsed / self.peak_flops,
+        **self._utilisation(elapsed, count),
         "eta_s": (self.total_steps - step) / max(steps_per_sec, 1e-9),
     }
     self._pending, self._checked, self._pending_flops = [], 0, 0
+    self._pending_counts = []
     self._window_start = time.time()
     return record
+
+  def _utilisation(self, elapsed: float, count: int) -> dict[str, float]:
+    """mfu, hfu, padding_efficiency (and the source's): each only where it is known."""
+    out = {}
+    counts = None
+    if self.model_config is not None and count and len(self._pending_counts) == count:
+      per_step = jax.device_get(self._pending_counts)
+      counts = {k: sum(float(c[k]) for c in per_step) for k in flops.TOKEN_COUNT_KEYS}
+      out["padding_efficiency"] = counts["target_tokens"] / counts["target_slots"]
+      if counts["source_slots"]:
+        out["source_padding_efficiency"] = counts["source_tokens"] / counts["source_slots"]
+    if self.peak_flops is not None:
+      if counts is not None:
+        out["mfu"] = flops.utilisation(flops.real_training_flops(self.model_config, counts),
+                                       elapsed, self.peak_flops)
+      out["hfu"] = flops.utilisation(self._pending_flops, elapsed, self.peak_flops)
+    return out
 
 
 class ValidationLoss:
@@ -193,7 +226,9 @@ class TrainingRun:
     logging.info("%s parameters", f"{self.setup.num_params:,}")
     self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief)
     self.total_steps = config.num_train_steps * config.grad_accum_steps
-    self.progress = Progress(flops.total_peak_flops(), self.total_steps)
+    self.progress = Progress(flops.total_peak_flops(), self.total_steps,
+                             self.setup.model.config)
+    self._count_tokens = jax.jit(flops.count_tokens)  # stays on device until a log step
     self.validate = validation(config, self.setup, self.tokenizer) if (
         config.eval_every_steps) else None
     self.batches = None
@@ -228,7 +263,8 @@ class TrainingRun:
       for step in range(start_step + 1, self.total_steps + 1):
         batch = next(self.batches)
         self.state, step_metrics = p_train_step(self.state, batch)
-        self.progress.add(step, step_metrics, self._step_flops(batch))
+        self.progress.add(step, step_metrics, self._step_flops(batch),
+                          self._count_tokens(batch))
         is_last = step == self.total_steps
         if step % self.config.log_every_steps == 0 or is_last:
           self._log(step, started)
@@ -249,6 +285,8 @@ class TrainingRun:
     return {"step": step, **eval_metrics}
 
   def _step_flops(self, batch) -> int:
+    """FLOPs of the batch's padded shape (HFU); MFU's real-token FLOPs come from
+    flops.count_tokens."""
     rows, target_len = batch["decoder_input"].shape
     source_len = batch["source"].shape[1] if "source" in batch else 0
     return flops.training_flops(self.setup.model.config, rows, source_len, target_len)

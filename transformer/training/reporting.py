@@ -61,9 +61,24 @@ def _plain(value):
 
 
 def progress_line(step: int, total: int, m: dict, started: float) -> str:
-  """e.g. `step 500/6000 | loss 4.113 | ppl 45.2 | acc 0.31 | lr 3.1e-04 | 2,950 tok/s | MFU 38.0% | ETA 9m12s`."""
+  """e.g. `step 500/6000 | loss 4.113 | ppl 45.2 | acc 0.31 | lr 3.1e-04 | 2,950 tok/s |
+  MFU 38.0% (HFU 41.3%, 92% real) | ETA 9m12s | 2m05s elapsed`.
+
+  MFU counts real tokens, HFU the padded shape and "real" is the target side's padding
+  efficiency (`loop.Progress`); `MFU n/a` where the device's peak is unknown.
+  """
   elapsed = time.time() - started
   return (f"step {step}/{total} | loss {m['loss']:.3f} | ppl {m['ppl']:.2f} | "
           f"acc {m['accuracy']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_sec']:,.0f} tok/s | "
-          f"MFU {100 * m['mfu']:.1f}% | ETA {format_duration(m['eta_s'])} "
+          f"{_utilisation_text(m)} | ETA {format_duration(m['eta_s'])} "
           f"| {format_duration(elapsed)} elapsed")
+
+
+def _utilisation_text(m: dict) -> str:
+  mfu = f"MFU {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "MFU n/a"
+  details = []
+  if m.get("hfu") is not None:
+    details.append(f"HFU {100 * m['hfu']:.1f}%")
+  if m.get("padding_efficiency") is not None:
+    details.append(f"{100 * m['padding_efficiency']:.0f}% real")
+  return f"{mfu} ({', '.join(details)})" if details else mfu
