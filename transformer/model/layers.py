@@ -12,6 +12,7 @@ logits to activation_vocab, so every residual stream is split the same way on an
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -68,58 +69,48 @@ class OutputProjection(nn.Module):
     return logits_NxV.reshape(batch, length, -1)
 
 
-@jax.custom_vjp
-def untied_projection(x_NxD: Array, kernel_DxV: Array) -> Array:
-  """Logits x W in f32: accumulated in f32, never rounded to the compute dtype.
-
-  The backward pass is written out for the same reason as `tied_projection`'s: left to
-  autodiff, the f32 logit gradient would turn both its matmuls into f32 ones.
-  """
-  return jnp.einsum("nd,dv->nv", x_NxD, kernel_DxV, preferred_element_type=jnp.float32)
-
-
-def _untied_projection_forward(x_NxD, kernel_DxV):
-  return untied_projection(x_NxD, kernel_DxV), (x_NxD, kernel_DxV)
-
-
-def _untied_projection_backward(residuals, grad_NxV):
-  x_NxD, kernel_DxV = residuals
-  grad_NxV = grad_NxV.astype(x_NxD.dtype)  # bf16 matmuls in mixed precision, f32 sums
-  grad_x_NxD = jnp.einsum("nv,dv->nd", grad_NxV, kernel_DxV, preferred_element_type=jnp.float32)
-  grad_kernel_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV, preferred_element_type=jnp.float32)
-  return grad_x_NxD.astype(x_NxD.dtype), grad_kernel_DxV.astype(kernel_DxV.dtype)
-
-
-untied_projection.defvjp(_untied_projection_forward, _untied_projection_backward)
-
-
-@jax.custom_vjp
 def tied_projection(x_NxD: Array, table_VxD: Array) -> Array:
-  """Logits x E^T in f32 (accumulated in f32, never rounded to the compute dtype), for
-  the tied pre-softmax projection.
+  """Logits x E^T in f32, for the tied pre-softmax projection (see `_logits`)."""
+  return _logits(x_NxD, table_VxD, True)
 
-  The backward pass is written out so the weight gradient is (x^T g)^T: the [N, V]
+
+def untied_projection(x_NxD: Array, kernel_DxV: Array) -> Array:
+  """Logits x W in f32, for the untied pre-softmax projection (see `_logits`)."""
+  return _logits(x_NxD, kernel_DxV, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _logits(x_NxD: Array, weight: Array, weight_is_VxD: bool) -> Array:
+  """Logits [N, V] of x and the output weight ([V, D] if `weight_is_VxD`, else [D, V]),
+  accumulated in f32 and never rounded to the compute dtype.
+
+  The backward pass is written out for two reasons. Left to autodiff, the f32 logit
+  gradient would turn both backward matmuls into f32 ones; here they run in the compute
+  dtype with f32 sums. And the weight gradient is computed as x^T g, [D, V]: the [N, V]
   logit gradient (the largest array of a step) is never transposed, only the smaller
-  [D, V] result. Left to itself XLA:CPU copies g transposed first, which took as long
-  as a vocabulary matmul (docs/performance.md).
+  result. Left to itself XLA:CPU copies g transposed first, which took as long as a
+  vocabulary matmul (docs/performance.md).
   """
-  return jnp.einsum("nd,vd->nv", x_NxD, table_VxD, preferred_element_type=jnp.float32)
+  spec = "nd,vd->nv" if weight_is_VxD else "nd,dv->nv"
+  return jnp.einsum(spec, x_NxD, weight, preferred_element_type=jnp.float32)
 
 
-def _tied_projection_forward(x_NxD, table_VxD):
-  return tied_projection(x_NxD, table_VxD), (x_NxD, table_VxD)
+def _logits_forward(x_NxD, weight, weight_is_VxD):
+  return _logits(x_NxD, weight, weight_is_VxD), (x_NxD, weight)
 
 
-def _tied_projection_backward(residuals, grad_NxV):
-  x_NxD, table_VxD = residuals
+def _logits_backward(weight_is_VxD, residuals, grad_NxV):
+  x_NxD, weight = residuals
   grad_NxV = grad_NxV.astype(x_NxD.dtype)  # bf16 matmuls in mixed precision, f32 sums
-  grad_x_NxD = jnp.einsum("nv,vd->nd", grad_NxV, table_VxD,
-                          preferred_element_type=jnp.float32).astype(x_NxD.dtype)
-  grad_table_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV, preferred_element_type=jnp.float32)
-  return grad_x_NxD, grad_table_DxV.T.astype(table_VxD.dtype)
+  spec = "nv,vd->nd" if weight_is_VxD else "nv,dv->nd"
+  grad_x_NxD = jnp.einsum(spec, grad_NxV, weight, preferred_element_type=jnp.float32)
+  grad_weight_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV,
+                               preferred_element_type=jnp.float32)
+  grad_weight = grad_weight_DxV.T if weight_is_VxD else grad_weight_DxV
+  return grad_x_NxD.astype(x_NxD.dtype), grad_weight.astype(weight.dtype)
 
 
-tied_projection.defvjp(_tied_projection_forward, _tied_projection_backward)
+_logits.defvjp(_logits_forward, _logits_backward)
 
 
 class InputEmbedding(nn.Module):
