@@ -4,17 +4,10 @@ order the mesh puts the processes' devices in."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
-from tests.tiny_run import REPO
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
+from tests.tiny_run import REPO, free_port
 
 
 def _evaluate(workdir, num_processes, devices_per_process, order):
@@ -22,7 +15,7 @@ def _evaluate(workdir, num_processes, devices_per_process, order):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
              JAX_PLATFORMS="cpu")
-  port = _free_port()
+  port = free_port()
   processes = [subprocess.Popen(
       [sys.executable, "tests/multihost_eval.py", workdir, "test", str(i),
        str(num_processes), str(port), order],

@@ -11,7 +11,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
+from tests.tiny_run import REPO, flag_overrides, free_port, make_config, read_metrics
 from transformer.training import checkpoints, loop, sharding, state
 from transformer import config as config_lib
 from transformer.config import ConfigError
@@ -400,12 +399,6 @@ def test_eval_py_names_the_key_of_an_incompatible_checkpoint(small_corpus, strai
 
 # --- 9: a dead host.
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_when_one_of_two_processes_dies_the_other_exits_in_bounded_time(
     small_corpus, tmp_path, fault):
@@ -413,7 +406,7 @@ def test_when_one_of_two_processes_dies_the_other_exits_in_bounded_time(
   stay open, no heartbeats): the coordination service declares it dead after
   --heartbeat_timeout_s and terminates the survivor."""
   workdir = str(tmp_path / "two_hosts")
-  port = _free_port()
+  port = free_port()
   heartbeat_timeout_s = 10
   logs = [open(tmp_path / f"process{i}.txt", "w+") for i in range(2)]
   processes = [_start(_train_command(

@@ -11,7 +11,6 @@ is evaluated across those two processes.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +18,12 @@ import time
 import numpy as np
 
 from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
-from tests.tiny_run import OVERRIDES, REPO
+from tests.tiny_run import OVERRIDES, REPO, free_port
 
 POD_STEPS = 12  # the 4-process run's last step
 SLICE_STEPS = 16  # ... and the 2-process run's
 HEARTBEAT_TIMEOUT_S = 10
 POD_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 class Bucket:
@@ -54,7 +47,7 @@ class Bucket:
     if script == "train.py":
       command += ["--config", "configs/default.py"] + [f"--config.{k}={v}"
                                                        for k, v in flat.items()]
-    port = _free_port()
+    port = free_port()
     job = len(list(self.tmp_path.glob("*.txt")))  # names this job's logs and HOMEs
     hosts = []
     for i in range(num_processes):

@@ -4,6 +4,7 @@ and a one-layer model, so training, resuming and evaluating take seconds."""
 import gzip
 import json
 import os
+import socket
 
 from transformer import config as config_lib
 from transformer.data import tatoeba
@@ -48,3 +49,10 @@ def flag_overrides(corpus, **overrides) -> list[str]:
 def read_metrics(workdir, kind="train"):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def free_port() -> int:
+  """A free TCP port on localhost, for a jax.distributed coordinator."""
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
