@@ -38,3 +38,19 @@ def trained_run(small_corpus, tmp_path_factory):
   config = tiny_run.make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)
   loop.train_and_evaluate(config, workdir)
   return config, workdir
+
+
+# The slowest files (make test's --durations) start first: `make test` runs two workers
+# that take whole files (--dist loadfile), and a long file picked up last would leave one
+# worker running it alone while the other sits idle.
+_SLOWEST_FILES_FIRST = ("test_pod_rehearsal.py", "test_gcs_workdir.py",
+                        "test_evaluation_multihost.py", "test_sweeps_runner.py",
+                        "test_training_steps.py", "test_faults.py")
+
+
+def pytest_collection_modifyitems(items):
+  def rank(item):
+    name = os.path.basename(str(item.fspath))
+    return (_SLOWEST_FILES_FIRST.index(name) if name in _SLOWEST_FILES_FIRST
+            else len(_SLOWEST_FILES_FIRST))
+  items.sort(key=rank)  # stable: the order inside each file and among the rest is kept
