@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from transformer.tools import bench
 from transformer.training import flops
 from transformer.model import ModelConfig
 from tests.tiny_run import REPO, flag_overrides, make_config
@@ -63,11 +64,22 @@ def test_bench_json_reports_every_measurement(small_corpus):
   assert pipeline["batches"] == 3 and pipeline["tokens_per_sec"] > 0
 
 
-def test_bench_rejects_a_batch_that_does_not_split_before_compiling(small_corpus):
-  result = run_bench(small_corpus, f"--batch_tokens={3 * SEQ_LEN}", f"--seq_len={SEQ_LEN}")
-  assert result.returncode != 0
-  assert "3 rows per batch do not divide over 2 data-parallel devices" in result.stderr
-  assert "train_step" not in result.stdout
+def test_rows_fit_the_mesh_whatever_the_token_budget():
+  assert bench.benchmark_rows(25_000, 256, 1) == 97  # configs/wmt14.py: 25,000 / 256 rows
+  assert bench.benchmark_rows(25_000, 256, 8) == 96
+  assert bench.benchmark_rows(3 * SEQ_LEN, SEQ_LEN, 2) == 2  # rounded down to the devices
+  assert bench.benchmark_rows(SEQ_LEN // 2, SEQ_LEN, 4) == 4  # never below one row each
+
+
+def test_beam_search_alone_needs_no_training_batch_flags(small_corpus):
+  # 3 rows do not split over the 2 devices, and no training step is compiled anyway.
+  result = run_bench(small_corpus, "--json", f"--batch_tokens={3 * SEQ_LEN}",
+                     f"--seq_len={SEQ_LEN}", "--only=beam_search", "--decode_batch=2",
+                     "--decode_steps=30")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+  assert [r["name"] for r in records] == ["peak", "beam_search"]
+  assert records[1]["sentences"] == 2 and records[1]["sentences_per_sec"] > 0
 
 
 def test_bench_human_readable_lines(small_corpus):

@@ -21,7 +21,10 @@ One process measures, in order:
                   training reads them: tokens/s (skipped when the dataset is not on disk).
 
 The model and optimizer are the config's, on random weights and random full-length
-batches of `--batch_tokens / --seq_len` rows of `--seq_len` source and target tokens.
+batches of `--seq_len` source and target tokens: `--batch_tokens / --seq_len` rows,
+rounded down to a multiple of the data-parallel devices (at least one row each), so every
+shipped config runs with no flags. `--only beam_search` builds the parameters without
+compiling a training step.
 `--json` prints one JSON object per measurement (keys include name, tokens_per_sec, mfu,
 step_time_s; mfu is null where there is none); docs/performance.md records the figures.
 """
@@ -50,7 +53,8 @@ from transformer.training import flops, sharding, state, steps
 _CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
 _BATCH_TOKENS = flags.DEFINE_integer(
     "batch_tokens", None, "Target tokens per training step (default: the config's "
-    "tokens_per_batch); rows = batch_tokens / seq_len.")
+    "tokens_per_batch); rows = batch_tokens / seq_len, rounded down to a multiple of the "
+    "data-parallel devices.")
 _SEQ_LEN = flags.DEFINE_integer(
     "seq_len", None, "Source and target length of the benchmark batch (default: max_len).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed training steps (the median is reported).")
@@ -84,6 +88,12 @@ def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str,
     del batch["source"]
     batch = {k: v for k, v in batch.items() if not k.startswith("source")}
   return batch
+
+
+def benchmark_rows(batch_tokens: int, seq_len: int, row_multiple: int) -> int:
+  """Rows of `seq_len` tokens nearest below `batch_tokens` that divide over the
+  data-parallel devices (`row_multiple`), and never fewer than one per device."""
+  return max(row_multiple, batch_tokens // seq_len // row_multiple * row_multiple)
 
 
 def measure_peak() -> dict[str, Any]:
@@ -241,14 +251,9 @@ def main(argv):
   unknown = set(_ONLY.value) - {"train_step", "beam_search", "input_pipeline"}
   if unknown:
     raise app.UsageError(f"--only: unknown measurement(s) {sorted(unknown)}")
-  if batch_tokens % seq_len:
-    raise app.UsageError(f"--batch_tokens {batch_tokens} is not a multiple of --seq_len {seq_len}")
-  rows = batch_tokens // seq_len
   multiple = sharding.batch_row_multiple(sharding.create_mesh(config),
                                          sharding.axis_rules(config))
-  if rows % multiple:
-    raise app.UsageError(f"{rows} rows per batch do not divide over {multiple} data-parallel "
-                         "devices; change --batch_tokens")
+  rows = benchmark_rows(batch_tokens, seq_len, multiple)
   if "beam_search" in _ONLY.value and config.model.decoder_only:
     raise app.UsageError("beam_search needs an encoder-decoder config; drop it from --only")
 
@@ -265,13 +270,15 @@ def main(argv):
   peak = measure_peak()
   report(peak)
   params = model = None
-  if "train_step" in _ONLY.value or "beam_search" in _ONLY.value:
+  if "train_step" in _ONLY.value:
     result, model, params = measure_train_step(config, rows, seq_len,
                                                peak["peak_flops_per_sec"], _STEPS.value,
                                                _WARMUP.value)
-    if "train_step" in _ONLY.value:
-      report(result)
+    report(result)
   if "beam_search" in _ONLY.value:
+    if params is None:  # random weights either way: no training step needed
+      run = state.setup(config)
+      model, params = run.model, run.init_state(jax.random.key(config.seed)).params
     report(measure_beam_search(config, model, params))
   if "input_pipeline" in _ONLY.value:
     report(measure_input_pipeline(config))
