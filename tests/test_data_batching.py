@@ -48,9 +48,10 @@ def test_packer_segment_ids_and_positions():
   assert all(v.dtype == np.int32 for v in batch.values())
 
 
-def test_token_buckets_respect_budget_and_row_multiple():
+def test_token_buckets_pad_each_example_to_its_own_bucket():
   rng = np.random.default_rng(0)
-  bucketer = batching.TokenBucketer(tokens_per_batch=300, max_len=40, row_multiple=4)
+  rows_by_length = {8: 12, 16: 8, 24: 4, 40: 4}
+  bucketer = batching.TokenBucketer(rows_by_length)
   batches = []
   for _ in range(2000):
     s, t = rng.integers(1, 41, size=2)
@@ -61,20 +62,35 @@ def test_token_buckets_respect_budget_and_row_multiple():
   for batch in batches:
     rows, length = batch["source"].shape
     assert batch["target"].shape == (rows, length)
-    assert rows * length <= 300 and rows % 4 == 0 and rows > 0
-    assert length % batching.LENGTH_MULTIPLE == 0
-    # Padding only within the bucket: the longest row fills more than the bucket below.
+    assert rows_by_length[length] == rows
+    # Padded only within the bucket: the longest row is longer than the bucket below.
+    below = max([l for l in rows_by_length if l < length], default=0)
     longest = max((batch["source"] != 0).sum(1).max(), (batch["target"] != 0).sum(1).max())
-    assert length - batching.LENGTH_MULTIPLE < longest <= length
+    assert below < longest <= length
 
 
-def test_decoder_only_batch_masks_the_prompt():
-  bucketer = batching.TokenBucketer(tokens_per_batch=8, max_len=8, row_multiple=1)
-  sequence = _ids(11, 12, EOS_ID, 21, EOS_ID)
-  batch = bucketer.add({"target": sequence, "loss_mask": _ids(0, 0, 0, 1, 1)})
-  assert set(batch) == {"target", "decoder_input"}
-  np.testing.assert_array_equal(batch["decoder_input"], [[BOS_ID, 11, 12, EOS_ID, 21, 0, 0, 0]])
-  np.testing.assert_array_equal(batch["target"], [[0, 0, 0, 21, EOS_ID, 0, 0, 0]])
+def test_bucket_lengths_are_geometric_and_at_most_eight():
+  assert batching.bucket_lengths(256) == [8, 16, 24, 40, 64, 96, 160, 256]
+  for max_len in (1, 7, 8, 9, 24, 64, 100, 256, 512, 1024):
+    lengths = batching.bucket_lengths(max_len)
+    assert 1 <= len(lengths) <= batching.MAX_BUCKETS
+    assert lengths == sorted(set(lengths)) and lengths[-1] == batching.round_up(max_len, 8)
+    assert all(length % batching.LENGTH_MULTIPLE == 0 for length in lengths)
+  # Each bucket is at most about (256 / 8) ** (1 / 7) = 1.64 times the one below, +8.
+  lengths = batching.bucket_lengths(256)
+  assert all(b <= 1.64 * a + 8 for a, b in zip(lengths, lengths[1:]))
+
+
+def test_rows_count_real_tokens_not_padding():
+  full = {"source": np.array([[5, 5, 5, 5]] * 2), "decoder_input": np.array([[2, 6, 0, 0]] * 2)}
+  half = {"source": np.array([[5, 5, 0, 0]] * 2), "decoder_input": np.array([[2, 6, 0, 0]] * 2)}
+  assert batching.real_tokens_per_row([full]) == 4.0  # the fuller side
+  assert batching.real_tokens_per_row([half]) == 2.0
+  assert batching.real_tokens_per_row([full, half]) == 3.0
+  # 2.0 real tokens per row: 100 tokens are 50 rows, the nearest multiple of 8 is 48.
+  assert batching.rows_for_real_tokens(100, 2.0, 8) == 48
+  assert batching.rows_for_real_tokens(108, 2.0, 8) == 56
+  assert batching.rows_for_real_tokens(7, 2.0, 8) == 0  # 8 rows would be over twice 7
 
 
 def test_geometric_length_is_the_smallest_doubling_that_holds_n():

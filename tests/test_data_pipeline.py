@@ -10,6 +10,7 @@ import pytest
 from transformer import config as config_lib
 from transformer.config import EOS_ID
 from transformer.data import batching
+from transformer.data import batching as batching_lib
 from transformer.data import pipeline
 from transformer.data import sources
 from transformer.data import tatoeba
@@ -97,13 +98,24 @@ def test_same_seed_same_batches_other_seed_differs(setup, batching):
              for a, b in zip(first, other))
 
 
-def test_token_batches_fit_budget_and_rows_divide(setup):
-  config = setup[0]
-  for batch in _take(config, setup, 30, row_multiple=4):
-    rows, source_len = batch["source"].shape
-    assert rows % 4 == 0 and rows * source_len <= config.tokens_per_batch
-    assert batch["target"].shape[0] * batch["target"].shape[1] <= config.tokens_per_batch
-    assert source_len <= config.max_len and batch["target"].shape[1] <= config.max_len
+@pytest.mark.parametrize("batching", ["tokens", "packed"])
+def test_batches_hold_the_budget_in_real_tokens_in_few_shapes(setup, batching):
+  config = setup[0].copy_and_resolve_references()
+  config.batching = batching
+  _, source, tokenizer = setup
+  iterator = pipeline.make_train_iterator(config, tokenizer, source=source, row_multiple=4)
+  batches = [next(iterator) for _ in range(60)]
+  shapes = {batch["target"].shape for batch in batches}
+  assert len(shapes) <= batching_lib.MAX_BUCKETS
+  for rows, length in shapes:
+    assert rows % 4 == 0 and length <= config.max_len
+    assert iterator.rows_by_length[length] == rows
+  # The fuller side of a batch holds about tokens_per_batch real tokens: more padded
+  # slots than the budget, not fewer real tokens.
+  real = [max(int((b[side] != 0).sum()) for side in ("source", "decoder_input"))
+          for b in batches]
+  assert 0.9 * config.tokens_per_batch < np.mean(real) < 1.1 * config.tokens_per_batch
+  assert np.mean([b["target"].size for b in batches]) > 1.05 * config.tokens_per_batch
 
 
 @pytest.mark.parametrize("batching", ["tokens", "packed"])
@@ -142,7 +154,9 @@ def test_close_stops_the_tf_data_iterator_and_the_stream_goes_on_from_its_state(
   expected = _take(config, setup, 4)
   iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
   first = [next(iterator), next(iterator)]
-  tf_data_iterator = weakref.ref(iterator._batches.gi_frame.f_locals["chunks"])
+  examples = iterator._batches.gi_frame.f_locals["examples"]
+  tf_data_iterator = weakref.ref(examples.gi_frame.f_locals["chunks"])
+  del examples
   iterator.close()
   assert tf_data_iterator() is None  # deleted now, its threads with it: not at exit
   iterator.close()  # a second close is harmless

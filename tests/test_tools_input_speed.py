@@ -10,14 +10,15 @@ from transformer.tools import input_speed
 
 
 def test_count_unpacked_batch():
-  """Pairs are rows with any target token; tokens are non-pad source + target tokens
-  (decoder_input repeats the target and is not counted); all-pad fill rows count nothing."""
+  """Pairs are rows with any decoder token; tokens are non-pad source and decoder-input
+  tokens (the target repeats them, shifted); all-pad fill rows count nothing."""
   batch = {
       "source": np.array([[5, 6, 1, 0], [7, 1, 0, 0], [0, 0, 0, 0]], np.int32),
       "target": np.array([[8, 1, 0], [9, 9, 1], [0, 0, 0]], np.int32),
       "decoder_input": np.array([[2, 8, 0], [2, 9, 9], [0, 0, 0]], np.int32),
   }
-  assert input_speed.count(batch) == (2, 3 + 2 + 2 + 3)
+  assert input_speed.count(batch) == {"pairs": 2, "source_tokens": 3 + 2, "source_slots": 12,
+                                     "target_tokens": 2 + 3, "target_slots": 9}
 
 
 def test_count_packed_batch():
@@ -36,14 +37,16 @@ def test_count_packed_batch():
                                    np.int32),
       "decoder_input": np.array([[2, 8, 2, 9, 0, 0], [2, 5, 0, 0, 0, 0], [0] * 6], np.int32),
   }
-  assert input_speed.count(batch) == (3, 5 + 4 + 4 + 2)
+  assert input_speed.count(batch) == {"pairs": 3, "source_tokens": 5 + 4, "source_slots": 18,
+                                     "target_tokens": 4 + 2, "target_slots": 18}
 
 
 def test_count_decoder_only_batch():
-  """A decoder-only batch has no source: its target tokens alone are counted."""
+  """A decoder-only batch has no source; every token of its sequences counts, the prompt
+  too, though the target (the loss) is zero there."""
   batch = {"target": np.array([[0, 0, 7, 1], [0, 5, 1, 0]], np.int32),
            "decoder_input": np.array([[2, 4, 1, 7], [2, 3, 1, 5]], np.int32)}
-  assert input_speed.count(batch) == (2, 4)
+  assert input_speed.count(batch) == {"pairs": 2, "target_tokens": 8, "target_slots": 8}
 
 
 class _Recording:
@@ -56,6 +59,10 @@ class _Recording:
     batch = next(self.iterator)
     self.batches.append(batch)
     return batch
+
+  @property
+  def rows_by_length(self):
+    return self.iterator.rows_by_length
 
   def close(self):
     self.closed += 1
@@ -86,8 +93,14 @@ def test_measure_times_the_asked_batches_after_one_warm_up(small_corpus, recorde
   [iterator] = recorded
   assert len(iterator.batches) == 4 and iterator.closed == 1
   counts = [input_speed.count(b) for b in iterator.batches[1:]]
-  assert r["examples_per_sec"] * r["seconds"] == pytest.approx(sum(p for p, _ in counts))
-  assert r["tokens_per_sec"] * r["seconds"] == pytest.approx(sum(t for _, t in counts))
+  assert r["examples_per_sec"] * r["seconds"] == pytest.approx(sum(c["pairs"] for c in counts))
+  assert r["tokens_per_sec"] * r["seconds"] == pytest.approx(
+      sum(c["source_tokens"] + c["target_tokens"] for c in counts))
+  for side in ("source", "target"):
+    assert r[f"{side}_padding_efficiency"] == pytest.approx(
+        sum(c[f"{side}_tokens"] for c in counts) / sum(c[f"{side}_slots"] for c in counts))
+  shapes = {b["decoder_input"].shape for b in iterator.batches[1:]}
+  assert r["shapes"] == len(shapes) <= r["planned_shapes"] <= 8
   if batching == "packed":
     assert "target_segment_ids" in iterator.batches[1]
 

@@ -97,7 +97,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.max_len = 64  # longest source or target, in subword tokens including EOS
   c.drop_long_examples = True  # False clips instead of dropping
   c.batching = "tokens"  # tokens (length buckets) | packed (segment ids)
-  c.tokens_per_batch = 4096  # global tokens per side per step (before accumulation)
+  c.tokens_per_batch = 4096  # global real (non-pad) tokens per side per step, before accumulation
   c.eval_batch_size = 64  # sentences per evaluation / decoding batch (global)
   c.shuffle_buffer_size = 100_000
 

@@ -85,28 +85,67 @@ def finalize(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   return {k: v.astype(np.int32) for k, v in batch.items()}
 
 
-def bucket_rows(tokens_per_batch: int, length: int, row_multiple: int) -> int:
-  """Rows of a bucket: as many as fit the token budget, rounded down to row_multiple."""
-  return (tokens_per_batch // length) // row_multiple * row_multiple
+MAX_BUCKETS = 8  # training step shapes under length bucketing: each one is a compile
+
+
+def bucket_lengths(max_len: int, count: int = MAX_BUCKETS,
+                   smallest: int = LENGTH_MULTIPLE) -> list[int]:
+  """At most `count` padded lengths from `smallest` to max_len (rounded up to a multiple
+  of 8), spaced geometrically: every bucket wastes about the same fraction of its slots,
+  where equal steps of 8 would give max_len / 8 shapes (32 at 256), each a compile.
+
+  For max_len 256: [8, 16, 24, 40, 64, 96, 160, 256].
+  """
+  top = round_up(max_len, LENGTH_MULTIPLE)
+  if top <= smallest or count < 2:
+    return [top]
+  ratio = top / smallest
+  return sorted({min(top, round_up(round(smallest * ratio**(i / (count - 1))), LENGTH_MULTIPLE))
+                 for i in range(count)})
+
+
+def bucket_of(length: int, lengths: list[int]) -> int:
+  """The smallest bucket length that holds `length` (lengths sorted ascending)."""
+  return lengths[int(np.searchsorted(lengths, length))]
+
+
+def rows_for_real_tokens(tokens_per_batch: int, real_tokens_per_row: float,
+                         row_multiple: int) -> int:
+  """Rows whose expected real (non-pad) tokens fill the budget, rounded to the nearest
+  multiple of row_multiple (0 when even that many rows hold over twice the budget): the
+  paper's batch counts the tokens the model reads, not the padding."""
+  return round(tokens_per_batch / real_tokens_per_row / row_multiple) * row_multiple
+
+
+def real_tokens_per_row(batches: list[dict[str, np.ndarray]]) -> float:
+  """Mean non-pad tokens per row on the fuller side of finished batches, or 0.0 for none.
+
+  The decoder side is counted on 'decoder_input', which holds every token of the row
+  (a decoder-only 'target' has zeros where the loss is masked).
+  """
+  if not batches:
+    return 0.0
+  rows = sum(len(b["decoder_input"]) for b in batches)
+  return max(sum(int((b[side] != PAD_ID).sum()) for b in batches) / rows
+             for side in ("source", "decoder_input") if side in batches[0])
 
 
 class TokenBucketer:
   """Groups examples by padded length; a bucket is emitted once it holds its row count.
 
-  Every batch has rows * length <= tokens_per_batch on each side and rows % row_multiple
-  == 0. What is left in the buckets at the end of an epoch is dropped.
+  `rows_by_length` maps each bucket length (see `bucket_lengths`) to its rows; an example
+  goes to the smallest bucket that holds its longer side. What is left in the buckets at
+  the end of an epoch is dropped.
   """
 
-  def __init__(self, tokens_per_batch: int, max_len: int, row_multiple: int):
-    self.rows = {}
-    for length in range(LENGTH_MULTIPLE, round_up(max_len, LENGTH_MULTIPLE) + 1,
-                        LENGTH_MULTIPLE):
-      self.rows[length] = bucket_rows(tokens_per_batch, length, row_multiple)
+  def __init__(self, rows_by_length: dict[int, int]):
+    self.rows = dict(sorted(rows_by_length.items()))
+    self._lengths = list(self.rows)
     self._waiting = {length: [] for length in self.rows}
 
   def add(self, example: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
     """Adds one example; returns a finished batch or None."""
-    length = round_up(max(len(a) for a in example.values()), LENGTH_MULTIPLE)
+    length = bucket_of(max(len(a) for a in example.values()), self._lengths)
     waiting = self._waiting[length]
     waiting.append(example)
     if len(waiting) < self.rows[length]:

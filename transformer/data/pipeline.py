@@ -13,6 +13,7 @@ the epoch up to that batch (it costs the tokenization of the skipped part).
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 from absl import logging
@@ -24,6 +25,10 @@ from transformer.data import sources
 from transformer.data.tokenizer import Tokenizer, with_eos
 
 TOKENIZE_CHUNK = 1024  # sentences per SentencePiece call
+# The first pairs of epoch 0 that size each batch shape for the real-token budget, and
+# the fewest rows of a shape among them that count as a measurement.
+PLAN_SAMPLE_PAIRS = 20_000
+MIN_SAMPLE_ROWS = 32
 
 
 def _encode_chunk(tokenizer: Tokenizer):
@@ -87,22 +92,62 @@ class TrainIterator:
     # A decoder-only sequence holds both sides: twice the length and the token budget.
     sides = 2 if self._decoder_only else 1
     self._row_len, self._budget = sides * config.max_len, sides * config.tokens_per_batch
-    if config.batching == "packed":
-      rows = batching.bucket_rows(config.tokens_per_batch, config.max_len, row_multiple)
-      self._make_batcher = lambda: batching.Packer(rows, self._row_len)
-    elif config.batching == "tokens":
-      longest = batching.round_up(self._row_len, batching.LENGTH_MULTIPLE)
-      rows = batching.bucket_rows(self._budget, longest, row_multiple)
-      self._make_batcher = lambda: batching.TokenBucketer(self._budget, self._row_len,
-                                                          row_multiple)
-    else:
+    if config.batching not in ("tokens", "packed"):
       raise ConfigError(f"batching: {config.batching!r} must be 'tokens' or 'packed'")
-    if rows == 0:
-      raise ConfigError(f"tokens_per_batch: {config.tokens_per_batch} holds no multiple of "
-                        f"{row_multiple} rows of max_len {config.max_len}")
+    self.rows_by_length = self._plan_rows(row_multiple)
+    if config.batching == "packed":
+      (rows,) = self.rows_by_length.values()
+      self._make_batcher = lambda: batching.Packer(rows, self._row_len)
+    else:
+      self._make_batcher = lambda: batching.TokenBucketer(self.rows_by_length)
     self._epoch, self._batch_in_epoch = 0, 0
     self._batches = None
     self._shapes_seen = set()
+
+  def _plan_rows(self, row_multiple: int) -> dict[int, int]:
+    """{padded length: rows} of every batch shape, sized to hold tokens_per_batch real
+    (non-pad) tokens per side on average.
+
+    Padding is not free to count as batch: on Tatoeba packed rows are ~92% real and
+    length buckets ~75%, so a budget of padded slots trains on fewer tokens than it
+    says. The real tokens per row of each shape are measured on the first pairs of
+    epoch 0 (the same on every process) batched as training batches them; a bucket
+    that sample hardly reaches is sized as if its rows were full, never over budget.
+    """
+    config = self._config
+    examples = self._examples(0, log=False)
+    try:
+      sample = list(itertools.islice(examples, PLAN_SAMPLE_PAIRS))
+    finally:
+      examples.close()  # stops its tf.data iterator's threads now
+    if config.batching == "packed":
+      lengths = [self._row_len]
+      packer = batching.Packer(rows=1, row_len=self._row_len)  # one finished row per batch
+      rows_seen = {self._row_len: [b for b in map(packer.add, sample) if b is not None]}
+    else:
+      lengths = batching.bucket_lengths(self._row_len)
+      by_length = {length: [] for length in lengths}
+      for example in sample:
+        longest = max(len(a) for k, a in example.items() if k != "loss_mask")
+        by_length[batching.bucket_of(longest, lengths)].append(example)
+      rows_seen = {length: [batching.finalize(
+          {k: batching.pad_stack([ex[k] for ex in examples], length) for k in examples[0]})]
+          if examples else [] for length, examples in by_length.items()}
+    plan = {}
+    for length in lengths:
+      batches = rows_seen[length]
+      real = batching.real_tokens_per_row(batches)
+      if sum(len(b["decoder_input"]) for b in batches) < MIN_SAMPLE_ROWS:
+        real = length  # too few rows seen to estimate: count every slot as real
+      plan[length] = batching.rows_for_real_tokens(self._budget, real, row_multiple)
+      if plan[length] == 0:
+        raise ConfigError(
+            f"tokens_per_batch: {config.tokens_per_batch} holds no multiple of "
+            f"{row_multiple} rows of length {length} (about {real:.0f} real tokens each)")
+      logging.info("Batches of length %d: %d rows, about %.0f real tokens per side (%.0f%% "
+                   "of slots)", length, plan[length], plan[length] * real,
+                   100 * real / length)
+    return plan
 
   def get_state(self) -> dict:
     return {"epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch}
@@ -139,12 +184,27 @@ class TrainIterator:
 
   def _epoch_batches(self, epoch: int, skip: int) -> Iterator[dict[str, np.ndarray]]:
     """Global batches of one epoch, after the first `skip` (which are built, then dropped)."""
+    batcher, produced = self._make_batcher(), 0
+    examples = self._examples(epoch)
+    try:
+      for example in examples:
+        batch = batcher.add(example)
+        if batch is not None:
+          produced += 1
+          if produced > skip:
+            yield batch
+    finally:
+      examples.close()  # on close() too: its tf.data iterator stops now, not at exit
+    logging.info("Epoch %d of %s: %d batches", epoch, self._source.name, produced)
+
+  def _examples(self, epoch: int, log: bool = True) -> Iterator[dict[str, np.ndarray]]:
+    """Epoch `epoch`'s training examples in order, filtered or clipped to max_len."""
     config = self._config
     chunks = tokenized_chunks(self._source, self._tokenizer, "train",
                               shuffle_seed=_epoch_seed(config.seed, epoch),
                               shuffle_buffer_size=config.shuffle_buffer_size)
     clip = not config.drop_long_examples
-    batcher, produced, dropped = self._make_batcher(), 0, 0
+    dropped = 0
     for source_flat, source_lengths, target_flat, target_lengths in chunks:
       source_ids = np.split(source_flat, np.cumsum(source_lengths)[:-1])
       target_ids = np.split(target_flat, np.cumsum(target_lengths)[:-1])
@@ -153,13 +213,10 @@ class TrainIterator:
         if s is None or t is None:
           dropped += 1
           continue
-        batch = batcher.add(make_example(s, t, self._decoder_only))
-        if batch is not None:
-          produced += 1
-          if produced > skip:
-            yield batch
-    logging.info("Epoch %d of %s: %d batches, %d pairs longer than max_len %d dropped",
-                 epoch, self._source.name, produced, dropped, config.max_len)
+        yield make_example(s, t, self._decoder_only)
+    if log and dropped:
+      logging.info("Epoch %d of %s: %d pairs longer than max_len %d dropped", epoch,
+                   self._source.name, dropped, config.max_len)
 
   def _log_new_shape(self, batch: dict[str, np.ndarray]) -> None:
     shape = tuple((k, v.shape) for k, v in sorted(batch.items()) if k in ("source", "target"))

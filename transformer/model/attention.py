@@ -98,19 +98,37 @@ class MultiHeadAttention(nn.Module):
     value_cache = self.variable("cache", "value", jnp.zeros, v_BxSxHxE.shape, v_BxSxHxE.dtype)
     if not is_created:
       return None, None, None, None
-    # One new token per sentence: write its K/V at the current position and attend over
-    # the buffer, masking the slots not yet written.
-    start = (0, cache_position, 0, 0)
+    # L new tokens per sentence: write their K/V at slots position .. position + L - 1
+    # and attend over the buffer, masking the slots after each query. Writes past the
+    # end are clamped by XLA (landing on the wrong slots): callers size the buffer.
+    if cache_position.ndim == 0:
+      # One shared position (greedy, sampling, beam search): one contiguous write.
+      write = lambda buffer, new: jax.lax.dynamic_update_slice(buffer, new,
+                                                               (0, cache_position, 0, 0))
+    else:
+      # A position per row [B]: speculative decoding rolls rows back by different
+      # amounts, so each row writes at its own slot.
+      write = lambda buffer, new: jax.vmap(
+          lambda buffer_CxHxK, new_LxHxK, at: jax.lax.dynamic_update_slice(
+              buffer_CxHxK, new_LxHxK, (at, 0, 0)))(buffer, new, cache_position)
     # Constrained as they are stored: the buffers are the loop carry of the search.
-    key_cache.value = constrain(
-        jax.lax.dynamic_update_slice(key_cache.value, k_BxSxHxK, start), BLHK)
-    value_cache.value = constrain(
-        jax.lax.dynamic_update_slice(value_cache.value, v_BxSxHxE, start), BLHK)
+    key_cache.value = constrain(write(key_cache.value, k_BxSxHxK), BLHK)
+    value_cache.value = constrain(write(value_cache.value, v_BxSxHxE), BLHK)
     batch, cache_len = key_cache.value.shape[:2]
-    written_BxC = jnp.broadcast_to(jnp.arange(cache_len) <= cache_position,
-                                   (batch, cache_len)).astype(jnp.int32)
-    mask_Bx1x1xC = attention_mask(jnp.ones((batch, 1), jnp.int32), written_BxC, causal=False)
-    return q_BxLxHxK, key_cache.value, value_cache.value, mask_Bx1x1xC
+    length = q_BxLxHxK.shape[1]
+    if cache_position.ndim == 0 and length == 1:
+      written_BxC = jnp.broadcast_to(jnp.arange(cache_len) <= cache_position,
+                                     (batch, cache_len)).astype(jnp.int32)
+      mask_Bx1x1xC = attention_mask(jnp.ones((batch, 1), jnp.int32), written_BxC,
+                                    causal=False)
+      return q_BxLxHxK, key_cache.value, value_cache.value, mask_Bx1x1xC
+    # Query i of row b sits at position_b + i and sees the slots up to it: the prefix
+    # written before, its own block causally, and none of the stale slots behind it
+    # that a rollback left.
+    query_positions_BxL = jnp.reshape(cache_position, (-1, 1)) + jnp.arange(length)
+    mask_BxLxC = jnp.arange(cache_len) <= query_positions_BxL[:, :, None]
+    mask_Bx1xLxC = jnp.broadcast_to(mask_BxLxC, (batch, length, cache_len))[:, None]
+    return q_BxLxHxK, key_cache.value, value_cache.value, mask_Bx1xLxC
 
   def _cross_qkv(self, x_BxLxD, memory_BxSxD, use_cache):
     """Q from the decoder, K and V from the final encoder output (cached once per source)."""

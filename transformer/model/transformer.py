@@ -107,13 +107,22 @@ class Decoder(nn.Module):
     cache_position = None
     if use_cache:
       # One counter for the whole stack: where the next token goes in every layer's
-      # K/V buffer, and that token's position for the position encoding.
+      # K/V buffer, and that token's position for the position encoding. A scalar
+      # (created so) serves the whole batch; a caller may replace it by an int32 [B]
+      # vector, one per row, and set it back to roll a row back (speculative.py).
       is_created = self.has_variable("cache", "position")
       position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
       cache_position = position.value
       if is_created:
-        target_positions_BxT = jnp.full_like(decoder_input_BxT, cache_position)
-        position.value = cache_position + decoder_input_BxT.shape[1]
+        length = decoder_input_BxT.shape[1]
+        if cache_position.ndim == 0 and length == 1:
+          target_positions_BxT = jnp.full_like(decoder_input_BxT, cache_position)
+        else:
+          # L tokens per row: token i of row b sits at position_b + i.
+          target_positions_BxT = jnp.broadcast_to(
+              jnp.reshape(cache_position, (-1, 1)) + jnp.arange(length, dtype=jnp.int32),
+              decoder_input_BxT.shape)
+        position.value = cache_position + length
     y_BxTxD = InputEmbedding(cfg, self.embed, name="input")(
         decoder_input_BxT, target_positions_BxT, deterministic)
     self_mask = attention_mask(target_segment_ids_BxT, target_segment_ids_BxT, causal=True)

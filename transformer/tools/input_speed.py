@@ -9,6 +9,7 @@ download) at the paper's base settings: max_len 256, 25,000 tokens per batch.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 
@@ -25,31 +26,57 @@ from transformer.data import tokenizer as tokenizer_lib
 
 
 
-def count(batch: dict[str, np.ndarray]) -> tuple[int, int]:
-  """(sentence pairs, non-pad source + target tokens) in a batch."""
+def count(batch: dict[str, np.ndarray]) -> dict[str, int]:
+  """Sentence pairs, and real (non-pad) tokens and slots per side, of a batch."""
   pairs = int(batch["target_segment_ids"].max(axis=1).sum()) if (
-      "target_segment_ids" in batch) else int((batch["target"] != 0).any(axis=1).sum())
-  tokens = sum(int((batch[k] != 0).sum()) for k in ("source", "target") if k in batch)
-  return pairs, tokens
+      "target_segment_ids" in batch) else int((batch["decoder_input"] != 0).any(axis=1).sum())
+  # decoder_input holds every token of the decoder side (a decoder-only target is
+  # zero where the loss is masked).
+  counts = {"pairs": pairs}
+  for side, key in (("source", "source"), ("target", "decoder_input")):
+    if key in batch:
+      counts[f"{side}_tokens"] = int((batch[key] != 0).sum())
+      counts[f"{side}_slots"] = int(batch[key].size)
+  return counts
 
 
 def measure(config, num_batches: int, source=None) -> dict[str, float]:
-  """Times `num_batches` training batches after one warm-up batch."""
+  """Times `num_batches` training batches after one warm-up batch; also what share of
+  the batches' slots are real tokens and how many shapes (compiles) they come in."""
   source = source or sources.make_source(config)
   tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
   iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
+  totals, shapes = collections.Counter(), set()
   try:
     next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
-    pairs = tokens = 0
     start = time.perf_counter()
     for _ in range(num_batches):
-      batch_pairs, batch_tokens = count(next(iterator))
-      pairs, tokens = pairs + batch_pairs, tokens + batch_tokens
+      batch = next(iterator)
+      totals.update(count(batch))
+      shapes.add(batch["decoder_input"].shape)
     seconds = time.perf_counter() - start
   finally:
     iterator.close()
-  return {"batches": num_batches, "seconds": seconds, "examples_per_sec": pairs / seconds,
-          "tokens_per_sec": tokens / seconds}
+  tokens = totals["source_tokens"] + totals["target_tokens"]
+  result = {"batches": num_batches, "seconds": seconds,
+            "examples_per_sec": totals["pairs"] / seconds, "tokens_per_sec": tokens / seconds,
+            "shapes": len(shapes), "planned_shapes": len(iterator.rows_by_length)}
+  for side in ("source", "target"):
+    if totals[f"{side}_slots"]:
+      result[f"{side}_tokens_per_batch"] = totals[f"{side}_tokens"] / num_batches
+      result[f"{side}_padding_efficiency"] = totals[f"{side}_tokens"] / totals[f"{side}_slots"]
+  return result
+
+
+def describe(config, r: dict[str, float]) -> str:
+  sides = [f"{side} {r[f'{side}_tokens_per_batch']:,.0f} real tokens per batch "
+           f"({100 * r[f'{side}_padding_efficiency']:.1f}% of slots)"
+           for side in ("source", "target") if f"{side}_tokens_per_batch" in r]
+  return (f"{config.dataset} ({config.direction}, {config.batching}, max_len {config.max_len}, "
+          f"tokens_per_batch {config.tokens_per_batch}): {r['batches']} batches in "
+          f"{r['seconds']:.1f}s: {r['examples_per_sec']:,.0f} examples/s, "
+          f"{r['tokens_per_sec']:,.0f} tokens/s; {', '.join(sides)}; {r['shapes']} batch "
+          f"shapes seen of {r['planned_shapes']} planned")
 
 
 def _define_flags():
@@ -72,10 +99,7 @@ def main(argv):
     mock = tfds.testing.mock_data(num_examples=_MOCK_EXAMPLES.value)
   with mock:
     r = measure(config, _NUM_BATCHES.value)
-  print(f"{config.dataset} ({config.direction}, {config.batching}, max_len {config.max_len}, "
-        f"tokens_per_batch {config.tokens_per_batch}): {r['batches']} batches in "
-        f"{r['seconds']:.1f}s: {r['examples_per_sec']:,.0f} examples/s, "
-        f"{r['tokens_per_sec']:,.0f} tokens/s")
+  print(describe(config, r))
 
 
 if __name__ == "__main__":
