@@ -53,7 +53,7 @@ def _wmt_config(tmp_path):
   config.vocab_size = 60
   config.vocab_type = "unigram"
   config.max_len = 64
-  config.tokens_per_batch = 512
+  config.tokens_per_batch = 256  # 40 mock pairs of random text fill a bucket of this
   config.eval_batch_size = 8
   return config
 
