@@ -218,9 +218,13 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
 
 
 def test_scanned_layers_decode_as_the_looped_model(model, params):
-  """The cache gains a leading layer axis under scan; search must reorder it on axis 1."""
+  """Scanned weights decode as separate layers (no stacked cache to copy every step),
+  with the same tokens and scores as the looped model."""
   scanned = Transformer(dataclasses.replace(model.config, scan_layers=True))
   stacked = stack_layer_params(params, model.config.num_layers)
+  unrolled_model, unrolled_params = decoding.unrolled(scanned, stacked)
+  assert not unrolled_model.config.scan_layers
+  chex.assert_trees_all_equal(unrolled_params, params)  # exactly the looped weights
   kwargs = dict(beam_size=3, alpha=0.6, max_decode_extra_len=EXTRA)
   looped_tokens, looped_scores = decoding.beam_search(model, params, SOURCE, **kwargs)
   scanned_tokens, scanned_scores = decoding.beam_search(scanned, stacked, SOURCE, **kwargs)

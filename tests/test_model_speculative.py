@@ -139,7 +139,8 @@ def test_speculative_greedy_equals_greedy(scan_layers, draft_len, draft_kind):
   if draft_kind == "target":
     draft, draft_params = target, target_params
   else:
-    draft, draft_params = make_model(7, num_layers=1, d_model=8, scan_layers=scan_layers)
+    # A seed whose draft agrees now and then, so rows accept different amounts.
+    draft, draft_params = make_model(9, num_layers=1, scan_layers=scan_layers)
   greedy = decoding.greedy_decode(target, target_params, SOURCE, max_decode_extra_len=EXTRA)
   out = speculative.speculative_greedy_decode(target, target_params, draft, draft_params,
                                               SOURCE, draft_len=draft_len,
@@ -192,7 +193,7 @@ def _naive_prompt_greedy(model, params, prompt, max_new_tokens):
     while len(out) < max_new_tokens and (not out or out[-1] != EOS_ID):
       buffer = np.zeros((1, prompt.shape[1] + max_new_tokens), np.int32)
       buffer[0, :len(sequence)] = sequence
-      logits = np.asarray(forward(jnp.asarray(buffer)))[0, len(sequence) - 1]
+      logits = np.array(forward(jnp.asarray(buffer))[0, len(sequence) - 1])
       logits[[PAD_ID, BOS_ID]] = -np.inf
       out.append(int(np.argmax(logits)))
       sequence.append(out[-1])
@@ -202,7 +203,7 @@ def _naive_prompt_greedy(model, params, prompt, max_new_tokens):
 
 def test_decoder_only_prompt_greedy_and_speculative_greedy():
   target, target_params = make_model(2, decoder_only=True)
-  draft, draft_params = make_model(5, decoder_only=True, num_layers=1)
+  draft, draft_params = make_model(9, decoder_only=True, num_layers=1)
   prompt = speculative.translation_prompt(SOURCE)
   new_tokens = 8
   plain = speculative.prompt_greedy_decode(target, target_params, prompt,
@@ -264,7 +265,10 @@ def _total_variation(p, q):
 
 def test_speculative_sampling_has_the_targets_distribution():
   target, target_params = make_model(3, vocab_size=SAMPLE_VOCAB, d_model=16)
-  draft, draft_params = make_model(4, vocab_size=SAMPLE_VOCAB, num_layers=1)
+  # The draft: the target's weights perturbed, so it is accepted about half the time.
+  noise = np.random.default_rng(1)
+  draft, draft_params = target, jax.tree.map(
+      lambda x: x + 0.07 * noise.normal(size=x.shape).astype(x.dtype), target_params)
   source_1xS = jnp.array([[5, 1]], jnp.int32)
   extra = 1  # budget: 3 tokens
   outputs, target_logprobs = _outputs_and_token_logprobs(target, target_params, source_1xS, 3)
@@ -274,7 +278,7 @@ def test_speculative_sampling_has_the_targets_distribution():
   out = speculative.speculative_sample_decode(
       target, target_params, draft, draft_params, source, jax.random.key(0), draft_len=2,
       max_decode_extra_len=extra, **FILTER)
-  assert 0.1 < float(out.acceptance_rate) < 0.9  # both branches of the rule are exercised
+  assert 0.2 < float(out.acceptance_rate) < 0.9  # both branches of the rule are exercised
   # Sampling error alone: TV ~ 0.02 here (about a hundred outputs of any weight).
   bound = 0.05
   assert _total_variation(_empirical(out.tokens_BxC), exact) < bound

@@ -21,6 +21,7 @@ and P the candidates taken from each beam.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
+from transformer.model.transformer import unstack_layer_params
 
 Array = jax.Array
 
@@ -46,6 +48,23 @@ def max_output_lengths(source_BxS: Array, max_decode_extra_len: int) -> Array:
 
 # ----------------------------------------------------------------------------------
 # The step function shared by every search.
+
+
+def unrolled(model, params) -> tuple[Any, Any]:
+  """(model, params) with the layer stacks unrolled, for decoding.
+
+  A scanned stack (`scan_layers`) carries every layer's K/V cache as one stacked array
+  through nn.scan, which slices it apart and stacks it back together at every decoding
+  step: a copy of the whole cache per token on top of the beam reordering. Decoding with
+  the same weights as separate layers (`layer_0` ...) updates each layer's buffer in
+  place, so scanned and unscanned runs decode at one speed (docs/performance.md). The
+  split happens once per search, inside its jit.
+  """
+  if not model.config.scan_layers:
+    return model, params
+  config = dataclasses.replace(model.config, scan_layers=False)
+  return (model.clone(config=config),
+          unstack_layer_params(params, model.config.num_layers))
 
 
 def _batch_axis(path) -> int:
@@ -126,6 +145,7 @@ def _decode_one_at_a_time(model, params, source_BxS: Array, max_decode_extra_len
                           use_cache: bool, choose_token: Callable[[Array, Array], Array]
                           ) -> Array:
   """Generates token after token with `choose_token(logits_BxV, step) -> ids_B`."""
+  model, params = unrolled(model, params)
   batch, source_len = source_BxS.shape
   cache_len = source_len + max_decode_extra_len
   max_len_B = max_output_lengths(source_BxS, max_decode_extra_len)
@@ -290,6 +310,7 @@ def beam_search_state(model, params, source_BxS: Array, *, beam_size: int, alpha
                       max_decode_extra_len: int, use_cache: bool = True,
                       early_stop: bool = True) -> BeamState:
   """Runs the search and returns its final state (see `beam_search`)."""
+  model, params = unrolled(model, params)
   batch, source_len = source_BxS.shape
   k = beam_size
   cache_len = source_len + max_decode_extra_len

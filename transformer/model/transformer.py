@@ -225,6 +225,20 @@ def stack_layer_params(params: dict[str, Any], num_layers: int) -> dict[str, Any
   return stacked
 
 
+def unstack_layer_params(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
+  """The `scan_layers` tree -> unscanned parameters (`layer_0` ... `layer_{N-1}`), the
+  inverse of `stack_layer_params`: each `layers` leaf is split along its layer axis."""
+  unstacked = dict(params)
+  for stack in ("encoder", "decoder"):
+    if stack in unstacked and "layers" in unstacked[stack]:
+      layers = dict(unstacked[stack])
+      stacked = layers.pop("layers")
+      for i in range(num_layers):
+        layers[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+      unstacked[stack] = layers
+  return unstacked
+
+
 _MODEL_INPUT_KEYS = ("source", "decoder_input", "source_segment_ids", "source_positions",
                      "target_segment_ids", "target_positions")
 
