@@ -242,3 +242,30 @@ def test_dot_product_attention_kernel_decodes_as_einsum(model, params):
   fused_tokens, fused_scores = decoding.beam_search(fused, params, SOURCE, **kwargs)
   np.testing.assert_array_equal(fused_tokens, tokens)
   np.testing.assert_allclose(fused_scores, scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [37_000, 1_000, 997, 40])
+def test_chunked_top_k_is_lax_top_k(vocab):
+  rng = np.random.default_rng(vocab)
+  x = rng.normal(size=(6, vocab)).astype(np.float32)
+  x[0, :] = 1.0  # all tied: the lowest indices win, as in lax.top_k
+  x[1, ::7] = 5.0  # ties spread over many chunks
+  x[2, -10:] = 9.0  # the best ones all in the last chunk
+  for k in (1, 8, 10):
+    values, indices = decoding.top_k(jnp.asarray(x), k)
+    want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(indices, want_indices)
+
+
+def test_best_tokens_are_the_top_of_the_log_softmax_without_pad_and_bos():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(5, 3_000)).astype(np.float32)
+  logits[:, PAD_ID] = logits[:, BOS_ID] = 50.0  # the most likely, and never generated
+  logprobs, tokens = decoding.best_tokens(jnp.asarray(logits), 8)
+  reference = np.array(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+  reference[:, [PAD_ID, BOS_ID]] = -np.inf
+  want_tokens = np.argsort(-reference, axis=1, kind="stable")[:, :8]
+  np.testing.assert_array_equal(tokens, want_tokens)
+  np.testing.assert_allclose(logprobs, np.take_along_axis(reference, want_tokens, axis=1),
+                             rtol=1e-6, atol=1e-5)

@@ -38,7 +38,7 @@ def run_bench(small_corpus, *args):
 def test_bench_json_reports_every_measurement(small_corpus):
   result = run_bench(small_corpus, "--json", f"--batch_tokens={ROWS * SEQ_LEN}",
                      f"--seq_len={SEQ_LEN}", "--steps=2", "--warmup=1", "--decode_batch=2",
-                     "--decode_steps=30", "--pipeline_batches=3")
+                     "--decode_steps=30", "--decode_repeats=1", "--pipeline_batches=3")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
   assert [r["name"] for r in records] == ["peak", "train_step", "beam_search", "input_pipeline"]
@@ -75,11 +75,13 @@ def test_beam_search_alone_needs_no_training_batch_flags(small_corpus):
   # 3 rows do not split over the 2 devices, and no training step is compiled anyway.
   result = run_bench(small_corpus, "--json", f"--batch_tokens={3 * SEQ_LEN}",
                      f"--seq_len={SEQ_LEN}", "--only=beam_search", "--decode_batch=2",
+                     "--decode_repeats=2",
                      "--decode_steps=30")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
   assert [r["name"] for r in records] == ["peak", "beam_search"]
-  assert records[1]["sentences"] == 2 and records[1]["sentences_per_sec"] > 0
+  assert records[1]["sentences"] == 2 and records[1]["repeats"] == 2
+  assert records[1]["sentences_per_sec"] > 0
 
 
 def test_bench_human_readable_lines(small_corpus):

@@ -66,8 +66,9 @@ def test_rates_agree_with_the_run_time(model_and_params, searched_steps, use_cac
   assert r["tokens_per_s"] * r["run_s"] == pytest.approx(BATCH * STEPS)
   assert r["tokens_per_s"] == pytest.approx(r["sentences_per_s"] * STEPS)
   assert r["hypothesis_tokens_per_s"] * r["run_s"] == pytest.approx(BATCH * BEAM * STEPS)
-  [(kwargs, step)] = searched_steps
-  assert step == STEPS
+  # One untimed run, then the timed one.
+  [(kwargs, step), timed] = searched_steps
+  assert timed == (kwargs, step) and step == STEPS
   assert kwargs == dict(beam_size=BEAM, alpha=0.6, max_decode_extra_len=STEPS - SOURCE_LEN,
                         use_cache=use_cache, early_stop=False)
 

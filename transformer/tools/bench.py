@@ -16,7 +16,8 @@ One process measures, in order:
                   in training; peak device memory where the backend reports it, and the
                   compiled step's temporary buffer size;
   beam_search     beam search (cache on, early stopping off) of `--decode_batch`
-                  random sentences for `--decode_steps` steps: sentences/s, tokens/s;
+                  random sentences for `--decode_steps` steps, the median of
+                  `--decode_repeats` runs after an untimed one: sentences/s, tokens/s;
   input_pipeline  batches of the config's dataset, tokenized and batched exactly as
                   training reads them: tokens/s (skipped when the dataset is not on disk).
 
@@ -62,6 +63,8 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed training steps after compil
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 32, "Sentences per beam search.")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 64, "Output tokens per sentence.")
 _DECODE_SOURCE_LEN = flags.DEFINE_integer("decode_source_len", 24, "Source tokens per sentence.")
+_DECODE_REPEATS = flags.DEFINE_integer("decode_repeats", 3, "Timed beam searches after an "
+                                       "untimed one (the median is reported).")
 _PIPELINE_BATCHES = flags.DEFINE_integer("pipeline_batches", 50, "Input batches to time.")
 _ONLY = flags.DEFINE_list("only", ["train_step", "beam_search", "input_pipeline"],
                           "Measurements to run (peak always runs).")
@@ -179,9 +182,11 @@ def measure_beam_search(config, model, params) -> dict[str, Any]:
   source[:, -1] = EOS_ID
   steps = max(_DECODE_STEPS.value, source_len + 1)
   r = decoding_speed.time_beam_search(model, params, jnp.asarray(source),
-                                      beam_size=config.beam_size, steps=steps, use_cache=True)
+                                      beam_size=config.beam_size, steps=steps, use_cache=True,
+                                      repeats=_DECODE_REPEATS.value)
   return {"name": "beam_search", "beam_size": config.beam_size,
-          "sentences": _DECODE_BATCH.value, "steps": steps, "compile_s": r["compile_s"],
+          "sentences": _DECODE_BATCH.value, "steps": steps, "repeats": _DECODE_REPEATS.value,
+          "compile_s": r["compile_s"],
           "step_time_s": r["run_s"] / steps, "sentences_per_sec": r["sentences_per_s"],
           "tokens_per_sec": r["tokens_per_s"], "mfu": None}
 

@@ -11,6 +11,7 @@ differs. Compilation is timed apart from the run. docs/decoding.md records the f
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import flax.linen as nn
@@ -24,17 +25,22 @@ from transformer.training import state
 
 
 def time_beam_search(model, params, source_BxS, *, beam_size: int, steps: int,
-                     use_cache: bool) -> dict[str, float]:
-  """Compiles, then runs once; returns seconds and rates for the run."""
+                     use_cache: bool, repeats: int = 1) -> dict[str, float]:
+  """Compiles, runs once untimed (first-call allocations), then times `repeats` runs;
+  returns the median run's seconds and rates."""
   kwargs = dict(beam_size=beam_size, alpha=0.6, max_decode_extra_len=steps - source_BxS.shape[1],
                 use_cache=use_cache, early_stop=False)
   start = time.perf_counter()
   compiled = decoding.beam_search_state.lower(model, params, source_BxS, **kwargs).compile()
   compile_s = time.perf_counter() - start
 
-  start = time.perf_counter()
-  state = jax.block_until_ready(compiled(params, source_BxS, alpha=kwargs["alpha"]))
-  run_s = time.perf_counter() - start
+  jax.block_until_ready(compiled(params, source_BxS, alpha=kwargs["alpha"]))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    state = jax.block_until_ready(compiled(params, source_BxS, alpha=kwargs["alpha"]))
+    times.append(time.perf_counter() - start)
+  run_s = statistics.median(times)
   if int(state.step) != steps:  # early stopping is off: every sentence runs all steps
     raise RuntimeError(f"beam search ran {int(state.step)} steps, expected {steps}")
   sentences = source_BxS.shape[0]
