@@ -22,17 +22,20 @@ from transformer.model import Transformer, decoding, speculative, stack_layer_pa
 SOURCE = jnp.array([[4, 5, 1, 0, 0], [1, 0, 0, 0, 0], [5, 3, 4, 6, 1], [7, 1, 0, 0, 0]],
                    jnp.int32)
 EXTRA = 4
+# As small as training configs make the learned position table (max_len + extra + 1):
+# speculative rounds near the budget overrun it with draft tokens they never emit.
+MAX_POSITION = SOURCE.shape[1] + EXTRA + 1
 
 
 def make_model(seed, *, scan_layers=False, decoder_only=False, num_layers=2, d_model=8,
-               vocab_size=13, positional=None):
+               vocab_size=13, positional=None, max_position=MAX_POSITION):
   """A tiny model with random weights far from init's near-uniform outputs.
 
   Untied embeddings: tied ones make random models repeat their input token forever.
   The same seed gives the same function scanned or not.
   """
   positional = positional or ("rope" if decoder_only else "sinusoidal")
-  cfg = tiny_config(vocab_size=vocab_size, max_position=48, num_layers=num_layers,
+  cfg = tiny_config(vocab_size=vocab_size, max_position=max_position, num_layers=num_layers,
                     d_model=d_model, decoder_only=decoder_only, positional=positional,
                     tie_embeddings=False)
   params = random_params(cfg, seed)
@@ -80,8 +83,10 @@ def _forward(model, params, source, decoder_input):
     pytest.param(False, False, "learned", id="learned"),
     pytest.param(True, True, "rope", id="scanned-rope-decoder_only"),
 ])
-def test_multi_token_calls_match_one_token_calls_and_teacher_forcing(
-    scan_layers, decoder_only, positional):
+def test_multi_token_calls_per_row_positions_and_rollback(scan_layers, decoder_only,
+                                                          positional):
+  """Cached calls of one and of several tokens, at a shared or a per-row position, give
+  the teacher-forced logits, also after rows were rolled back and fed other tokens."""
   model, params = make_model(0, scan_layers=scan_layers, decoder_only=decoder_only,
                              positional=positional)
   source = None if decoder_only else SOURCE[:3]
@@ -89,58 +94,56 @@ def test_multi_token_calls_match_one_token_calls_and_teacher_forcing(
                       [BOS_ID, 10, 11, 4, 4, 5, 3]], jnp.int32)
   full = _forward(model, params, source, inputs)
   cache_len = 10
-  assert speculative.set_positions(_fresh_cache(model, params, source, 3, cache_len),
-                                   jnp.zeros(3, jnp.int32))["decoder"]["position"].shape == (3,)
 
-  # Rows at different positions: row b has read its first `start[b]` inputs one at a
-  # time (scalar counter), then reads the next 3 in one call at its own position.
-  start = np.array([1, 3, 2])
-  cache = _fresh_cache(model, params, source, 3, cache_len)
-  one_at_a_time = []
+  # Several tokens at the shared (scalar) counter: the prefill's call.
+  fresh = _fresh_cache(model, params, source, 3, cache_len)
+  logits, cache = _apply_cached(model, params, fresh, source, inputs[:, :5])
+  np.testing.assert_allclose(logits, full[:, :5], atol=2e-5, rtol=1e-5)
+  assert int(cache["decoder"]["position"]) == 5
+
+  # One token at a time, as beam search feeds them.
+  cache = fresh
   for t in range(4):
     logits, cache = _apply_cached(model, params, cache, source, inputs[:, t:t + 1])
-    one_at_a_time.append(logits[:, 0])
-  one_at_a_time = jnp.stack(one_at_a_time, axis=1)
-  np.testing.assert_allclose(one_at_a_time, full[:, :4], atol=2e-5, rtol=1e-5)
-  chunk = jnp.stack([inputs[b, start[b]:start[b] + 3] for b in range(3)])
-  logits, cache = _apply_cached(model, params, cache, source, chunk, jnp.asarray(start))
-  expected = jnp.stack([full[b, start[b]:start[b] + 3] for b in range(3)])
-  np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
-  np.testing.assert_array_equal(cache["decoder"]["position"], start + 3)
-  # Scalar counter with several tokens: the prefill's path.
-  logits, _ = _apply_cached(model, params, _fresh_cache(model, params, source, 3, cache_len),
-                            source, inputs[:, :5])
-  np.testing.assert_allclose(logits, full[:, :5], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5)
 
-
-def test_rolled_back_rows_forget_what_they_were_fed():
-  model, params = make_model(1, scan_layers=True)
-  source = SOURCE[:2]
-  inputs = jnp.array([[BOS_ID, 4, 5, 6, 3], [BOS_ID, 9, 3, 3, 4]], jnp.int32)
-  cache = _fresh_cache(model, params, source, 2, 9)
-  _, cache = _apply_cached(model, params, cache, source, inputs, jnp.zeros(2, jnp.int32))
-  # Row 0 goes back to 2 tokens, row 1 to 4; then both read 3 tokens unlike the old ones.
-  new = jnp.array([[8, 7, 10], [11, 12, 8]], jnp.int32)
-  logits, _ = _apply_cached(model, params, cache, source, new, jnp.array([2, 4]))
-  fresh = [jnp.concatenate([inputs[0, :2], new[0]]), jnp.concatenate([inputs[1, :4], new[1]])]
-  for b, (keep, row) in enumerate(zip([2, 4], fresh)):
-    expected = _forward(model, params, source[b:b + 1], row[None])[0, keep:]
-    np.testing.assert_allclose(logits[b], expected, atol=2e-5, rtol=1e-5)
+  # Rows rolled back to 1, 3 and 2 tokens read 3 tokens unlike the ones they had, each at
+  # its own position; stale slots must not leak in.
+  keep = np.array([1, 3, 2])
+  new = jnp.array([[8, 7, 10], [11, 12, 8], [12, 3, 9]], jnp.int32)
+  logits, cache = _apply_cached(model, params, cache, source, new, jnp.asarray(keep))
+  np.testing.assert_array_equal(cache["decoder"]["position"], keep + 3)
+  # Then one more token each, the per-row counters advancing on their own.
+  last = jnp.array([5, 6, 7], jnp.int32)
+  last_logits, cache = _apply_cached(model, params, cache, source, last[:, None])
+  np.testing.assert_array_equal(cache["decoder"]["position"], keep + 4)
+  rolled = np.zeros_like(np.asarray(inputs))
+  for b in range(3):
+    rolled[b, :keep[b] + 4] = np.concatenate([np.asarray(inputs[b, :keep[b]]), new[b],
+                                              last[b:b + 1]])
+  refed = _forward(model, params, source, jnp.asarray(rolled))
+  expected = jnp.stack([refed[b, keep[b]:keep[b] + 4] for b in range(3)])
+  np.testing.assert_allclose(logits, expected[:, :3], atol=2e-5, rtol=1e-5)
+  np.testing.assert_allclose(last_logits[:, 0], expected[:, 3], atol=2e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------
 # Greedy: identical tokens for any draft.
 
 
-@pytest.mark.parametrize("scan_layers,draft_len,draft_kind", [
-    (False, 1, "random"), (False, 3, "target"), (True, 3, "random"), (True, 1, "target")])
-def test_speculative_greedy_equals_greedy(scan_layers, draft_len, draft_kind):
-  target, target_params = make_model(2, scan_layers=scan_layers)
-  if draft_kind == "target":
+# Each of scan_layers, draft_len and the draft in both its values, in three compilations.
+# A random draft's seed is one that agrees now and then, so rows accept different
+# amounts; None: the target drafts for itself.
+@pytest.mark.parametrize("scan_layers,draft_len,draft_seed,positional", [
+    pytest.param(False, 1, 9, "sinusoidal", id="k1-random"),
+    pytest.param(True, 3, 27, "learned", id="k3-random-scanned-learned"),
+    pytest.param(False, 3, None, "sinusoidal", id="k3-target")])
+def test_speculative_greedy_equals_greedy(scan_layers, draft_len, draft_seed, positional):
+  target, target_params = make_model(2, scan_layers=scan_layers, positional=positional)
+  if draft_seed is None:
     draft, draft_params = target, target_params
   else:
-    # A seed whose draft agrees now and then, so rows accept different amounts.
-    draft, draft_params = make_model(9, num_layers=1, scan_layers=scan_layers)
+    draft, draft_params = make_model(draft_seed, num_layers=1, scan_layers=scan_layers)
   greedy = decoding.greedy_decode(target, target_params, SOURCE, max_decode_extra_len=EXTRA)
   out = speculative.speculative_greedy_decode(target, target_params, draft, draft_params,
                                               SOURCE, draft_len=draft_len,
@@ -149,11 +152,12 @@ def test_speculative_greedy_equals_greedy(scan_layers, draft_len, draft_kind):
   lengths = [len(strip(row)) for row in np.asarray(greedy)]
   assert len(set(lengths)) > 2  # rows end at different points: EOS or their budgets
   generated = sum(lengths)
-  # The prefill yields each row's first token; every round then yields 1 .. k + 1.
+  # The prefill yields each row's first token; every round then yields 1 .. k + 1 for
+  # each row still going, and the batch runs until its longest row is done.
   rounds = int(out.target_calls)
-  assert generated - len(lengths) <= rounds * (draft_len + 1) * len(lengths)
+  assert -(-(max(lengths) - 1) // (draft_len + 1)) <= rounds <= max(lengths) - 1
   assert float(out.tokens_per_target_call) == pytest.approx(generated / rounds)
-  if draft_kind == "target":
+  if draft_seed is None:
     assert float(out.acceptance_rate) == 1.0
     # Each row needs ceil((its tokens - 1) / (k + 1)) rounds; the batch, the slowest row's.
     assert rounds == max(-(-(n - 1) // (draft_len + 1)) for n in lengths)
@@ -215,21 +219,13 @@ def test_decoder_only_prompt_greedy_and_speculative_greedy():
                                               prompt, draft_len=2, max_new_tokens=new_tokens)
   np.testing.assert_array_equal(out.tokens_BxC, plain)
   assert 0.0 < float(out.acceptance_rate) < 1.0
-  # Sampling runs on a decoder-only pair too, and stops as it must.
-  sampled = speculative.speculative_sample_decode(
-      target, target_params, draft, draft_params, prompt, jax.random.key(0), draft_len=2,
-      max_new_tokens=new_tokens).tokens_BxC
-  assert sampled.shape == (4, new_tokens)
-  assert not np.any(np.isin(np.asarray(sampled), [BOS_ID]))
-  for row in np.asarray(sampled):
-    assert np.all(row[len(strip(row)):] == PAD_ID)
 
 
 # ----------------------------------------------------------------------------------
 # Sampling: the target's distribution, exactly.
 
 SAMPLE_VOCAB = 8  # EOS and the words 3 .. 7 can be generated
-SAMPLES = 20000
+SAMPLES = 10000
 FILTER = dict(temperature=0.7, top_k=5, top_p=0.95)
 
 
@@ -268,7 +264,7 @@ def test_speculative_sampling_has_the_targets_distribution():
   # The draft: the target's weights perturbed, so it is accepted about half the time.
   noise = np.random.default_rng(1)
   draft, draft_params = target, jax.tree.map(
-      lambda x: x + 0.07 * noise.normal(size=x.shape).astype(x.dtype), target_params)
+      lambda x: x + 0.1 * noise.normal(size=x.shape).astype(x.dtype), target_params)
   source_1xS = jnp.array([[5, 1]], jnp.int32)
   extra = 1  # budget: 3 tokens
   outputs, target_logprobs = _outputs_and_token_logprobs(target, target_params, source_1xS, 3)
@@ -278,13 +274,14 @@ def test_speculative_sampling_has_the_targets_distribution():
   out = speculative.speculative_sample_decode(
       target, target_params, draft, draft_params, source, jax.random.key(0), draft_len=2,
       max_decode_extra_len=extra, **FILTER)
-  assert 0.2 < float(out.acceptance_rate) < 0.9  # both branches of the rule are exercised
-  # Sampling error alone: TV ~ 0.02 here (about a hundred outputs of any weight).
-  bound = 0.05
+  assert 0.05 < float(out.acceptance_rate) < 0.95  # both branches of the rule are exercised
+  # Sampling error alone gives TV ~ 0.011 here (57 possible outputs, 10^4 samples);
+  # its spread is a few thousandths, so 0.03 never flakes.
+  bound = 0.03
   assert _total_variation(_empirical(out.tokens_BxC), exact) < bound
   # Power: accepting every proposal would take the first token from the target (the
   # prefill) and the next two from the draft; that distribution is far off.
   _, draft_logprobs = _outputs_and_token_logprobs(draft, draft_params, source_1xS, 3)
   always_accept = _distribution(
       outputs, np.concatenate([target_logprobs[:, :1], draft_logprobs[:, 1:]], axis=1))
-  assert _total_variation(always_accept, exact) > 4 * bound
+  assert _total_variation(always_accept, exact) > 4 * bound  # 0.165

@@ -75,8 +75,8 @@ class SpeculativeOutput(NamedTuple):
 
   @property
   def tokens_per_target_call(self) -> Array:
-    """Generated tokens (EOS included) per target pass; the prefill's first token counts
-    as generated, so one-token decoding scores just above 1."""
+    """Generated tokens (EOS included) per counted target pass: at most k + 1, plus the
+    share of the first tokens, which the uncounted prefill yields."""
     generated = jnp.sum(self.tokens_BxC != PAD_ID)
     return generated / jnp.maximum(self.target_calls, 1)
 
@@ -256,6 +256,8 @@ def _speculative_decode(target_model, target_params, draft_model, draft_params,
   """The shared loop; `sampling` None is greedy, else filter_logits' keyword arguments."""
   if target_model.config.decoder_only != draft_model.config.decoder_only:
     raise ValueError("the draft must be of the target's kind (decoder-only or not)")
+  if target_model.config.vocab_size != draft_model.config.vocab_size:
+    raise ValueError("the draft must share the target's vocabulary")
   if draft_len < 1:
     raise ValueError(f"draft_len must be >= 1, got {draft_len}")
   k = draft_len
@@ -313,15 +315,17 @@ def _speculative_decode(target_model, target_params, draft_model, draft_params,
         logq_BxKxV = logq_BxKxV.at[:, j].set(logq_BxV)
       return cache, drafts_BxK, logq_BxKxV
 
-    cache, drafts_BxK, logq_BxKxV = jax.lax.fori_loop(1, k, step,
-                                                       (cache, drafts_BxK, logq_BxKxV))
+    if k > 1:  # k = 1 traces (and compiles) no second draft call
+      cache, drafts_BxK, logq_BxKxV = jax.lax.fori_loop(1, k, step,
+                                                         (cache, drafts_BxK, logq_BxKxV))
     return cache, drafts_BxK, logq_BxKxV
 
   def verify(logits_BxK1xV: Array, drafts_BxK: Array, logq_BxKxV: Optional[Array],
              round_rng) -> tuple[Array, Array]:
     """(accepted count n_B in 0..k, the target's own next token_B)."""
     if sampling is None:
-      choice_BxK1 = jnp.argmax(_forbid_special(logits_BxK1xV.reshape(-1, logits_BxK1xV.shape[-1])),
+      vocab = logits_BxK1xV.shape[-1]
+      choice_BxK1 = jnp.argmax(_forbid_special(logits_BxK1xV.reshape(-1, vocab)),
                                axis=-1).reshape(batch, k + 1).astype(jnp.int32)
       agree_BxK = drafts_BxK == choice_BxK1[:, :k]
       n_B = jnp.sum(jnp.cumprod(agree_BxK.astype(jnp.int32), axis=1), axis=1)

@@ -122,6 +122,11 @@ class Decoder(nn.Module):
           target_positions_BxT = jnp.broadcast_to(
               jnp.reshape(cache_position, (-1, 1)) + jnp.arange(length, dtype=jnp.int32),
               decoder_input_BxT.shape)
+          if cfg.positional == "learned":
+            # A speculative round may score draft tokens past the table, tokens it never
+            # emits; an out-of-range lookup would put NaN in their K/V slots, and a NaN
+            # V poisons later queries even where its attention weight is 0.
+            target_positions_BxT = jnp.minimum(target_positions_BxT, cfg.max_position - 1)
         position.value = cache_position + length
     y_BxTxD = InputEmbedding(cfg, self.embed, name="input")(
         decoder_input_BxT, target_positions_BxT, deterministic)
