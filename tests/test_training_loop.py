@@ -197,3 +197,16 @@ def test_time_based_checkpoints_follow_process_0_on_every_host(small_corpus, mon
   assert run._checkpoint_due(4) is True and broadcasts == [False]
   monkeypatch.setattr(jax, "process_count", lambda: 1)
   assert run._checkpoint_due(4) is False and broadcasts == [False]
+
+
+def test_validation_and_saves_are_left_out_of_the_throughput_window():
+  progress = loop.Progress(peak_flops=None, total_steps=10)
+  metrics = {"loss": jnp.float32(2.0), "loss_sum": 8.0, "ce_sum": 8.0, "correct_sum": 1.0,
+             "num_tokens": 400.0, "lr": 1e-3, "grad_norm": 1.0}
+  progress.add(1, metrics, 0)
+  progress._window_start = time.time() - 2.0  # two seconds of training so far
+  with progress.paused():
+    time.sleep(1.0)  # a validation: not training time
+  record = progress.record(1)
+  # 400 tokens in the 2 s of training (give or take this test's own milliseconds), not 3 s.
+  assert record["tokens_per_sec"] == pytest.approx(200.0, rel=0.05)

@@ -7,6 +7,7 @@ was, so an interrupted run ends with the same parameters as an uninterrupted one
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -75,7 +76,8 @@ class Progress:
          flops.count_tokens, with `model_config`): comparable across batchings, and
          the figure tokens/s (real target tokens) goes with.
   and padding_efficiency (real target tokens / target slots; source_padding_efficiency
-  likewise), which is why the two differ.
+  likewise), which is why the two differ. A window's time leaves out validation and
+  checkpoint saves (`paused`): throughput is the training step's.
   """
 
   def __init__(self, peak_flops: float | None, total_steps: int,
@@ -95,6 +97,19 @@ class Progress:
     self._pending_flops += step_flops
     if token_counts is not None:
       self._pending_counts.append(token_counts)
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Leaves what runs inside (validation, a checkpoint's save) out of the window's time,
+    so tokens/s and MFU measure training alone. The steps already dispatched finish
+    first, inside the window."""
+    if self._pending:
+      jax.block_until_ready(self._pending[-1][1])
+    start = time.time()
+    try:
+      yield
+    finally:
+      self._window_start += time.time() - start
 
   def check_finite(self) -> None:
     """Raises at the first step whose loss is NaN or Inf (fetches unchecked losses)."""
@@ -228,7 +243,6 @@ class TrainingRun:
     self.total_steps = config.num_train_steps * config.grad_accum_steps
     self.progress = Progress(flops.total_peak_flops(), self.total_steps,
                              self.setup.model.config)
-    self._count_tokens = jax.jit(flops.count_tokens)  # stays on device until a log step
     self.validate = validation(config, self.setup, self.tokenizer) if (
         config.eval_every_steps) else None
     self.batches = None
@@ -263,16 +277,18 @@ class TrainingRun:
       for step in range(start_step + 1, self.total_steps + 1):
         batch = next(self.batches)
         self.state, step_metrics = p_train_step(self.state, batch)
-        self.progress.add(step, step_metrics, self._step_flops(batch),
-                          self._count_tokens(batch))
+        token_counts = step_metrics.pop("token_counts")
+        self.progress.add(step, step_metrics, self._step_flops(batch), token_counts)
         is_last = step == self.total_steps
         if step % self.config.log_every_steps == 0 or is_last:
           self._log(step, started)
         if self.validate and (step % self.config.eval_every_steps == 0 or is_last):
-          eval_metrics = self._evaluate(step)
+          with self.progress.paused():
+            eval_metrics = self._evaluate(step)
         preempted = self._preempted(step, preemption)
         if self._checkpoint_due(step) or is_last or preempted:
-          self._save(step)
+          with self.progress.paused():
+            self._save(step)
         if preempted:
           self.checkpointer.wait()
           logging.info("checkpoint at step %d written after %s; exiting", step,

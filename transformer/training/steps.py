@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from transformer.config import PAD_ID
 from transformer.model import Transformer, model_inputs
-from transformer.training import sharding
+from transformer.training import flops, sharding
 from transformer.training.optimizer import learning_rate_schedule
 from transformer.training.state import Setup, TrainState
 
@@ -86,7 +86,8 @@ def train_step(state: TrainState, batch: dict[str, Array], *, model: Transformer
   optimizer (optimizer.accumulate_by_tokens) divides the k microbatches' summed gradient
   by their summed token count, so the update equals the one big batch's. Metrics are the
   microbatch's sums; `loss` is its per-token loss, and `grad_norm` the global norm of its
-  per-token mean gradient (with or without accumulation; before clipping).
+  per-token mean gradient (with or without accumulation; before clipping); `token_counts`
+  is flops.count_tokens of the batch (for MFU on real tokens), a dict of its own.
   """
   # Dropout masks depend only on (seed, step): a resumed run draws the same ones.
   dropout_rng = jax.random.fold_in(
@@ -110,7 +111,9 @@ def train_step(state: TrainState, batch: dict[str, Array], *, model: Transformer
   params = optax.apply_updates(state.params, updates)
   update_count = state.step // config.grad_accum_steps
   metrics = dict(sums, loss=loss, grad_norm=grad_norm,
-                 lr=learning_rate_schedule(config)(update_count))
+                 lr=learning_rate_schedule(config)(update_count),
+                 # Computed here rather than by a jit of its own: one dispatch per step.
+                 token_counts=flops.count_tokens(batch))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
