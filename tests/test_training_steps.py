@@ -47,6 +47,29 @@ def test_no_smoothing_is_plain_cross_entropy():
   assert float(sums["loss_sum"]) == pytest.approx(float(sums["ce_sum"]))
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_loss_gradient_in_closed_form_is_autodiffs(eps):
+  """The written-out gradient of the smoothed loss against autodiff of the textbook form
+  (KL to the smoothed one-hot through log_softmax), padding weighted out."""
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(3 * rng.normal(size=(2, 5, 11)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 11, (2, 5)), jnp.int32)  # zeros are padding
+
+  def textbook(logits):
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    q = jnp.where(jax.nn.one_hot(targets, 11) > 0, 1 - eps, eps / 10)
+    kl = jnp.sum(q * (jnp.log(jnp.maximum(q, 1e-30)) - log_p), axis=-1)
+    return jnp.sum(kl * (targets != 0))
+
+  ours = lambda logits: steps.cross_entropy_sums(logits, targets, eps)["loss_sum"]
+  np.testing.assert_allclose(ours(logits), textbook(logits), rtol=1e-5)
+  np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(textbook)(logits),
+                             rtol=1e-5, atol=1e-6)
+  # Accuracy: the target's logit is the largest.
+  correct = jnp.sum((jnp.argmax(logits, -1) == targets) * (targets != 0))
+  assert float(steps.cross_entropy_sums(logits, targets, eps)["correct_sum"]) == float(correct)
+
+
 def synthetic_batch(config, rows=8, length=12, seed=0):
   rng = np.random.default_rng(seed)
   target = rng.integers(4, config.vocab_size, (rows, length)).astype(np.int32)

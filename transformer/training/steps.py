@@ -8,6 +8,7 @@ parameters and Adam moments are updated in place wherever the mesh put them.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,27 +32,70 @@ def cross_entropy_sums(logits_BxTxV: Array, targets_BxT: Array,
   Label smoothing puts 1 - eps on the target and eps / (V - 1) on every other token;
   the loss is the cross-entropy to that distribution minus its entropy (a KL, zero at
   the optimum), as Tensor2Tensor does. `ce` is the unsmoothed cross-entropy, whose
-  exponential is the perplexity the paper reports.
+  exponential is the perplexity the paper reports. A token counts as correct when the
+  target's logit is the largest (on an exact tie with another token, too).
   """
-  vocab = logits_BxTxV.shape[-1]
   weights_BxT = (targets_BxT != PAD_ID).astype(jnp.float32)
-  log_probs_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-  target_log_prob_BxT = jnp.take_along_axis(log_probs_BxTxV, targets_BxT[..., None], -1)[..., 0]
-  ce_BxT = -target_log_prob_BxT
-  if label_smoothing > 0:
-    confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
-    entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low))
-    others_BxT = -(jnp.sum(log_probs_BxTxV, axis=-1) - target_log_prob_BxT)
-    smoothed_BxT = confidence * ce_BxT + low * others_BxT - entropy
-  else:
-    smoothed_BxT = ce_BxT
-  correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT).astype(jnp.float32)
+  smoothed_BxT, ce_BxT, correct_BxT = token_losses(logits_BxTxV.astype(jnp.float32),
+                                                   targets_BxT, label_smoothing)
   return {
       "loss_sum": jnp.sum(smoothed_BxT * weights_BxT),
       "ce_sum": jnp.sum(ce_BxT * weights_BxT),
       "correct_sum": jnp.sum(correct_BxT * weights_BxT),
       "num_tokens": jnp.sum(weights_BxT),
   }
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def token_losses(logits_BxTxV: Array, targets_BxT: Array,
+                 label_smoothing: float) -> tuple[Array, Array, Array]:
+  """Per token: (smoothed loss, cross-entropy, 1.0 if the target's logit is the largest).
+
+  Written from the log-sum-exp rather than through log_softmax, with the gradient of
+  the smoothed loss in closed form, softmax - eps / (V - 1) - (1 - eps - eps / (V - 1))
+  * onehot(target): the [B, T, V] arrays (the largest of a step) are read a few times
+  and written once, where autodiff of log_softmax, a gather and a sum wrote several of
+  them, and the accuracy takes a max, not an argmax (a slow variadic reduction on CPU).
+  The cross-entropy and the accuracy are metrics: their cotangents are not used.
+  """
+  return _token_losses_forward(logits_BxTxV, targets_BxT, label_smoothing)[0]
+
+
+def _token_losses_forward(logits_BxTxV, targets_BxT, label_smoothing):
+  vocab = logits_BxTxV.shape[-1]
+  max_BxT = jnp.max(logits_BxTxV, axis=-1)
+  log_normalizer_BxT = max_BxT + jnp.log(
+      jnp.sum(jnp.exp(logits_BxTxV - max_BxT[..., None]), axis=-1))
+  target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], -1)[..., 0]
+  ce_BxT = log_normalizer_BxT - target_logit_BxT
+  smoothed_BxT = ce_BxT
+  if label_smoothing > 0:
+    confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+    entropy = -(confidence * math.log(confidence) + (vocab - 1) * low * math.log(low))
+    # -(sum of the other tokens' log-probs) = (V - 1) lse - (sum of logits - target's).
+    others_BxT = ((vocab - 1) * log_normalizer_BxT
+                  - (jnp.sum(logits_BxTxV, axis=-1) - target_logit_BxT))
+    smoothed_BxT = confidence * ce_BxT + low * others_BxT - entropy
+  correct_BxT = (target_logit_BxT >= max_BxT).astype(jnp.float32)
+  return (smoothed_BxT, ce_BxT, correct_BxT), (logits_BxTxV, targets_BxT, log_normalizer_BxT)
+
+
+def _token_losses_backward(label_smoothing, residuals, cotangents):
+  logits_BxTxV, targets_BxT, log_normalizer_BxT = residuals
+  grad_smoothed_BxT, grad_ce_BxT, _ = cotangents
+  vocab = logits_BxTxV.shape[-1]
+  low = label_smoothing / (vocab - 1) if label_smoothing > 0 else 0.0
+  on_target = 1.0 - label_smoothing - low if label_smoothing > 0 else 1.0
+  probs_BxTxV = jnp.exp(logits_BxTxV - log_normalizer_BxT[..., None])
+  is_target_BxTxV = jnp.arange(vocab) == targets_BxT[..., None]
+  # d smoothed / d logits = p - low - on_target * onehot; d ce / d logits = p - onehot.
+  grad_BxTxV = (grad_smoothed_BxT[..., None]
+                * (probs_BxTxV - low - jnp.where(is_target_BxTxV, on_target, 0.0))
+                + grad_ce_BxT[..., None] * (probs_BxTxV - is_target_BxTxV))
+  return grad_BxTxV, None
+
+
+token_losses.defvjp(_token_losses_forward, _token_losses_backward)
 
 
 def loss_fn(params, batch: dict[str, Array], dropout_rng: Array, *, model: Transformer,
