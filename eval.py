@@ -2,10 +2,22 @@
 
   python eval.py --workdir DIR [--split validation|test] [--average_last K]
                  [--beam_size B] [--alpha A] [--step S]
-      Beam-search the whole split once, in order; write DIR/eval/<split>-<step>[-avgK].*
-      and print sacreBLEU (detokenized) as the last line.
+                 [--search beam|greedy|sample] [--temperature T] [--top_k K]
+                 [--top_p P] [--seed N] [--draft_workdir DRAFT] [--draft_len k]
+      Translate the whole split once, in order; write
+      DIR/eval/<split>-<step>[-avgK][-greedy|-sample][-spec].* and print sacreBLEU
+      (detokenized) as the last line. --search=beam (the default) is the paper's
+      protocol; greedy and sample decode one hypothesis. --draft_workdir: a second run
+      with the same vocabulary (byte-identical vocab.model) drafts draft_len tokens per
+      target pass (speculative decoding, greedy or sample only): the same output as
+      without it, and the JSON adds acceptance_rate and tokens_per_target_call.
+      Encoder-decoder and decoder-only runs are evaluated alike (a decoder-only model
+      continues BOS + source + EOS; its hypothesis is the continuation up to EOS).
   python eval.py --workdir DIR --translate "A sentence."   (or --input_file F, - = stdin)
-      Print only the translations, one per line.
+      Print only the translations, one per line (honours --search and --draft_workdir).
+  python eval.py --workdir DIR --prompt "Some text" [--max_new_tokens N]
+      Decoder-only runs: print the model's continuation of the text: greedy, or
+      --search=sample, speculative with --draft_workdir.
   python eval.py --workdir DIR --attention_maps "A sentence." --output_dir OUT
       Write PNG heatmaps of every layer's and head's attention for that sentence.
 
@@ -37,6 +49,24 @@ _ALPHA = flags.DEFINE_float("alpha", None,
 _TRANSLATE = flags.DEFINE_string("translate", None, "Translate this text and print it.")
 _INPUT_FILE = flags.DEFINE_string("input_file", None,
                                   "Translate each line of this file ('-' = stdin).")
+_SEARCH = flags.DEFINE_enum("search", "beam", ["beam", "greedy", "sample"],
+                            "How to generate: beam search (the paper's), greedy, or sampling "
+                            "(--prompt: greedy unless sample is given).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (> 0).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the K most likely tokens (0 = all).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0,
+                            "Sample from the smallest set of tokens reaching this mass.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_DRAFT_WORKDIR = flags.DEFINE_string(
+    "draft_workdir", None, "A second run (same vocabulary) as the draft model of "
+    "speculative decoding; with --search=greedy or sample.")
+_DRAFT_LEN = flags.DEFINE_integer("draft_len", 4,
+                                  "Tokens the draft proposes per target pass.")
+_PROMPT = flags.DEFINE_string("prompt", None,
+                              "Decoder-only runs: continue this text and print the "
+                              "continuation.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64,
+                                       "--prompt: the most tokens to generate.")
 _ATTENTION_MAPS = flags.DEFINE_string("attention_maps", None,
                                       "Plot attention maps for this sentence.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
@@ -68,8 +98,36 @@ def main(argv):
       config.beam_size = _BEAM_SIZE.value
     if _ALPHA.value is not None:
       config.length_penalty_alpha = _ALPHA.value
+    search_kind = _SEARCH.value
+    if _PROMPT.value is not None:
+      if not config.model.decoder_only:
+        raise config_lib.ConfigError("--prompt continues text with a decoder-only model; "
+                                     "this run is an encoder-decoder: use --translate")
+      if not flags.FLAGS["search"].present:
+        search_kind = "greedy"
+      elif search_kind == "beam":
+        raise config_lib.ConfigError("--prompt continues greedily or by sampling: "
+                                     "--search=greedy|sample")
+    if _DRAFT_WORKDIR.value is not None and search_kind == "beam":
+      raise config_lib.ConfigError("--draft_workdir: speculative decoding is offered for "
+                                   "--search=greedy and --search=sample, not beam search")
+    search = translate.Search(search_kind, temperature=_TEMPERATURE.value,
+                              top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value,
+                              draft_len=_DRAFT_LEN.value)
+    search.check()  # before anything is restored or compiled
+    if _DRAFT_WORKDIR.value is not None:
+      if not storage.is_dir(_DRAFT_WORKDIR.value):
+        raise config_lib.ConfigError(f"--draft_workdir {_DRAFT_WORKDIR.value} does not exist")
+      translate.check_draft_vocabulary(workdir, _DRAFT_WORKDIR.value)
     translator = translate.Translator(config, workdir, step=_STEP.value,
-                                      average_last=_AVERAGE_LAST.value)
+                                      average_last=_AVERAGE_LAST.value, search=search,
+                                      draft_workdir=_DRAFT_WORKDIR.value)
+
+    if _PROMPT.value is not None:
+      continuation, = translator.continue_text([_PROMPT.value], _MAX_NEW_TOKENS.value)
+      if jax.process_index() == 0:
+        print(continuation)
+      return
 
     if _TRANSLATE.value is not None or _INPUT_FILE.value is not None:
       if _TRANSLATE.value is not None:
@@ -106,6 +164,9 @@ def main(argv):
   print(f"{_SPLIT.value} step {results['step']}: chrF {results['chrf']:.2f} | "
         f"tokenized BLEU {results['bleu_tok']:.2f} | ppl {results['ppl']:.2f} | "
         f"{results['sentences_per_sec']:.1f} sentences/s | {results['path']}")
+  if "acceptance_rate" in results:
+    print(f"speculative: acceptance rate {results['acceptance_rate']:.3f} | "
+          f"{results['tokens_per_target_call']:.2f} tokens per target call")
   print(f"sacreBLEU {results['bleu']:.2f}  {results['bleu_signature']}")
 
 

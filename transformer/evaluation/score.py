@@ -1,7 +1,11 @@
-"""Scoring a split: beam-search every sentence once, in order, then BLEU, chrF, perplexity.
+"""Scoring a split: translate every sentence once, in order, then BLEU, chrF, perplexity.
 
-`evaluate_split` writes WORKDIR/eval/<split>-<step>[-avg<k>].{src,ref,hyp}.txt (one
-sentence per line, in the split's order) and .json (the scores), and returns the scores.
+`evaluate_split` writes WORKDIR/eval/<split>-<step>[-avg<k>][-<search>][-spec].{src,ref,
+hyp}.txt (one sentence per line, in the split's order) and .json (the scores), and
+returns the scores. The search is the translator's (translate.Search): beam search by
+default, whose files carry no search suffix; greedy and sample runs add theirs, and
+speculative ones (a draft model) '-spec' too, so that no run overwrites another's files.
+Both kinds of model are scored the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from transformer import config as config_lib
 from transformer import data
 from transformer import storage
 from transformer.evaluation import bleu
-from transformer.evaluation.translate import Translator, search_batch
+from transformer.evaluation.translate import SearchStats, Translator
 from transformer.training import metrics, steps
 
 
@@ -24,6 +28,7 @@ def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
   """Translates `split` once, in order; writes hypotheses and scores; returns scores."""
   config = translator.config
   texts = data.load_raw_pairs(config, split)  # [(source, reference)] in the split's order
+  translator.stats = SearchStats()  # the JSON's speculative stats cover this split only
   started = time.time()  # sentences/s counts tokenizing and batching too
   batches = data.make_eval_batches(config, translator.tokenizer, split)
   hypotheses, generated_tokens = _translate_batches(translator, batches, len(texts), split)
@@ -33,8 +38,7 @@ def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
   results = {"split": split, "step": translator.step, "average_last": translator.average_last,
              **_translation_scores(hypotheses, references, config),
              "num_sentences": len(texts), "sentences_per_sec": len(texts) / elapsed,
-             "tokens_per_sec": generated_tokens / elapsed, "beam_size": config.beam_size,
-             "alpha": config.length_penalty_alpha}
+             "tokens_per_sec": generated_tokens / elapsed, **_search_settings(translator)}
   # Perplexity with teacher forcing, unsmoothed, on the same batches.
   loss = metrics.evaluate_loss(steps.jit_eval_step(translator.setup), translator.params,
                                batches, translator.mesh, translator.rules)
@@ -53,9 +57,8 @@ def _translate_batches(translator: Translator, batches: list[dict], num_sentence
   """(hypotheses in the split's order, generated tokens with EOS) of every batch."""
   hypotheses: list[str | None] = [None] * num_sentences
   generated_tokens = 0
-  for batch in batches:
-    tokens = search_batch(translator.model, translator.params, translator.config,
-                          translator.mesh, translator.rules, batch["source"])
+  for number, batch in enumerate(batches):
+    tokens = translator.generate(batch["source"], batch_number=number)
     for row, index in enumerate(batch["index"]):
       if index >= 0:
         ids = tokens[row].tolist()
@@ -77,10 +80,30 @@ def _translation_scores(hypotheses: list[str], references: list[str], config) ->
           "chrf": bleu.chrf(hypotheses, references).score}
 
 
+def _search_settings(translator: Translator) -> dict[str, Any]:
+  """The JSON's record of how the hypotheses were generated (and, speculative, of what
+  the draft saved over the whole split: see translate.SearchStats)."""
+  config, search = translator.config, translator.search
+  settings: dict[str, Any] = {"search": search.kind, "decoder_only":
+                              bool(config.model.decoder_only)}
+  if search.kind == "beam":
+    settings.update(beam_size=config.beam_size, alpha=config.length_penalty_alpha)
+  elif search.kind == "sample":
+    settings.update(seed=search.seed, **search.sampling)
+  if translator.draft is not None:
+    settings.update(draft_workdir=translator.draft.workdir, draft_len=search.draft_len,
+                    **translator.stats.summary())
+  return settings
+
+
 def _output_stem(translator: Translator, split: str) -> str:
-  """WORKDIR/eval/<split>-<step>[-avg<k>]."""
+  """WORKDIR/eval/<split>-<step>[-avg<k>][-greedy|-sample][-spec]: beam search (the
+  paper's protocol) keeps the plain name."""
   averaged = f"-avg{translator.average_last}" if translator.average_last > 1 else ""
-  return storage.join(translator.workdir, "eval", f"{split}-{translator.step}{averaged}")
+  search = "" if translator.search.kind == "beam" else f"-{translator.search.kind}"
+  speculative = "-spec" if translator.draft is not None else ""
+  return storage.join(translator.workdir, "eval",
+                      f"{split}-{translator.step}{averaged}{search}{speculative}")
 
 
 def _write_outputs(json_path: str, sources: list[str], references: list[str],

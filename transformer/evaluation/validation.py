@@ -1,5 +1,6 @@
 """Validation during training with BLEU: the loop's loss and perplexity, plus the sacreBLEU
-of the first config.eval_bleu_sentences validation sentences, beam-searched.
+of the first config.eval_bleu_sentences validation sentences, beam-searched (a decoder-only
+model continues BOS + source + EOS, see translate.py).
 
 train.py hands `ValidationWithBleu` to `training.loop.train_and_evaluate`; the training
 layer itself never imports evaluation.
@@ -19,7 +20,8 @@ class ValidationWithBleu(ValidationLoss):
   def __init__(self, config, run_setup, tokenizer):
     super().__init__(config, run_setup, tokenizer)
     self._bleu_pairs = []
-    if config.eval_bleu_sentences and not config.model.decoder_only:
+    # Either kind of model: a decoder-only one continues BOS + source + EOS (translate.py).
+    if config.eval_bleu_sentences:
       self._bleu_pairs = data.load_raw_pairs(config, "validation")[:config.eval_bleu_sentences]
 
   def __call__(self, params) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 With `use_cache`, the module keeps a 'cache' collection. The first call creates it: the
 self-attention K/V buffers, sized by that call's length C, or the cross-attention K/V,
-projected once from the final encoder output. Later self-attention calls feed one token
-per sentence ([B, 1]) and write its K/V at `cache_position`.
+projected once from the final encoder output. Later self-attention calls feed L tokens
+per row ([B, L]) and write their K/V at slots `cache_position` .. + L - 1, where the
+position is a scalar shared by the batch or an int32 [B] vector, one per row (prompts of
+different lengths, speculative rollback); each query sees the slots up to its own.
 
 Q, K, V, the attention logits and the output carry sharding constraints (`constrain`):
 rows over the batch axes, heads over the tensor axis, under the config's rules.

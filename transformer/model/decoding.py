@@ -418,3 +418,73 @@ def beam_search(model, params, source_BxS: Array, *, beam_size: int, alpha: floa
   # Every sentence ends with finished hypotheses: it either stopped early, which needs
   # K of them, or reached its maximum length, which finishes every live one.
   return s.finished_seqs_BxKxC1[:, 0, 1:], s.finished_scores_BxK[:, 0]
+
+
+# ----------------------------------------------------------------------------------
+# Beam search continuing a prompt (decoder-only).
+
+
+@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens",
+                                             "early_stop"))
+def prompt_beam_search(model, params, prompt_BxP: Array, *, beam_size: int, alpha: float,
+                       max_new_tokens: int, max_len_B: Array | None = None,
+                       early_stop: bool = True) -> tuple[Array, Array]:
+  """`beam_search` for a decoder-only model: continues each prompt, which differ in length.
+
+  Each prompt is read in one cached call at batch B (speculative.prefill: every row's
+  cache position is its own prompt length, its padding masked), and the cache and first
+  logits are then repeated for the K beams; from there the search is `beam_search`'s,
+  one token per hypothesis per step at each row's own position.
+
+  Args:
+    prompt_BxP: int32, BOS + source ids (ending in EOS), right-padded with PAD (see
+      speculative.translation_prompt).
+    max_new_tokens: output slots O; the most any row may generate.
+    max_len_B: each row's budget (<= O), the encoder-decoder's source length + extra
+      (`max_output_lengths`); default O for every row.
+
+  Returns:
+    (tokens_BxO, the continuation only, EOS included, PAD after it; scores_B), as
+    `beam_search`. Beam size 1 is `speculative.prompt_greedy_decode`.
+  """
+  # speculative.py builds on this module; the prefill is its, so import it late.
+  from transformer.model.speculative import prefill
+  if not model.config.decoder_only:
+    raise ValueError("prompt_beam_search is for decoder-only models; see beam_search")
+  model, params = unrolled(model, params)
+  batch, prompt_len = prompt_BxP.shape
+  k, out_len = beam_size, max_new_tokens
+  if max_len_B is None:
+    max_len_B = jnp.full((batch,), out_len, jnp.int32)
+  max_len_B = jnp.minimum(max_len_B, out_len).astype(jnp.int32)
+  cache, logits_BxV, _ = prefill(model, params, prompt_BxP, cache_len=prompt_len + out_len)
+  repeat_leaf = lambda path, x: (jnp.repeat(x, k, axis=_batch_axis(path)) if x.ndim > 0
+                                 else x)
+  cache = jax.tree_util.tree_map_with_path(repeat_leaf, cache)  # rows b * K + k
+  logits_NxV = jnp.repeat(logits_BxV, k, axis=0)
+
+  def cond(carry):
+    s, _ = carry
+    return (s.step < out_len) & ~jnp.all(_is_done(s, max_len_B, alpha, early_stop))
+
+  def body(carry):
+    s, logits_NxV = carry
+    s, parent_beam_BxK = _beam_step(s, logits_NxV, max_len_B, k, alpha, early_stop)
+    flat_index_N = (jnp.arange(batch)[:, None] * k + parent_beam_BxK).reshape(-1)
+    cache = _reorder_cache(s.decoder_state, flat_index_N)
+    # Feed each hypothesis' newest token (slot step, behind the leading dummy) at its
+    # row's own position; the cache counter advances every row by one.
+    token_Nx1 = jax.lax.dynamic_slice_in_dim(
+        s.live_seqs_BxKxC1.reshape(batch * k, out_len + 1), s.step, 1, axis=1)
+    logits_Nx1xV, variables = model.apply(
+        {"params": params, "cache": cache}, None, None, token_Nx1, use_cache=True,
+        mutable=["cache"], method=model.decode)
+    return s._replace(decoder_state=variables["cache"]), logits_Nx1xV[:, 0]
+
+  # Slot 0 stands where beam_search keeps BOS (the prompt is in the cache already).
+  seqs_BxKxC1 = jnp.zeros((batch, k, out_len + 1), jnp.int32).at[:, :, 0].set(BOS_ID)
+  live_logprobs_BxK = jnp.full((batch, k), -jnp.inf).at[:, 0].set(0.0)
+  init = BeamState(jnp.array(0, jnp.int32), seqs_BxKxC1, live_logprobs_BxK, seqs_BxKxC1,
+                   jnp.full((batch, k), -jnp.inf), cache)
+  s, _ = jax.lax.while_loop(cond, body, (init, logits_NxV))
+  return s.finished_seqs_BxKxC1[:, 0, 1:], s.finished_scores_BxK[:, 0]

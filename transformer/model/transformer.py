@@ -6,8 +6,11 @@ language model. Each stack runs its N layers as a Python loop (`layer_0` ...
 stack compiles once whatever N is. Shape letters: transformer/model/primitives.py.
 
 Incremental decoding (`use_cache=True` with `mutable=['cache']`): the first call creates
-the cache, sized by that call's target length C (see attention.py); later calls feed one
-token per sentence ([B, 1]) and append to it.
+the cache, sized by that call's target length C (see attention.py); later calls feed L
+tokens per row ([B, L]: one per step when decoding, a whole prompt when prefilling, the
+k + 1 tokens a speculative round checks) and write them at the cache's position. The
+position is a scalar shared by the batch, or an int32 [B] vector, one per row, that a
+caller may set back to roll a row back (speculative.py).
 """
 
 from __future__ import annotations
@@ -186,7 +189,9 @@ class Transformer(nn.Module):
     """Decoder inputs (+ encoder output) -> f32 logits [B, T, V].
 
     With `use_cache=True` and `mutable=['cache']`: the first call creates the cache (its
-    logits are meaningless), later calls take [B, 1] and return [B, 1, V].
+    logits are meaningless); later calls take [B, L] and return [B, L, V], token i of
+    row b at position p_b + i, where the cache's position p is a scalar for the whole
+    batch or a per-row int32 [B] vector (speculative.set_positions).
     """
     if source_segment_ids is None and source_BxS is not None:
       source_segment_ids = segment_ids_from_tokens(source_BxS)
