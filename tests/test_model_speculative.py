@@ -156,11 +156,13 @@ def test_speculative_greedy_equals_greedy(scan_layers, draft_len, draft_seed, po
   # each row still going, and the batch runs until its longest row is done.
   rounds = int(out.target_calls)
   assert -(-(max(lengths) - 1) // (draft_len + 1)) <= rounds <= max(lengths) - 1
-  assert float(out.tokens_per_target_call) == pytest.approx(generated / rounds)
+  row_rounds = int(out.row_calls)
+  assert float(out.tokens_per_target_call) == pytest.approx(generated / row_rounds)
   if draft_seed is None:
     assert float(out.acceptance_rate) == 1.0
     # Each row needs ceil((its tokens - 1) / (k + 1)) rounds; the batch, the slowest row's.
-    assert rounds == max(-(-(n - 1) // (draft_len + 1)) for n in lengths)
+    per_row = [-(-(n - 1) // (draft_len + 1)) for n in lengths]
+    assert rounds == max(per_row) and row_rounds == sum(per_row)
   else:
     assert 0.0 < float(out.acceptance_rate) < 1.0
 

@@ -79,13 +79,15 @@ class SearchStats(NamedTuple):
   proposed: int = 0
   accepted: int = 0
   generated: int = 0  # tokens the target calls produced, EOS included
+  row_calls: int = 0  # rows still generating, summed over the target calls
 
   def __add__(self, other: "SearchStats") -> "SearchStats":
     return SearchStats(*(a + b for a, b in zip(self, other)))
 
   def summary(self) -> dict[str, float]:
+    """acceptance_rate, and tokens_per_target_call per sentence (1 without a draft)."""
     return {"acceptance_rate": self.accepted / max(self.proposed, 1),
-            "tokens_per_target_call": self.generated / max(self.target_calls, 1)}
+            "tokens_per_target_call": self.generated / max(self.row_calls, 1)}
 
 
 def check_draft_vocabulary(workdir: str, draft_workdir: str) -> None:
@@ -178,7 +180,7 @@ def generate_batch(model, params, config: ml_collections.ConfigDict, mesh, rules
   stats = SearchStats()
   if spec is not None:  # scalars, the same on every process
     stats = SearchStats(int(spec.target_calls), int(spec.proposed), int(spec.accepted),
-                        int(np.sum(tokens != config_lib.PAD_ID)))
+                        int(np.sum(tokens != config_lib.PAD_ID)), int(spec.row_calls))
   if decoder_only:
     # Prompt decoding gives every row the batch's budget; cutting a row at its own is
     # what a per-row budget would have produced (each token depends on the earlier only).
@@ -326,7 +328,8 @@ class Translator:
     if draft is not None:
       self.stats += SearchStats(int(output.target_calls), int(output.proposed),
                                 int(output.accepted),
-                                int(jax.numpy.sum(output.tokens_BxC != config_lib.PAD_ID)))
+                                int(jax.numpy.sum(output.tokens_BxC != config_lib.PAD_ID)),
+                                int(output.row_calls))
       output = output.tokens_BxC
     if jax.process_count() > 1:
       return np.asarray(multihost_utils.process_allgather(output, tiled=True))

@@ -62,12 +62,14 @@ class SpeculativeOutput(NamedTuple):
   target_calls counts the target's passes after the prefill (the cache creation and
   the prompt pass, which also yields the first token, are not counted; one-token
   decoding spends one pass per further token). proposed counts the draft tokens offered
-  to rows still generating, accepted those the target agreed with.
+  to rows still generating, accepted those the target agreed with; row_calls counts the
+  rows still generating summed over the target's passes (each such row's share of one).
   """
   tokens_BxC: Array  # int32, PAD after EOS
   target_calls: Array  # int32 scalar
   proposed: Array  # int32 scalar
   accepted: Array  # int32 scalar
+  row_calls: Array  # int32 scalar
 
   @property
   def acceptance_rate(self) -> Array:
@@ -75,10 +77,11 @@ class SpeculativeOutput(NamedTuple):
 
   @property
   def tokens_per_target_call(self) -> Array:
-    """Generated tokens (EOS included) per counted target pass: at most k + 1, plus the
-    share of the first tokens, which the uncounted prefill yields."""
+    """Generated tokens (EOS included) per sentence per counted target pass: at most
+    k + 1, plus the share of the first tokens, which the uncounted prefill yields.
+    Plain decoding with the cache makes 1."""
     generated = jnp.sum(self.tokens_BxC != PAD_ID)
-    return generated / jnp.maximum(self.target_calls, 1)
+    return generated / jnp.maximum(self.row_calls, 1)
 
 
 # ----------------------------------------------------------------------------------
@@ -397,7 +400,7 @@ def _speculative_decode(target_model, target_params, draft_model, draft_params,
 
   s = jax.lax.while_loop(lambda s: jnp.any(active(s)), body, init)
   return SpeculativeOutput(s.tokens_BxO[:, :out_len], s.target_calls, s.proposed,
-                           s.accepted)
+                           s.accepted, s.proposed // k)
 
 
 _STATIC = ("target_model", "draft_model", "draft_len", "max_decode_extra_len",
