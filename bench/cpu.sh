@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU measurements of docs/performance.md, one after another (about 15 minutes on
+# The CPU measurements of docs/performance.md, one after another (about 20 minutes on
 # 2 cores; run it on an otherwise idle machine).
 #
 #   bash bench/cpu.sh                 # writes bench/results/cpu.jsonl and prints a table
@@ -23,14 +23,22 @@ run() {  # run LABEL CONFIG [FLAGS...]
 }
 
 # The training step of Transformer-base: 16 sentences of 64 source and 64 target tokens,
-# f32, dropout 0.1, label smoothing 0.1, Adam; then one change at a time.
+# f32, dropout 0.1, label smoothing 0.1, Adam; configs/wmt14.py scans its layers, so
+# base is scanned and base-unscanned is the other layer mode; then one change at a time.
 BASE=(configs/wmt14.py:base --batch_tokens=1024 --seq_len=64 --steps=5 --warmup=1
       --only=train_step)
 run base "${BASE[@]}"
+run base-unscanned "${BASE[@]}" --config.model.scan_layers=false
 run base-unsafe_rbg "${BASE[@]}" --config.dropout_rng_impl=unsafe_rbg
 run base-attention_xla "${BASE[@]}" --config.model.attention_kernel=xla
-run base-scan "${BASE[@]}" --config.model.scan_layers=true
 run base-remat_full "${BASE[@]}" --config.model.remat=full
+
+# Cached beam search of Transformer-base (beam 4, alpha 0.6, early stopping off): 16
+# random sentences of 32 source tokens, 64 output tokens each, in both layer modes.
+BEAM=(configs/wmt14.py:base --only=beam_search --decode_batch=16 --decode_source_len=32
+      --decode_steps=64)
+run beam-base "${BEAM[@]}"
+run beam-base-unscanned "${BEAM[@]}" --config.model.scan_layers=false
 
 # Compile time against depth, with and without scan (a small batch: compile dominates).
 for layers in 2 12; do
@@ -45,6 +53,10 @@ done
 run big configs/wmt14.py:big --batch_tokens=256 --seq_len=64 --steps=3 --warmup=1 \
     --only=train_step
 run default configs/default.py --steps=5 --warmup=1
+# The step `make train` runs: the default's packed batches hold 17 rows of 64 (its
+# tokens_per_batch of 1,024 counts real tokens, docs/data.md).
+run default-train-shape configs/default.py --batch_tokens=1088 --steps=20 --warmup=2 \
+    --only=train_step
 
 "$PY" - "$LOG" <<'PY'
 import json, sys
@@ -62,6 +74,8 @@ for line in open(sys.argv[1]):
       parts.append(f"{1e3 * r['step_time_s']:,.0f} ms")
     if r.get("tokens_per_sec"):
       parts.append(f"{r['tokens_per_sec']:,.0f} tokens/s")
+    if r.get("sentences_per_sec"):
+      parts.append(f"{r['sentences_per_sec']:,.2f} sentences/s")
     if r.get("mfu") is not None:
       parts.append(f"MFU {100 * r['mfu']:.1f}%")
     print(f"{r['label']:>22}  " + ", ".join(parts))
