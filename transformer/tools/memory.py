@@ -23,7 +23,10 @@ leaving the activations' shardings to XLA's propagation from the parameters and 
 batch, and adds that step's `temp` (temp_propagated).
 The batch is `--batch_tokens / --seq_len` rows of `--seq_len` source and target tokens
 (default: the config's tokens_per_batch over max_len, rounded down to whole row
-shards on every mesh). docs/performance.md records the figures.
+shards on every mesh). Training counts tokens_per_batch in real tokens, so its padded
+batches hold more slots than that: for a bucketed run pass --batch_tokens =
+tokens_per_batch / the padding efficiency `input_speed` reports (docs/data.md).
+docs/performance.md records the figures.
 """
 
 from __future__ import annotations
