@@ -5,12 +5,21 @@
 
 The corpus ships in data/ (CC-BY 2.0 FR, tatoeba.org; see data/README.md), so this runs
 with no network. README records the wall time, throughput and BLEU it reaches.
+
+`configs/default.py:draft` is the same model with one encoder and one decoder layer: a
+draft for speculative decoding (docs/decoding.md). Train it on the target run's
+vocabulary, so the two share token ids:
+
+    python train.py --config configs/default.py:draft --workdir workdirs/spec_draft \
+        --config.vocab_from=workdirs/spec_target
 """
 
 from transformer import config as config_lib
 
 
-def get_config():
+def get_config(arg=None):
+  if arg not in (None, "", "draft"):
+    raise ValueError(f"configs/default.py: argument {arg!r} must be empty or 'draft'")
   c = config_lib.base_config()
   c.dataset = "tatoeba_en_es"
   c.direction = "en-es"
@@ -43,4 +52,9 @@ def get_config():
   c.checkpoint_every_steps = 250
   c.checkpoint_every_minutes = 0.0
   c.keep_checkpoints = 5
+
+  if arg == "draft":
+    # One layer per stack (num_layers sets both) and nothing else changed: the target's
+    # vocabulary size and widths, so it reads the target's vocabulary (vocab_from).
+    c.model.num_layers = 1
   return c

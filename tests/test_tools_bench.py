@@ -110,3 +110,44 @@ def test_bench_lines_for_a_device_with_no_known_peak():
   assert peak == ("peak: unknown (device kind not in the bf16 table, 1 x Mystery 9000): "
                   "no MFU")
   assert train.endswith("2.0 GFLOP/s, MFU n/a")
+
+
+def test_speculative_on_two_tiny_runs(small_corpus, trained_run, tmp_path):
+  """Greedy against speculative greedy decoding of test sentences, on the tiny trained run
+  and a narrower draft trained on its vocabulary: identical tokens, consistent counts."""
+  from transformer.training import loop
+  _, target_workdir = trained_run
+  draft_workdir = str(tmp_path / "draft")
+  loop.train_and_evaluate(make_config(
+      small_corpus, vocab_from=target_workdir, num_train_steps=2, **{
+          "model.d_model": 16, "model.d_ff": 32, "model.d_k": 8, "model.d_v": 8}),
+      draft_workdir)
+  result = run_bench(small_corpus, "--json", "--only=speculative", "--workdir",
+                     target_workdir, "--draft_workdir", draft_workdir, "--draft_len=3",
+                     "--speculative_sentences=20", "--config.max_decode_extra_len=5")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+  assert [r["name"] for r in records] == ["peak", "speculative"]
+  spec = records[1]
+  # 20 sentences in eval_batch_size (16) rows: two batches, the second mostly fill.
+  assert (spec["sentences"], spec["batch_size"], spec["draft_len"]) == (20, 16, 3)
+  assert 0 <= spec["accepted"] <= spec["proposed"] and spec["target_calls"] > 0
+  assert math.isclose(spec["acceptance_rate"], spec["accepted"] / spec["proposed"])
+  # Every row of a batch (16) per batched pass: k + 1 each, plus the prefill's share.
+  assert 0 < spec["tokens_per_target_call"] <= 16 * (3 + 1 + 1)
+  # Each pass gives every unfinished row at least one token: never more passes than greedy.
+  assert spec["target_passes_speculative"] == spec["target_calls"] + 2
+  assert spec["target_passes_speculative"] <= spec["target_passes_greedy"]
+  assert math.isclose(spec["target_pass_reduction"], spec["target_passes_greedy"] /
+                      spec["target_passes_speculative"])
+  assert spec["draft_params"] < spec["target_params"]
+  assert math.isclose(spec["speedup"], spec["greedy_s"] / spec["speculative_s"])
+  assert math.isclose(spec["greedy_sentences_per_sec"], 20 / spec["greedy_s"])
+
+
+def test_speculative_without_runs_is_a_one_line_usage_error(small_corpus):
+  result = run_bench(small_corpus, "--only=speculative", "--draft_workdir=somewhere")
+  assert result.returncode != 0
+  assert "--only speculative needs --workdir (the target run) and --draft_workdir" in (
+      result.stderr)
+  assert "Traceback" not in result.stderr

@@ -36,6 +36,7 @@ RNG_IMPLS = ("threefry2x32", "philox4x32", "rbg", "unsafe_rbg")
 MESH_AXES = ("data", "fsdp", "tensor")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_KERNELS = ("einsum", "xla", "cudnn")
+LM_LOSS_KINDS = ("target", "sequence")
 
 
 class ConfigError(ValueError):
@@ -94,12 +95,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.vocab_size = 8000
   c.vocab_cache_dir = ""  # "" = <data_dir or ~/.cache>/transformer_vocab
   c.vocab_max_sentences = 2_000_000  # sentences per side used to train SentencePiece
+  # A trained run's workdir (may be gs://): use its vocab.model instead of the cached or
+  # newly trained vocabulary, e.g. for a speculative-decoding draft, whose token ids must
+  # be the target's. It is copied into the new workdir as usual.
+  c.vocab_from = ""
   c.max_len = 64  # longest source or target, in subword tokens including EOS
   c.drop_long_examples = True  # False clips instead of dropping
   c.batching = "tokens"  # tokens (length buckets) | packed (segment ids)
   c.tokens_per_batch = 4096  # global real (non-pad) tokens per side per step, before accumulation
   c.eval_batch_size = 64  # sentences per evaluation / decoding batch (global)
   c.shuffle_buffer_size = 100_000
+  # Decoder-only models read source + EOS + target + EOS as one sequence. target: the
+  # loss is on the target side only (a prefix LM, the translation objective); sequence:
+  # on the source side too (a plain LM over both, more training signal per pair).
+  # Validation loss stays on the target side either way, comparable across both.
+  c.lm_loss = "target"
 
   # Optimization (transformer/training/optimizer.py). lr = scale * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5)
   c.num_train_steps = 100_000
@@ -309,6 +319,10 @@ def _check_data(config: ml_collections.ConfigDict, flat: dict) -> None:
          f"{config.tokens_per_batch} is below max_len={config.max_len}: "
          "not even one sentence fits in a batch")
   _check(config.eval_batch_size > 0, "eval_batch_size", "must be positive")
+  _check_choice(flat, "lm_loss", LM_LOSS_KINDS)
+  _check(config.lm_loss == "target" or config.model.decoder_only, "lm_loss",
+         f"{config.lm_loss!r} needs model.decoder_only=True (an encoder-decoder model's "
+         "loss is on the target only)")
 
 
 def _check_optimization(config: ml_collections.ConfigDict, flat: dict) -> None:

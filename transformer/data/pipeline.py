@@ -66,12 +66,20 @@ def _fit(ids: np.ndarray, max_len: int, clip: bool) -> np.ndarray | None:
 
 
 def make_example(source_ids: np.ndarray, target_ids: np.ndarray,
-                 decoder_only: bool) -> dict[str, np.ndarray]:
-  """Translation example, or an LM sequence source+EOS+target+EOS (loss on the target)."""
+                 decoder_only: bool, lm_loss: str = "target") -> dict[str, np.ndarray]:
+  """Translation example, or an LM sequence source+EOS+target+EOS.
+
+  lm_loss (config.lm_loss, decoder-only only): "target" puts the loss on the target
+  side alone, so the source is a prompt the model reads but is not scored on (a prefix
+  LM); "sequence" scores every token, the source side's too.
+  """
   if not decoder_only:
     return {"source": source_ids, "target": target_ids}
+  if lm_loss not in ("target", "sequence"):
+    raise ConfigError(f"lm_loss: {lm_loss!r} must be 'target' or 'sequence'")
+  source_weight = np.zeros_like if lm_loss == "target" else np.ones_like
   return {"target": np.concatenate([source_ids, target_ids]),
-          "loss_mask": np.concatenate([np.zeros_like(source_ids), np.ones_like(target_ids)])}
+          "loss_mask": np.concatenate([source_weight(source_ids), np.ones_like(target_ids)])}
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -89,6 +97,7 @@ class TrainIterator:
     self._config, self._tokenizer, self._source = config, tokenizer, source
     self._process_index, self._process_count = process_index, process_count
     self._decoder_only = bool(config.model.decoder_only)
+    self._lm_loss = config.lm_loss  # validation (_eval_examples) scores the target only
     # A decoder-only sequence holds both sides: twice the length and the token budget.
     sides = 2 if self._decoder_only else 1
     self._row_len, self._budget = sides * config.max_len, sides * config.tokens_per_batch
@@ -213,7 +222,7 @@ class TrainIterator:
         if s is None or t is None:
           dropped += 1
           continue
-        yield make_example(s, t, self._decoder_only)
+        yield make_example(s, t, self._decoder_only, self._lm_loss)
     if log and dropped:
       logging.info("Epoch %d of %s: %d pairs longer than max_len %d dropped", epoch,
                    self._source.name, dropped, config.max_len)

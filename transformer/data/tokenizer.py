@@ -3,7 +3,9 @@
 Token ids are fixed (transformer/config.py): PAD=0, EOS=1, BOS=2, UNK=3. The model file is
 cached under config.vocab_cache_dir with a name that hashes everything it depends on
 (dataset, direction, type, size, sentence cap), and copied into each run's workdir as
-`vocab.model` so evaluation needs nothing but the workdir.
+`vocab.model` so evaluation needs nothing but the workdir. A run with config.vocab_from
+set takes another run's `vocab.model` instead (a speculative-decoding draft must share its
+target's ids exactly).
 """
 
 from __future__ import annotations
@@ -165,12 +167,35 @@ def copy_vocab_to_workdir(tokenizer: Tokenizer, workdir: str) -> str:
 
 
 def get_tokenizer(config, workdir: str, *, source=None) -> Tokenizer:
-  """The run's vocabulary: WORKDIR/vocab.model when resuming, else the cached one
-  (trained if needed), then copied into the workdir. For one process of a job."""
+  """The run's vocabulary: WORKDIR/vocab.model when resuming, else config.vocab_from's
+  vocab.model when set, else the cached one (trained if needed); then copied into the
+  workdir. For one process of a job."""
+  vocab_from = config.vocab_from
   if tf.io.gfile.exists(os.path.join(workdir, WORKDIR_VOCAB_NAME)):
     return load_workdir_tokenizer(workdir)
-  tokenizer = load_or_train_tokenizer(config, source=source)
+  if vocab_from:
+    tokenizer = vocab_from_run(vocab_from, config.vocab_size)
+  else:
+    tokenizer = load_or_train_tokenizer(config, source=source)
   copy_vocab_to_workdir(tokenizer, workdir)
+  return tokenizer
+
+
+def vocab_from_run(workdir: str, vocab_size: int) -> Tokenizer:
+  """Another run's vocabulary (config.vocab_from), as that run saved it.
+
+  A draft model for speculative decoding must share the target's token ids exactly; a
+  vocabulary trained again, even with the same settings, need not be byte-identical.
+  """
+  path = os.path.join(workdir, WORKDIR_VOCAB_NAME)
+  if not tf.io.gfile.exists(path):
+    raise ConfigError(f"config.vocab_from: no {WORKDIR_VOCAB_NAME} in {workdir} "
+                      "(was a run trained there?)")
+  tokenizer = Tokenizer.load(path)
+  if tokenizer.vocab_size > vocab_size:
+    raise ConfigError(f"config.vocab_from: {path} has {tokenizer.vocab_size} pieces, more "
+                      f"than config.vocab_size={vocab_size}; set vocab_size to the run's")
+  logging.info("Vocabulary: %s (config.vocab_from)", path)
   return tokenizer
 
 

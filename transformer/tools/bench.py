@@ -19,7 +19,20 @@ One process measures, in order:
                   random sentences for `--decode_steps` steps, the median of
                   `--decode_repeats` runs after an untimed one: sentences/s, tokens/s;
   input_pipeline  batches of the config's dataset, tokenized and batched exactly as
-                  training reads them: tokens/s (skipped when the dataset is not on disk).
+                  training reads them: tokens/s (skipped when the dataset is not on disk);
+  speculative     only when named in --only, on trained runs: `--workdir` (the target,
+                  trained with --config) and `--draft_workdir` (the draft, e.g.
+                  configs/default.py:draft trained with --config.vocab_from=TARGET). The
+                  first `--speculative_sentences` sentences of the test split, in
+                  eval_batch_size batches as eval.py reads them, decoded by cached greedy
+                  decoding (decoding.greedy_decode) and by speculative greedy decoding
+                  with `--draft_len` draft tokens per target pass; both (and the draft's
+                  own greedy decoding, for its cost) compiled by an untimed pass first.
+                  The tokens must be identical. Reports acceptance rate, tokens per target
+                  pass, sentences/s of each and the wall-clock speed-up:
+
+    python -m transformer.tools.bench --config configs/default.py --only speculative \
+        --workdir workdirs/spec_target --draft_workdir workdirs/spec_draft --draft_len 4
 
 The model and optimizer are the config's, on random weights and random full-length
 batches of `--seq_len` source and target tokens: `--batch_tokens / --seq_len` rows,
@@ -68,6 +81,15 @@ _DECODE_REPEATS = flags.DEFINE_integer("decode_repeats", 3, "Timed beam searches
 _PIPELINE_BATCHES = flags.DEFINE_integer("pipeline_batches", 50, "Input batches to time.")
 _ONLY = flags.DEFINE_list("only", ["train_step", "beam_search", "input_pipeline"],
                           "Measurements to run (peak always runs).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "--only speculative: the trained target "
+                               "run (its checkpoints and vocab.model; --config is its config).")
+_DRAFT_WORKDIR = flags.DEFINE_string("draft_workdir", None, "--only speculative: the trained "
+                                     "draft run (its own config.json is used).")
+_DRAFT_LEN = flags.DEFINE_integer("draft_len", 4, "--only speculative: draft tokens per "
+                                  "target pass (k).")
+_SPECULATIVE_SENTENCES = flags.DEFINE_integer(
+    "speculative_sentences", 256, "--only speculative: the first N sentences of the test "
+    "split.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per measurement.")
 _LABEL = flags.DEFINE_string("label", "", "With --json: a 'label' key on every record, to tell "
                              "runs apart in one file.")
@@ -206,6 +228,114 @@ def measure_input_pipeline(config) -> dict[str, Any]:
           "tokens_per_sec": r["tokens_per_sec"], "mfu": None}
 
 
+def _count(params) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def _decode_all(decode, sources: list) -> tuple[list, float]:
+  """decode(source) on every batch, each synchronized; (outputs, wall seconds)."""
+  start = time.perf_counter()
+  outputs = [jax.block_until_ready(decode(source)) for source in sources]
+  return outputs, time.perf_counter() - start
+
+
+def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int,
+                        num_sentences: int) -> dict[str, Any]:
+  """Cached greedy against speculative greedy decoding of the test split's first
+  sentences, on the restored target and draft (see the module docstring)."""
+  # Imported here: restoring runs needs the evaluation and checkpoint code only.
+  from transformer import data
+  from transformer.evaluation import translate
+  from transformer.model import decoding, speculative
+  # Restored as eval.py --draft_workdir restores them: the vocabularies are checked to be
+  # identical and the draft is placed on the target's mesh before anything compiles.
+  target = translate.Translator(config, workdir, draft_workdir=draft_workdir,
+                                search=translate.Search(kind="greedy", draft_len=draft_len))
+  draft = target.draft
+  pairs = data.load_raw_pairs(config, "test")[:num_sentences]
+  lines = [source for source, _ in pairs]
+  if not lines:
+    raise config_lib.ConfigError(f"config.dataset: {config.dataset} has no test sentences")
+  rows, extra = config.eval_batch_size, config.max_decode_extra_len
+  sources = []
+  for start in range(0, len(lines), rows):  # as eval.py batches: in order, padded rows
+    ids = target.tokenizer.encode_for_model(lines[start:start + rows], config.max_len)
+    whole = data.pad_batch(ids, rows=rows)
+    sources.append(sharding.global_batch_from_whole({"source": whole}, target.mesh,
+                                                    target.rules)["source"])
+
+  def greedy(model, params):
+    return lambda source: decoding.greedy_decode(model, params, source,
+                                                 max_decode_extra_len=extra)
+
+  def spec(source):
+    return speculative.speculative_greedy_decode(
+        target.model, target.params, draft.model, draft.params, source,
+        draft_len=draft_len, max_decode_extra_len=extra)
+
+  timings = {}
+  with sharding.activation_sharding(target.mesh, target.rules):
+    for name, decode in (("greedy", greedy(target.model, target.params)),
+                         ("speculative", spec),
+                         ("draft_greedy", greedy(draft.model, draft.params))):
+      _, compile_s = _decode_all(decode, sources)  # compiles every batch shape
+      outputs, run_s = _decode_all(decode, sources)
+      timings[name] = (compile_s, run_s, jax.device_get(outputs))
+  spec_out = timings["speculative"][2]
+  # Batches are in order and only the last one has fill rows: the first len(lines) rows
+  # hold the sentences. Compared batch by batch (each is as wide as its source).
+  differ, generated, greedy_passes = 0, 0, 0
+  for b, (plain, out) in enumerate(zip(timings["greedy"][2], spec_out)):
+    real = np.arange(rows) < len(lines) - b * rows
+    fast = np.asarray(out.tokens_BxC)
+    differ += int(np.sum(np.any(np.asarray(plain) != fast, axis=1) & real))
+    generated += int(np.sum((fast != config_lib.PAD_ID) & real[:, None]))
+    # Greedy decoding runs one target pass per token until every row (fill rows too)
+    # is done: as many passes as the batch's longest output.
+    greedy_passes += int(np.max(np.sum(np.asarray(plain) != config_lib.PAD_ID, axis=1)))
+  draft_passes = sum(int(np.max(np.sum(np.asarray(t) != config_lib.PAD_ID, axis=1)))
+                     for t in timings["draft_greedy"][2])
+  if differ:
+    raise RuntimeError(f"speculative greedy decoding differs from greedy decoding on "
+                       f"{differ} of {len(lines)} sentences")
+  proposed = sum(int(o.proposed) for o in spec_out)
+  accepted = sum(int(o.accepted) for o in spec_out)
+  target_calls = sum(int(o.target_calls) for o in spec_out)
+  greedy_s, spec_s, draft_s = (timings[k][1] for k in ("greedy", "speculative",
+                                                       "draft_greedy"))
+  return {
+      "name": "speculative", "sentences": len(lines), "batch_size": rows,
+      "draft_len": draft_len, "target_params": _count(target.params),
+      "draft_params": _count(draft.params),
+      "acceptance_rate": accepted / max(proposed, 1), "proposed": proposed,
+      "accepted": accepted, "target_calls": target_calls,
+      # Whole-batch passes of the target, the first token's included (speculative: the
+      # prefill, uncounted in target_calls; greedy: its first step). Their ratio is what
+      # speculation saves in target passes; the speed-up is what it saves in time.
+      "target_passes_greedy": greedy_passes,
+      "target_passes_speculative": target_calls + len(sources),
+      "target_pass_reduction": greedy_passes / (target_calls + len(sources)),
+      # As SpeculativeOutput and eval.py count it: tokens of every row of a batch (fill
+      # rows included) per batched target pass, so up to batch_size * (k + 1).
+      "tokens_per_target_call": sum(int(np.sum(np.asarray(o.tokens_BxC) != config_lib.PAD_ID))
+                                    for o in spec_out) / max(target_calls, 1),
+      "generated_tokens": generated,
+      # The untimed first passes: compiling every batch shape, plus one run.
+      "greedy_compile_s": timings["greedy"][0], "speculative_compile_s": timings["speculative"][0],
+      "greedy_s": greedy_s, "speculative_s": spec_s,
+      "greedy_sentences_per_sec": len(lines) / greedy_s,
+      "speculative_sentences_per_sec": len(lines) / spec_s,
+      "speedup": greedy_s / spec_s,
+      # The cost of a one-token draft pass relative to a one-token target pass, from each
+      # model's own greedy decoding (per pass: an undertrained draft may run longer).
+      # With the acceptance rate, it decides whether speculation can pay.
+      "draft_greedy_s": draft_s, "draft_greedy_passes": draft_passes,
+      "draft_cost_ratio": (draft_s / draft_passes) / (greedy_s / greedy_passes),
+      "tokens_per_sec": generated / spec_s, "step_time_s": spec_s / max(target_calls, 1),
+      "mfu": None,
+  }
+
+
 def _fmt_bytes(n: int) -> str:
   return f"{n / 2**20:,.0f} MiB"
 
@@ -241,6 +371,15 @@ def describe(result: dict[str, Any]) -> str:
             f"{result['steps']} steps, compile {result['compile_s']:.1f} s, "
             f"{result['sentences_per_sec']:,.2f} sentences/s, "
             f"{result['tokens_per_sec']:,.0f} tokens/s")
+  if name == "speculative":
+    return (f"speculative: {result['sentences']} test sentences, k={result['draft_len']}, "
+            f"acceptance {100 * result['acceptance_rate']:.1f}%, "
+            f"{result['tokens_per_target_call']:.2f} tokens per batched target call, "
+            f"{result['target_pass_reduction']:.2f}x fewer target passes; greedy "
+            f"{result['greedy_sentences_per_sec']:,.1f} sentences/s, speculative "
+            f"{result['speculative_sentences_per_sec']:,.1f} sentences/s (identical tokens), "
+            f"speed-up {result['speedup']:.2f}x; draft/target pass cost "
+            f"{result['draft_cost_ratio']:.2f}")
   return (f"input_pipeline: {result['batches']} batches, "
           f"{result['examples_per_sec']:,.0f} examples/s, "
           f"{result['tokens_per_sec']:,.0f} tokens/s")
@@ -253,9 +392,17 @@ def main(argv):
   config_lib.validate(config)
   seq_len = _SEQ_LEN.value or config.max_len
   batch_tokens = _BATCH_TOKENS.value or config.tokens_per_batch
-  unknown = set(_ONLY.value) - {"train_step", "beam_search", "input_pipeline"}
+  unknown = set(_ONLY.value) - {"train_step", "beam_search", "input_pipeline", "speculative"}
   if unknown:
     raise app.UsageError(f"--only: unknown measurement(s) {sorted(unknown)}")
+  if "speculative" in _ONLY.value:
+    if not (_WORKDIR.value and _DRAFT_WORKDIR.value):
+      raise app.UsageError("--only speculative needs --workdir (the target run) and "
+                           "--draft_workdir (the draft run)")
+    if config.model.decoder_only:  # greedy_decode, the baseline, reads a source
+      raise app.UsageError("speculative needs an encoder-decoder config; drop it from --only")
+    if _DRAFT_LEN.value < 1 or _SPECULATIVE_SENTENCES.value < 1:
+      raise app.UsageError("--draft_len and --speculative_sentences must be at least 1")
   multiple = sharding.batch_row_multiple(sharding.create_mesh(config),
                                          sharding.axis_rules(config))
   rows = benchmark_rows(batch_tokens, seq_len, multiple)
@@ -287,6 +434,9 @@ def main(argv):
     report(measure_beam_search(config, model, params))
   if "input_pipeline" in _ONLY.value:
     report(measure_input_pipeline(config))
+  if "speculative" in _ONLY.value:
+    report(measure_speculative(config, _WORKDIR.value, _DRAFT_WORKDIR.value, _DRAFT_LEN.value,
+                               _SPECULATIVE_SENTENCES.value))
 
 
 if __name__ == "__main__":

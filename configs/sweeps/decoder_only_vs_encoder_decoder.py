@@ -1,0 +1,40 @@
+"""Encoder-decoder against decoder-only at the same parameter count, on the embedded default.
+
+    python -m transformer.sweeps --sweep configs/sweeps/decoder_only_vs_encoder_decoder.py \
+        --workdir workdirs/decoder_only_vs_encoder_decoder
+    python -m transformer.sweeps --sweep configs/sweeps/decoder_only_vs_encoder_decoder.py \
+        --workdir workdirs/decoder_only_vs_encoder_decoder --collect --output_dir docs
+
+Both rows are `configs/default.py` as it is (Tatoeba en-es, 8,000 shared BPE pieces, d_model
+256, d_ff 1024, 4 heads, tied embeddings, 1,000 steps): only the architecture differs.
+
+  encoder_decoder  the default: 3 encoder + 3 decoder layers, 7,568,384 parameters.
+  decoder_only     one stack of 7 layers reading source + EOS + target + EOS, the loss on
+                   the target only (config.lm_loss = "target", a prefix LM): 7,569,152
+                   parameters (+0.01%).
+
+Counted with `state.setup(config).num_params` (tests/test_training_draft_and_lm_loss.py
+checks they stay within 10%). The 2,048,000 embedding parameters are common; of the rest,
+an encoder layer and a decoder-only layer each hold self-attention and a feed-forward
+block (788,736 parameters), a decoder layer cross-attention as well (1,051,392), so
+3 x 788,736 + 3 x 1,051,392 = 5,520,384 are matched by 7 x 788,736 = 5,521,152.
+
+The parameters are matched, not the compute: each step sees the same pairs (a decoder-only
+row holds both sides, with twice the length and token budget, transformer/data/pipeline.py),
+but all 7 layers run over source and target alike. transformer/training/flops.py counts
+about 2.0x the training FLOPs per pair (a 13 + 13 token pair: 1.19 against 0.59 GFLOP), so
+expect the decoder_only row to take about twice as long. A third row with
+`"lm_loss": "sequence"` as well would score the source side too.
+"""
+
+from transformer.sweeps import Row
+
+BASE_CONFIG = "configs/default.py"
+BASE_OVERRIDES = {}
+
+
+def get_sweep():
+  return [
+      Row("encoder_decoder", {}),
+      Row("decoder_only", {"model.decoder_only": True, "model.num_layers": 7}),
+  ]
