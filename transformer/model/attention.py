@@ -6,6 +6,8 @@ projected once from the final encoder output. Later self-attention calls feed L 
 per row ([B, L]) and write their K/V at slots `cache_position` .. + L - 1, where the
 position is a scalar shared by the batch or an int32 [B] vector, one per row (prompts of
 different lengths, speculative rollback); each query sees the slots up to its own.
+The cache keeps K as [B, H, K, C] and V as [B, H, C, E] ('key', 'value'; 'cross_key',
+'cross_value'), the layouts its two matmuls read without a transpose.
 
 Q, K, V, the attention logits and the output carry sharding constraints (`constrain`):
 rows over the batch axes, heads over the tensor axis, under the config's rules.
@@ -21,9 +23,13 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from transformer.model.primitives import (BATCH, BLD, BLHK, HEADS, LENGTH, MASKED_LOGIT,
-                                          Array, ModelConfig, apply_rope, attention_mask,
-                                          constrain)
+from transformer.model.primitives import (BATCH, BLD, BLHK, HEADS, KV, LENGTH,
+                                          MASKED_LOGIT, Array, ModelConfig, apply_rope,
+                                          attention_mask, constrain)
+
+# The decoding cache's layouts: K as [B, H, K, S], V as [B, H, S, E].
+_BHKL = (BATCH, HEADS, KV, LENGTH)
+_BHLK = (BATCH, HEADS, LENGTH, KV)
 
 
 class Projection(nn.Module):
@@ -73,8 +79,12 @@ class MultiHeadAttention(nn.Module):
       q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache)
     if q_BxLxHxK is None:  # the call that creates the cache only sizes it
       return jnp.zeros_like(x_BxLxD)
-    out_BxLxHxE = constrain(
-        self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic), BLHK)
+    if use_cache:  # K [B, H, K, S] and V [B, H, S, E], as the cache stores them
+      out_BxLxHxE = self._attend_cached(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS)
+    else:
+      out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS,
+                                 deterministic)
+    out_BxLxHxE = constrain(out_BxLxHxE, BLHK)
     out_BxLxD = self._dense(self.config.d_model, ("heads", "kv", "embed"), "out",
                             axis=(-2, -1))(out_BxLxHxE)
     return constrain(out_BxLxD, BLD)
@@ -95,9 +105,14 @@ class MultiHeadAttention(nn.Module):
       k_BxSxHxK = apply_rope(k_BxSxHxK, positions_BxL)
     if not use_cache:
       return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS
+    # The buffers are stored as the cached attention's matmuls read them (see
+    # `_attend_cached`): K as [B, H, K, C] and V as [B, H, C, E].
+    batch, length = k_BxSxHxK.shape[:2]
+    k_BxHxKxL = jnp.transpose(k_BxSxHxK, (0, 2, 3, 1))
+    v_BxHxLxE = jnp.transpose(v_BxSxHxE, (0, 2, 1, 3))
     is_created = self.has_variable("cache", "key")
-    key_cache = self.variable("cache", "key", jnp.zeros, k_BxSxHxK.shape, k_BxSxHxK.dtype)
-    value_cache = self.variable("cache", "value", jnp.zeros, v_BxSxHxE.shape, v_BxSxHxE.dtype)
+    key_cache = self.variable("cache", "key", jnp.zeros, k_BxHxKxL.shape, k_BxHxKxL.dtype)
+    value_cache = self.variable("cache", "value", jnp.zeros, v_BxHxLxE.shape, v_BxHxLxE.dtype)
     if not is_created:
       return None, None, None, None
     # L new tokens per sentence: write their K/V at slots position .. position + L - 1
@@ -105,19 +120,18 @@ class MultiHeadAttention(nn.Module):
     # end are clamped by XLA (landing on the wrong slots): callers size the buffer.
     if cache_position.ndim == 0:
       # One shared position (greedy, sampling, beam search): one contiguous write.
-      write = lambda buffer, new: jax.lax.dynamic_update_slice(buffer, new,
-                                                               (0, cache_position, 0, 0))
+      write = lambda buffer, new, axis: jax.lax.dynamic_update_slice_in_dim(
+          buffer, new, cache_position, axis)
     else:
       # A position per row [B]: speculative decoding rolls rows back by different
       # amounts, so each row writes at its own slot.
-      write = lambda buffer, new: jax.vmap(
-          lambda buffer_CxHxK, new_LxHxK, at: jax.lax.dynamic_update_slice(
-              buffer_CxHxK, new_LxHxK, (at, 0, 0)))(buffer, new, cache_position)
+      write = lambda buffer, new, axis: jax.vmap(
+          lambda row_buffer, row_new, at: jax.lax.dynamic_update_slice_in_dim(
+              row_buffer, row_new, at, axis - 1))(buffer, new, cache_position)
     # Constrained as they are stored: the buffers are the loop carry of the search.
-    key_cache.value = constrain(write(key_cache.value, k_BxSxHxK), BLHK)
-    value_cache.value = constrain(write(value_cache.value, v_BxSxHxE), BLHK)
-    batch, cache_len = key_cache.value.shape[:2]
-    length = q_BxLxHxK.shape[1]
+    key_cache.value = constrain(write(key_cache.value, k_BxHxKxL, 3), _BHKL)
+    value_cache.value = constrain(write(value_cache.value, v_BxHxLxE, 2), _BHLK)
+    cache_len = key_cache.value.shape[3]
     if cache_position.ndim == 0 and length == 1:
       written_BxC = jnp.broadcast_to(jnp.arange(cache_len) <= cache_position,
                                      (batch, cache_len)).astype(jnp.int32)
@@ -139,16 +153,35 @@ class MultiHeadAttention(nn.Module):
     project_kv = self._dense((h, k + e), ("embed", "heads", "kv"), "kv")
     if not use_cache:
       kv_BxSxHxKE = constrain(project_kv(memory_BxSxD), BLHK)
-    elif not self.has_variable("cache", "cross_kv"):
+      k_BxSxHxK, v_BxSxHxE = jnp.split(kv_BxSxHxKE, [k], axis=-1)
+      return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE
+    if not self.has_variable("cache", "cross_key"):
       # K/V depend on the source only: projected once, when the cache is created, and
-      # reused at every step.
+      # stored as `_attend_cached` reads them, so no step splits or transposes them.
       kv_BxSxHxKE = constrain(project_kv(memory_BxSxD), BLHK)
-      self.variable("cache", "cross_kv", lambda: kv_BxSxHxKE)
+      k_BxSxHxK, v_BxSxHxE = jnp.split(kv_BxSxHxKE, [k], axis=-1)
+      self.variable("cache", "cross_key",
+                    lambda: constrain(jnp.transpose(k_BxSxHxK, (0, 2, 3, 1)), _BHKL))
+      self.variable("cache", "cross_value",
+                    lambda: constrain(jnp.transpose(v_BxSxHxE, (0, 2, 1, 3)), _BHLK))
       return None, None, None
-    else:
-      kv_BxSxHxKE = self.get_variable("cache", "cross_kv")
-    k_BxSxHxK, v_BxSxHxE = jnp.split(kv_BxSxHxKE, [k], axis=-1)
-    return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE
+    return (q_BxLxHxK, self.get_variable("cache", "cross_key"),
+            self.get_variable("cache", "cross_value"))
+
+  def _attend_cached(self, q_BxLxHxK, k_BxHxKxS, v_BxHxSxE, mask_Bx1xLxS):
+    """softmax(Q K^T / sqrt(d_k)) V over the cache, whose K [B, H, K, S] and V
+    [B, H, S, E] are laid out as the two matmuls read them (batch dimensions first,
+    the contracted one next): stored [B, S, H, K] instead, XLA:CPU copied every
+    layer's K and V transposed at every decoding step, which took longer than the
+    step's matmuls (docs/performance.md). Decoding has no dropout, and the written-out
+    form serves every attention_kernel (a step's attention is small).
+    """
+    cfg = self.config
+    logits_BxHxLxS = jnp.einsum("blhk,bhks->bhls", q_BxLxHxK, k_BxHxKxS,
+                                preferred_element_type=jnp.float32) / math.sqrt(cfg.d_k)
+    logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS, MASKED_LOGIT)
+    weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1).astype(cfg.dtype)
+    return jnp.einsum("bhls,bhse->blhe", weights_BxHxLxS, v_BxHxSxE)
 
   def _attend(self, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic):
     """softmax(Q K^T / sqrt(d_k)) V: written out, or jax.nn.dot_product_attention.
