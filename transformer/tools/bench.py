@@ -315,10 +315,11 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
       "target_passes_greedy": greedy_passes,
       "target_passes_speculative": target_calls + len(sources),
       "target_pass_reduction": greedy_passes / (target_calls + len(sources)),
-      # As SpeculativeOutput and eval.py count it: tokens of every row of a batch (fill
-      # rows included) per batched target pass, so up to batch_size * (k + 1).
+      # As SpeculativeOutput and eval.py count it: tokens per sentence per target pass
+      # (at most k + 1, plus the first token, which the uncounted prefill yields).
       "tokens_per_target_call": sum(int(np.sum(np.asarray(o.tokens_BxC) != config_lib.PAD_ID))
-                                    for o in spec_out) / max(target_calls, 1),
+                                    for o in spec_out) / max(sum(int(o.row_calls)
+                                                                 for o in spec_out), 1),
       "generated_tokens": generated,
       # The untimed first passes: compiling every batch shape, plus one run.
       "greedy_compile_s": timings["greedy"][0], "speculative_compile_s": timings["speculative"][0],
@@ -374,7 +375,7 @@ def describe(result: dict[str, Any]) -> str:
   if name == "speculative":
     return (f"speculative: {result['sentences']} test sentences, k={result['draft_len']}, "
             f"acceptance {100 * result['acceptance_rate']:.1f}%, "
-            f"{result['tokens_per_target_call']:.2f} tokens per batched target call, "
+            f"{result['tokens_per_target_call']:.2f} tokens per sentence per target call, "
             f"{result['target_pass_reduction']:.2f}x fewer target passes; greedy "
             f"{result['greedy_sentences_per_sec']:,.1f} sentences/s, speculative "
             f"{result['speculative_sentences_per_sec']:,.1f} sentences/s (identical tokens), "
