@@ -18,6 +18,7 @@ from typing import Iterator
 
 from absl import logging
 import numpy as np
+import tensorflow as tf
 
 from transformer.config import ConfigError, EOS_ID
 from transformer.data import batching
@@ -51,6 +52,12 @@ def tokenized_chunks(source, tokenizer: Tokenizer, split: str, *,
   process as the interpreter shut down.
   """
   ds = source.text_dataset(split, shuffle_seed=shuffle_seed)
+  # One thread for tf.data's reading and shuffling: it needs little, and every core
+  # it keeps busy (TensorFlow's pools spin while they wait) is taken from the step.
+  options = tf.data.Options()
+  options.threading.private_threadpool_size = 1
+  options.threading.max_intra_op_parallelism = 1
+  ds = ds.with_options(options)
   if shuffle_seed is not None:
     ds = ds.shuffle(shuffle_buffer_size, seed=shuffle_seed, reshuffle_each_iteration=False)
   encode = _encode_chunk(tokenizer)
