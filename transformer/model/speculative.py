@@ -51,7 +51,9 @@ import jax
 import jax.numpy as jnp
 
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
-from transformer.model.decoding import _forbid_special, filter_logits, max_output_lengths
+from transformer.model.decoding import (_cached_call, _create_cache, _forbid_special,
+                                        filter_logits, max_output_lengths, prefill,
+                                        set_positions, translation_prompt)
 
 Array = jax.Array
 
@@ -86,72 +88,6 @@ class SpeculativeOutput(NamedTuple):
 
 # ----------------------------------------------------------------------------------
 # The cache: creation, prefill and per-row cached calls.
-
-
-def translation_prompt(source_BxS: Array) -> Array:
-  """[BOS] + source ids: what a decoder-only model trained on source + target continues."""
-  return jnp.concatenate([jnp.full((source_BxS.shape[0], 1), BOS_ID, jnp.int32),
-                          source_BxS.astype(jnp.int32)], axis=1)
-
-
-def set_positions(cache: Any, position_B: Array) -> Any:
-  """The cache with every row's next write (and position) at position_B [B].
-
-  The counter is one leaf at Decoder level, cache['decoder']['position'], whether the
-  layers are scanned or not. Moving a row back rolls it back: its later slots are
-  masked from then on and overwritten by the next tokens it is fed.
-  """
-  return {**cache, "decoder": {**cache["decoder"],
-                               "position": jnp.asarray(position_B, jnp.int32)}}
-
-
-def _create_cache(model, params, source_BxS: Optional[Array], batch: int,
-                  cache_len: int) -> Any:
-  """An empty cache of cache_len slots; encoder-decoder: encodes and projects cross K/V."""
-  encoded_BxSxD = None
-  if not model.config.decoder_only:
-    encoded_BxSxD = model.apply({"params": params}, source_BxS, method=model.encode)
-  _, variables = model.apply(
-      {"params": params}, encoded_BxSxD, source_BxS, jnp.zeros((batch, cache_len), jnp.int32),
-      use_cache=True, mutable=["cache"], method=model.decode)
-  return variables["cache"]
-
-
-def _cached_call(model, params, cache: Any, source_BxS: Optional[Array], tokens_BxL: Array,
-                 position_B: Optional[Array] = None) -> tuple[Array, Any]:
-  """Feeds L tokens per row (at position_B .. + L - 1 if given): (f32 [B, L, V], cache)."""
-  if position_B is not None:
-    cache = set_positions(cache, position_B)
-  logits_BxLxV, variables = model.apply(
-      {"params": params, "cache": cache}, None, source_BxS, tokens_BxL, use_cache=True,
-      mutable=["cache"], method=model.decode)
-  return logits_BxLxV, variables["cache"]
-
-
-def prefill(model, params, prompt_BxP: Array, *, cache_len: int,
-            source_BxS: Optional[Array] = None) -> tuple[Any, Array, Array]:
-  """Creates a cache of cache_len slots and reads the whole padded prompt in one call.
-
-  Rows continue from their own prompt length: each row's position is set to it, so its
-  padding slots are masked and the first generated token overwrites the first of them.
-  Causal attention keeps the padding out of the real tokens' logits.
-
-  Args:
-    prompt_BxP: int32, each row's real tokens first (BOS, ...), then PAD.
-    cache_len: slots, at least P plus whatever is fed later.
-    source_BxS: the encoder input of an encoder-decoder model (whose prompt is BOS).
-
-  Returns:
-    (cache with int32 [B] positions, logits_BxV at each row's last prompt token,
-    prompt_len_B).
-  """
-  batch = prompt_BxP.shape[0]
-  prompt_len_B = jnp.sum(prompt_BxP != PAD_ID, axis=1).astype(jnp.int32)
-  cache = _create_cache(model, params, source_BxS, batch, cache_len)
-  logits_BxPxV, cache = _cached_call(model, params, cache, source_BxS, prompt_BxP)
-  logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_len_B - 1)[:, None, None],
-                                   axis=1)[:, 0]
-  return set_positions(cache, prompt_len_B), logits_BxV, prompt_len_B
 
 
 def _inputs(model, source_or_prompt_BxS: Array, max_decode_extra_len: int,
