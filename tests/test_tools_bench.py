@@ -10,8 +10,7 @@ import os
 import subprocess
 import sys
 
-from transformer.tools import bench
-from transformer.training import flops
+from transformer.training import flops, sharding
 from transformer.model import ModelConfig
 from tests.tiny_run import REPO, flag_overrides, make_config
 
@@ -65,10 +64,10 @@ def test_bench_json_reports_every_measurement(small_corpus):
 
 
 def test_rows_fit_the_mesh_whatever_the_token_budget():
-  assert bench.benchmark_rows(25_000, 256, 1) == 97  # configs/wmt14.py: 25,000 / 256 rows
-  assert bench.benchmark_rows(25_000, 256, 8) == 96
-  assert bench.benchmark_rows(3 * SEQ_LEN, SEQ_LEN, 2) == 2  # rounded down to the devices
-  assert bench.benchmark_rows(SEQ_LEN // 2, SEQ_LEN, 4) == 4  # never below one row each
+  assert sharding.rows_for_tokens(25_000, 256, 1) == 97  # configs/wmt14.py: 25,000 / 256 rows
+  assert sharding.rows_for_tokens(25_000, 256, 8) == 96
+  assert sharding.rows_for_tokens(3 * SEQ_LEN, SEQ_LEN, 2) == 2  # rounded down to the devices
+  assert sharding.rows_for_tokens(SEQ_LEN // 2, SEQ_LEN, 4) == 4  # never below one row each
 
 
 def test_beam_search_alone_needs_no_training_batch_flags(small_corpus):

@@ -115,12 +115,6 @@ def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str,
   return batch
 
 
-def benchmark_rows(batch_tokens: int, seq_len: int, row_multiple: int) -> int:
-  """Rows of `seq_len` tokens nearest below `batch_tokens` that divide over the
-  data-parallel devices (`row_multiple`), and never fewer than one per device."""
-  return max(row_multiple, batch_tokens // seq_len // row_multiple * row_multiple)
-
-
 def measure_peak() -> dict[str, Any]:
   device = jax.devices()[0]
   peak = flops.total_peak_flops()
@@ -406,7 +400,7 @@ def main(argv):
       raise app.UsageError("--draft_len and --speculative_sentences must be at least 1")
   multiple = sharding.batch_row_multiple(sharding.create_mesh(config),
                                          sharding.axis_rules(config))
-  rows = benchmark_rows(batch_tokens, seq_len, multiple)
+  rows = sharding.rows_for_tokens(batch_tokens, seq_len, multiple)
   if "beam_search" in _ONLY.value and config.model.decoder_only:
     raise app.UsageError("beam_search needs an encoder-decoder config; drop it from --only")
 

@@ -123,6 +123,12 @@ def batch_row_shards(mesh: Mesh, rules) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def rows_for_tokens(batch_tokens: int, seq_len: int, row_multiple: int) -> int:
+  """Rows of `seq_len` tokens nearest below `batch_tokens` that divide over the
+  data-parallel devices (`row_multiple`), and never fewer than one per device."""
+  return max(row_multiple, batch_tokens // seq_len // row_multiple * row_multiple)
+
+
 def batch_row_multiple(mesh: Mesh, rules) -> int:
   """Global batch rows must be a multiple of this to split evenly over devices and hosts."""
   return math.lcm(batch_row_shards(mesh, rules), jax.process_count())
