@@ -20,6 +20,17 @@ from tests.model_helpers import (tiny_config, example_inputs, random_params, run
                                 NUM_HEADS, D_K, D_V, POSITION_VARIANTS)
 
 
+def _attention_inputs(self_attention):
+  """(queries [B, T, D] of zeros, the mask, the call's keyword arguments) for self- or
+  cross-attention over a zero encoder output [B, S, D]."""
+  queries_BxTxD = jnp.zeros((BATCH, TARGET_LEN, D_MODEL))
+  kv_len = TARGET_LEN if self_attention else SOURCE_LEN
+  mask = attention_mask(jnp.ones((BATCH, TARGET_LEN), jnp.int32),
+                        jnp.ones((BATCH, kv_len), jnp.int32), causal=self_attention)
+  kwargs = {} if self_attention else {"memory_BxSxD": jnp.zeros((BATCH, SOURCE_LEN, D_MODEL))}
+  return queries_BxTxD, mask, kwargs
+
+
 @pytest.mark.parametrize("self_attention, expected_params", [
     (True, {"qkv/kernel": (D_MODEL, NUM_HEADS, 2 * D_K + D_V),
             "out/kernel": (NUM_HEADS, D_V, D_MODEL)}),
@@ -29,12 +40,7 @@ from tests.model_helpers import (tiny_config, example_inputs, random_params, run
 ], ids=["self", "cross"])
 def test_attention_output_and_projection_shapes(self_attention, expected_params):
   cfg = tiny_config()
-  queries_BxTxD = jnp.zeros((BATCH, TARGET_LEN, D_MODEL))
-  memory_BxSxD = jnp.zeros((BATCH, SOURCE_LEN, D_MODEL))
-  kv_len = TARGET_LEN if self_attention else SOURCE_LEN
-  mask = attention_mask(jnp.ones((BATCH, TARGET_LEN), jnp.int32),
-                        jnp.ones((BATCH, kv_len), jnp.int32), causal=self_attention)
-  kwargs = {} if self_attention else {"memory_BxSxD": memory_BxSxD}
+  queries_BxTxD, mask, kwargs = _attention_inputs(self_attention)
   out, variables = jax.eval_shape(
       lambda key: MultiHeadAttention(cfg, self_attention=self_attention).init_with_output(
           key, queries_BxTxD, mask, **kwargs), jax.random.key(0))
@@ -165,16 +171,11 @@ def _all_equations(jaxpr):
 @pytest.mark.parametrize("self_attention", [True, False], ids=["self", "cross"])
 def test_bfloat16_forward_never_widens_bfloat16_scores(self_attention):
   cfg = tiny_config(dtype="bfloat16", d_v=5)  # weights x V must not look like [B, H, T, S]
-  x_BxTxD = jnp.zeros((BATCH, TARGET_LEN, D_MODEL))
-  memory_BxSxD = jnp.zeros((BATCH, SOURCE_LEN, D_MODEL))
-  kv_len = TARGET_LEN if self_attention else SOURCE_LEN
-  mask = attention_mask(jnp.ones((BATCH, TARGET_LEN), jnp.int32),
-                        jnp.ones((BATCH, kv_len), jnp.int32), causal=self_attention)
-  kwargs = {} if self_attention else {"memory_BxSxD": memory_BxSxD}
+  x_BxTxD, mask, kwargs = _attention_inputs(self_attention)
   module = MultiHeadAttention(cfg, self_attention=self_attention)
   variables = jax.eval_shape(module.init, jax.random.key(0), x_BxTxD, mask, **kwargs)
   jaxpr = jax.make_jaxpr(lambda v: module.apply(v, x_BxTxD, mask, **kwargs))(variables).jaxpr
-  scores_shape = (BATCH, NUM_HEADS, TARGET_LEN, kv_len)
+  scores_shape = (BATCH, NUM_HEADS, TARGET_LEN, mask.shape[-1])
   score_dots = [eqn for eqn in _all_equations(jaxpr) if eqn.primitive.name == "dot_general"
                 and eqn.outvars[0].aval.shape == scores_shape]
   assert score_dots and all(eqn.outvars[0].aval.dtype == jnp.float32 for eqn in score_dots)
