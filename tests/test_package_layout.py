@@ -10,6 +10,7 @@ FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
 # What each layer may import from the package, besides itself (the rest is upward).
 ALLOWED = {
     "messages": set(),
+    "host_memory": set(),
     "config": {"messages"},
     "storage": {"messages"},
     "cli": {"config", "messages"},

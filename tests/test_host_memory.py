@@ -1,0 +1,54 @@
+"""host_memory: freed blocks stay in the process, so reusing them faults no new pages."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny_run import REPO
+
+# Allocates, touches and frees 256 MB twice from a fresh thread (XLA:CPU's step buffers
+# come from its worker threads) and prints the page faults of the second time.
+_REFAULTS = """
+import ctypes, resource, threading
+import transformer
+from transformer import host_memory
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+SIZE = 256 << 20
+def touch():
+  block = libc.malloc(SIZE)
+  ctypes.memset(block, 1, SIZE)
+  libc.free(block)
+faults = []
+def worker():
+  touch()
+  before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+  touch()
+  faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+thread = threading.Thread(target=worker)
+thread.start(); thread.join()
+print(host_memory.retain_freed_memory(), faults[0])
+"""
+
+
+def _second_touch(retain: str) -> tuple[str, int]:
+  env = dict(os.environ, TRANSFORMER_RETAIN_FREED_MEMORY=retain)
+  out = subprocess.run([sys.executable, "-c", _REFAULTS], cwd=REPO, env=env,
+                       capture_output=True, text=True, check=True).stdout.split()
+  return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
+def test_a_freed_block_is_reused_without_new_page_faults():
+  applied, faults = _second_touch("1")
+  assert applied == "True"
+  # 256 MB is 65,536 pages of 4 KB: reused memory faults in (almost) none of them.
+  assert faults < 1_000, faults
+  # glibc's defaults return the block to the kernel, so every page faults in again
+  # (or every 2 MB page, where the kernel backs it with huge pages).
+  default_applied, default_faults = _second_touch("0")
+  assert default_applied == "False"
+  assert default_faults >= 100, default_faults
