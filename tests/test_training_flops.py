@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from transformer import config as config_lib
+from transformer.data import batching
 from transformer.model import ModelConfig, Transformer
 from transformer.training import describe, flops
 
@@ -221,6 +222,17 @@ def test_count_tokens_of_packed_rows_pairs_segments_by_id():
   assert counts == {"source_tokens": 6, "target_tokens": 6, "source_sq": 4 + 9 + 1,
                     "target_sq": 9 + 1 + 4, "source_target": 6 + 3 + 2,
                     "source_slots": 12, "target_slots": 10}
+
+
+def test_a_decoder_only_row_counts_its_prompt_as_decoder_tokens():
+  """lm_loss=target zeroes the prompt in 'target'; the decoder still runs over it."""
+  sequence = np.array([[5, 6, 7, 1, 8, 9, 1, 0, 0]], np.int32)  # source EOS target EOS pad
+  loss_mask = np.array([[0, 0, 0, 0, 1, 1, 1, 0, 0]], np.int32)
+  batch = batching.finalize({"target": sequence, "loss_mask": loss_mask})
+  assert int(np.sum(batch["target"] != 0)) == 3  # only the target part has a loss
+  counts = jax.device_get(flops.count_tokens(batch))
+  assert counts["target_tokens"] == 7 and counts["target_sq"] == 49
+  assert counts["source_tokens"] == 0 and counts["target_slots"] == 9
 
 
 @pytest.mark.parametrize("decoder_only", [False, True])

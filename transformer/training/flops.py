@@ -114,8 +114,12 @@ def count_tokens(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   segments by id, as packing writes them), and source_slots / target_slots (B S, B T:
   the padded shape). float32 scalars: exact to 2^24, past which a rounding of 1e-7 does
   not matter for a utilisation. A decoder-only batch has zeros for the source.
+
+  The decoder side is counted on 'decoder_input' where the batch has it: the decoder
+  runs over every token of it, while a decoder-only 'target' (lm_loss=target) zeroes
+  the prompt, which has no loss but costs as much as the rest. Without it, on 'target'.
   """
-  target_BxT = batch["target"]
+  target_BxT = batch.get("decoder_input", batch["target"])
   rows, target_len = target_BxT.shape
   source_BxS = batch.get("source")
   source_len = 0 if source_BxS is None else source_BxS.shape[1]
