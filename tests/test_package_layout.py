@@ -20,7 +20,7 @@ ALLOWED = {
     "evaluation": {"config", "messages", "storage", "model", "data", "training"},
     "sweeps": {"config", "messages", "storage", "cli", "model", "data", "training",
                "evaluation"},
-    "tools": {"config", "messages", "storage", "cli", "model", "data", "training",
+    "tools": {"config", "messages", "storage", "cli", "host_memory", "model", "data", "training",
               "evaluation"},
 }
 

@@ -46,6 +46,7 @@ def test_bench_json_reports_every_measurement(small_corpus):
 
   peak, train, beam, pipeline = records
   assert peak["num_devices"] == 2 and peak["peak_flops_per_sec"] > 0
+  assert peak["host_memory_retained"] is True  # on by default (transformer/host_memory.py)
   assert (train["rows"], train["seq_len"]) == (ROWS, SEQ_LEN)
   model_config = ModelConfig.from_config(make_config(small_corpus))
   assert train["flops_per_step"] == flops.training_flops(model_config, ROWS, SEQ_LEN, SEQ_LEN)
@@ -89,6 +90,7 @@ def test_bench_human_readable_lines(small_corpus):
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert lines[0].startswith("peak: ") and "GFLOP/s" in lines[0]
+  assert lines[0].endswith("; freed host memory retained")
   assert lines[1].startswith(f"train_step: {ROWS} x {SEQ_LEN} tokens")
   assert "% (= HFU, 100% real tokens)" in lines[1] and ", MFU " in lines[1]
 
@@ -98,7 +100,8 @@ def test_bench_lines_for_a_device_with_no_known_peak():
   code = """if True:
     from transformer.tools import bench
     print(bench.describe({"name": "peak", "peak_flops_per_sec": None, "num_devices": 1,
-                          "device": "Mystery 9000", "source": "device kind not in the bf16 table"}))
+                          "device": "Mystery 9000", "source": "device kind not in the bf16 table",
+                          "host_memory_retained": False}))
     print(bench.describe({"name": "train_step", "rows": 4, "seq_len": 8, "compile_s": 1.0,
                           "step_time_s": 0.5, "tokens_per_sec": 64.0, "flops_per_sec": 2e9,
                           "mfu": None, "hfu": None, "padding_efficiency": 1.0}))"""
@@ -107,7 +110,7 @@ def test_bench_lines_for_a_device_with_no_known_peak():
   assert result.returncode == 0, result.stderr[-3000:]
   peak, train = result.stdout.strip().splitlines()
   assert peak == ("peak: unknown (device kind not in the bf16 table, 1 x Mystery 9000): "
-                  "no MFU")
+                  "no MFU; freed host memory returned to the OS")
   assert train.endswith("2.0 GFLOP/s, MFU n/a")
 
 
