@@ -29,6 +29,8 @@ BASE=(configs/wmt14.py:base --batch_tokens=1024 --seq_len=64 --steps=5 --warmup=
       --only=train_step)
 run base "${BASE[@]}"
 run base-unscanned "${BASE[@]}" --config.model.scan_layers=false
+# glibc's allocator defaults: freed step buffers go back to the OS (transformer/host_memory.py).
+TRANSFORMER_RETAIN_FREED_MEMORY=0 run base-glibc_default "${BASE[@]}"
 run base-unsafe_rbg "${BASE[@]}" --config.dropout_rng_impl=unsafe_rbg
 run base-attention_xla "${BASE[@]}" --config.model.attention_kernel=xla
 run base-remat_full "${BASE[@]}" --config.model.remat=full
@@ -74,6 +76,8 @@ for line in open(sys.argv[1]):
       parts.append(f"{1e3 * r['step_time_s']:,.0f} ms")
     if r.get("tokens_per_sec"):
       parts.append(f"{r['tokens_per_sec']:,.0f} tokens/s")
+    if r.get("host_page_faults_per_step") is not None:
+      parts.append(f"{r['host_page_faults_per_step']:,.0f} page faults/step")
     if r.get("sentences_per_sec"):
       parts.append(f"{r['sentences_per_sec']:,.2f} sentences/s")
     if r.get("mfu") is not None:

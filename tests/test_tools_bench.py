@@ -59,6 +59,7 @@ def test_bench_json_reports_every_measurement(small_corpus):
   assert math.isclose(train["mfu"], train["hfu"])
   assert train["step_time_min_s"] <= train["step_time_s"] <= train["step_time_max_s"]
   assert train["compile_s"] > 0 and train["num_params"] > 0
+  assert train["host_page_faults_per_step"] >= 0 and train["host_kernel_s_per_step"] >= 0
   assert beam["steps"] == 30 and beam["sentences"] == 2
   assert math.isclose(beam["tokens_per_sec"], beam["sentences_per_sec"] * beam["steps"])
   assert pipeline["batches"] == 3 and pipeline["tokens_per_sec"] > 0

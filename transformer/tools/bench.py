@@ -146,11 +146,13 @@ def measure_train_step(config, rows: int, seq_len: int, peak: float | None, num_
     train_state, metrics = compiled(train_state, batch)
   jax.block_until_ready(train_state)
   times = []
+  usage_before = resource.getrusage(resource.RUSAGE_SELF)
   for _ in range(num_steps):
     start = time.perf_counter()
     train_state, metrics = compiled(train_state, batch)
     jax.block_until_ready((train_state, metrics))
     times.append(time.perf_counter() - start)
+  usage_after = resource.getrusage(resource.RUSAGE_SELF)
   if not np.isfinite(float(metrics["loss"])):
     raise RuntimeError(f"benchmark loss is {float(metrics['loss'])}")
 
@@ -173,6 +175,11 @@ def measure_train_step(config, rows: int, seq_len: int, peak: float | None, num_
       "hfu": flops.utilisation(step_flops, step_time, peak),
       "padding_efficiency": float(counts["target_tokens"] / counts["target_slots"]),
       "num_params": run.num_params,
+      # The host's side of a step: pages first touched (a CPU step whose buffers are
+      # mapped afresh faults in every one of them; transformer/host_memory.py) and the
+      # kernel time, per timed step, over all of the process's threads.
+      "host_page_faults_per_step": (usage_after.ru_minflt - usage_before.ru_minflt) / num_steps,
+      "host_kernel_s_per_step": (usage_after.ru_stime - usage_before.ru_stime) / num_steps,
   }
   result.update(_memory(compiled))
   return result, run.model, train_state.params
