@@ -34,8 +34,8 @@ print(host_memory.retain_freed_memory(), faults[0])
 """
 
 
-def _second_touch(retain: str) -> tuple[str, int]:
-  env = dict(os.environ, TRANSFORMER_RETAIN_FREED_MEMORY=retain)
+def _second_touch(retain: str, platforms: str = "cpu") -> tuple[str, int]:
+  env = dict(os.environ, TRANSFORMER_RETAIN_FREED_MEMORY=retain, JAX_PLATFORMS=platforms)
   out = subprocess.run([sys.executable, "-c", _REFAULTS], cwd=REPO, env=env,
                        capture_output=True, text=True, check=True).stdout.split()
   return out[0], int(out[1])
@@ -52,3 +52,15 @@ def test_a_freed_block_is_reused_without_new_page_faults():
   default_applied, default_faults = _second_touch("0")
   assert default_applied == "False"
   assert default_faults >= 100, default_faults
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
+def test_only_a_cpu_process_keeps_freed_memory_unless_asked():
+  """On a GPU or TPU the step's buffers live on the device: glibc's defaults stay, so
+  the input pipeline's threads keep their own arenas. TRANSFORMER_RETAIN_FREED_MEMORY=1
+  applies the settings anyway."""
+  assert _second_touch("", platforms="cpu")[0] == "True"
+  applied, faults = _second_touch("", platforms="cuda,cpu")
+  assert applied == "False" and faults >= 100, faults
+  applied, faults = _second_touch("1", platforms="tpu")
+  assert applied == "True" and faults < 1_000, faults
