@@ -30,7 +30,7 @@ def worker():
   faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
 thread = threading.Thread(target=worker)
 thread.start(); thread.join()
-print(host_memory.retain_freed_memory(), faults[0])
+print(host_memory.retained(), faults[0])
 """
 
 

@@ -39,11 +39,15 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
+# Distributions that give JAX a GPU or TPU backend (name prefixes, lower case).
+_ACCELERATOR_PLUGINS = ("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm", "libtpu")
+
 _applied = False
 
 
-# Distributions that give JAX a GPU or TPU backend (name prefixes, lower case).
-_ACCELERATOR_PLUGINS = ("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm", "libtpu")
+def retained() -> bool:
+  """Whether this process keeps freed memory (the settings took effect)."""
+  return _applied
 
 
 def computes_on_cpu() -> bool:
@@ -65,10 +69,10 @@ def retain_freed_memory() -> bool:
   global _applied
   if _applied:
     return True
+  if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    return False
   choice = os.environ.get(ENV_VAR, "")
   if choice == "0" or (choice != "1" and not computes_on_cpu()):
-    return False
-  if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     return False
   try:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -126,7 +126,7 @@ def measure_peak() -> dict[str, Any]:
           "peak_flops_per_sec": peak, "source": source,
           # Whether freed host memory stays in the process (transformer/host_memory.py):
           # on CPU it moves the step time by 12-16%, so every figure says which it had.
-          "host_memory_retained": host_memory.retain_freed_memory()}
+          "host_memory_retained": host_memory.retained()}
 
 
 def measure_train_step(config, rows: int, seq_len: int, peak: float | None, num_steps: int = 10,

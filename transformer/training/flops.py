@@ -119,12 +119,12 @@ def count_tokens(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   runs over every token of it, while a decoder-only 'target' (lm_loss=target) zeroes
   the prompt, which has no loss but costs as much as the rest. Without it, on 'target'.
   """
-  target_BxT = batch.get("decoder_input", batch["target"])
-  rows, target_len = target_BxT.shape
+  decoder_BxT = batch.get("decoder_input", batch["target"])
+  rows, target_len = decoder_BxT.shape
   source_BxS = batch.get("source")
   source_len = 0 if source_BxS is None else source_BxS.shape[1]
   width = max(source_len, target_len) + 1  # segment ids count from 1 and fit in a row
-  target_lengths = _segment_lengths(target_BxT, batch.get("target_segment_ids"), width)
+  target_lengths = _segment_lengths(decoder_BxT, batch.get("target_segment_ids"), width)
   if source_BxS is None:
     source_lengths = jnp.zeros_like(target_lengths)
   else:
