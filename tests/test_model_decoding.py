@@ -99,6 +99,39 @@ def test_cached_decoding_equals_full_recompute(model, params):
                              rtol=1e-5)
 
 
+def test_cache_segments_double_from_sixteen_up_to_the_cache_length():
+  assert decoding.cache_segments(64) == (16, 32, 64)
+  assert decoding.cache_segments(82) == (16, 32, 64, 82)
+  assert decoding.cache_segments(17) == (16, 17)
+  assert decoding.cache_segments(16) == (16,)
+  assert decoding.cache_segments(7) == (7,)
+
+
+def test_a_long_search_grows_its_cache_and_shares_cross_attention_per_sentence(model, params):
+  """24 slots: steps 0-15 run on a 16-slot cache, the rest on 24 (cache_segments), and the
+  cross-attention K/V stay one row per sentence; every hypothesis must still match the
+  search that recomputes the whole prefix at each step."""
+  extra = 20
+  _, params_copy = decoding.unrolled(model, params)
+  cache, source_NxS = decoding._init_decoder_state(model, params_copy, SOURCE, 4, 16, True)
+  layer = cache["decoder"]["layer_0"]
+  chex.assert_shape(source_NxS, (12, 4))
+  chex.assert_shape(layer["self_attention"]["key"], (12, 2, 8, 16))  # [N, H, K, C]
+  chex.assert_shape(layer["cross_attention"]["cross_key"], (3, 2, 8, 4))  # [B, H, K, S]
+
+  kwargs = dict(beam_size=4, alpha=0.6, max_decode_extra_len=extra, early_stop=False)
+  cached = decoding.beam_search_state(model, params, SOURCE, use_cache=True, **kwargs)
+  recomputed = decoding.beam_search_state(model, params, SOURCE, use_cache=False, **kwargs)
+  assert int(cached.step) == int(recomputed.step) == 4 + extra  # past the first segment
+  chex.assert_shape(cached.decoder_state["decoder"]["layer_1"]["self_attention"]["value"],
+                    (12, 2, 4 + extra, 8))  # grown to the full length: [N, H, C, E]
+  np.testing.assert_array_equal(cached.live_seqs_BxKxC1, recomputed.live_seqs_BxKxC1)
+  np.testing.assert_array_equal(cached.finished_seqs_BxKxC1, recomputed.finished_seqs_BxKxC1)
+  np.testing.assert_allclose(cached.live_logprobs_BxK, recomputed.live_logprobs_BxK, rtol=1e-4)
+  np.testing.assert_allclose(cached.finished_scores_BxK, recomputed.finished_scores_BxK,
+                             rtol=1e-4)
+
+
 def test_beam_scores_are_penalized_logprobs_of_the_hypotheses(model, params, sequence_logprobs):
   kwargs = dict(beam_size=4, alpha=0.6, max_decode_extra_len=EXTRA, use_cache=True)
   tokens, scores = decoding.beam_search(model, params, SOURCE, early_stop=True, **kwargs)

@@ -7,7 +7,9 @@ per row ([B, L]) and write their K/V at slots `cache_position` .. + L - 1, where
 position is a scalar shared by the batch or an int32 [B] vector, one per row (prompts of
 different lengths, speculative rollback); each query sees the slots up to its own.
 The cache keeps K as [B, H, K, C] and V as [B, H, C, E] ('key', 'value'; 'cross_key',
-'cross_value'), the layouts its two matmuls read without a transpose.
+'cross_value'), the layouts its two matmuls read without a transpose. The cross-attention
+K/V may hold one row per group of G query rows (beam search: one per sentence for its
+G hypotheses).
 
 Q, K, V, the attention logits and the output carry sharding constraints (`constrain`):
 rows over the batch axes, heads over the tensor axis, under the config's rules.
@@ -79,7 +81,7 @@ class MultiHeadAttention(nn.Module):
       q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache)
     if q_BxLxHxK is None:  # the call that creates the cache only sizes it
       return jnp.zeros_like(x_BxLxD)
-    if use_cache:  # K [B, H, K, S] and V [B, H, S, E], as the cache stores them
+    if use_cache:  # K [R, H, K, S] and V [R, H, S, E], as the cache stores them
       out_BxLxHxE = self._attend_cached(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS)
     else:
       out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS,
@@ -168,20 +170,33 @@ class MultiHeadAttention(nn.Module):
     return (q_BxLxHxK, self.get_variable("cache", "cross_key"),
             self.get_variable("cache", "cross_value"))
 
-  def _attend_cached(self, q_BxLxHxK, k_BxHxKxS, v_BxHxSxE, mask_Bx1xLxS):
-    """softmax(Q K^T / sqrt(d_k)) V over the cache, whose K [B, H, K, S] and V
-    [B, H, S, E] are laid out as the two matmuls read them (batch dimensions first,
+  def _attend_cached(self, q_BxLxHxK, k_RxHxKxS, v_RxHxSxE, mask_Bx1xLxS):
+    """softmax(Q K^T / sqrt(d_k)) V over the cache, whose K [R, H, K, S] and V
+    [R, H, S, E] are laid out as the two matmuls read them (batch dimensions first,
     the contracted one next): stored [B, S, H, K] instead, XLA:CPU copied every
     layer's K and V transposed at every decoding step, which took longer than the
     step's matmuls (docs/performance.md). Decoding has no dropout, and the written-out
     form serves every attention_kernel (a step's attention is small).
+
+    The cache may have fewer rows than the queries, R = B / G: then each of its rows
+    serves G adjacent query rows. Beam search keeps the cross-attention K/V once per
+    sentence for its G hypotheses (rows b * G + g), so each sentence's G x L queries
+    meet them in one matmul, M = G x L rows against the sentence's S slots; repeated
+    per hypothesis, they were read G times over at every step.
     """
     cfg = self.config
-    logits_BxHxLxS = jnp.einsum("blhk,bhks->bhls", q_BxLxHxK, k_BxHxKxS,
+    batch, length, heads, _ = q_BxLxHxK.shape
+    rows, source_len = k_RxHxKxS.shape[0], k_RxHxKxS.shape[-1]
+    group_rows = batch // rows * length  # M
+    q_RxHxMxK = q_BxLxHxK.reshape(rows, group_rows, heads, -1).transpose(0, 2, 1, 3)
+    logits_RxHxMxS = jnp.einsum("rhmk,rhks->rhms", q_RxHxMxK, k_RxHxKxS,
                                 preferred_element_type=jnp.float32) / math.sqrt(cfg.d_k)
-    logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS, MASKED_LOGIT)
-    weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1).astype(cfg.dtype)
-    return jnp.einsum("bhls,bhse->blhe", weights_BxHxLxS, v_BxHxSxE)
+    mask_Rx1xMxS = jnp.broadcast_to(mask_Bx1xLxS, (batch, 1, length, source_len)).reshape(
+        rows, 1, group_rows, source_len)
+    logits_RxHxMxS = jnp.where(mask_Rx1xMxS, logits_RxHxMxS, MASKED_LOGIT)
+    weights_RxHxMxS = jax.nn.softmax(logits_RxHxMxS, axis=-1).astype(cfg.dtype)
+    out_RxHxMxE = jnp.einsum("rhms,rhse->rhme", weights_RxHxMxS, v_RxHxSxE)
+    return out_RxHxMxE.transpose(0, 2, 1, 3).reshape(batch, length, heads, -1)
 
   def _attend(self, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic):
     """softmax(Q K^T / sqrt(d_k)) V: written out, or jax.nn.dot_product_attention.

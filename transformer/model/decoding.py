@@ -67,6 +67,10 @@ def unrolled(model, params) -> tuple[Any, Any]:
           unstack_layer_params(params, model.config.num_layers))
 
 
+def _is_cross_attention(path) -> bool:
+  return any(getattr(key, "key", None) in ("cross_key", "cross_value") for key in path)
+
+
 def _batch_axis(path) -> int:
   """A cache leaf's batch axis: 1 under scanned layers (stacked on a leading layer axis)."""
   return 1 if any(getattr(key, "key", None) == "layers" for key in path) else 0
@@ -77,7 +81,9 @@ def _init_decoder_state(model, params, source_BxS: Array, copies: int, cache_len
   """Encodes each sentence once and repeats what decoding needs `copies` times.
 
   Returns (decoder state, source_NxS): the cache, or for `use_cache=False` the encoder
-  output, with each sentence's rows adjacent (row b * copies + k).
+  output, with each sentence's rows adjacent (row b * copies + k). The cache's
+  cross-attention K/V keep one row per sentence (the attention serves each row to the
+  sentence's `copies` queries); its self-attention K/V and counter are per hypothesis.
   """
   encoded_BxSxD = model.apply({"params": params}, source_BxS, method=model.encode)
   repeat = lambda x: jnp.repeat(x, copies, axis=0) if x.ndim > 0 else x
@@ -89,8 +95,11 @@ def _init_decoder_state(model, params, source_BxS: Array, copies: int, cache_len
   _, variables = model.apply(
       {"params": params}, encoded_BxSxD, source_BxS, jnp.zeros((batch, cache_len), jnp.int32),
       use_cache=True, mutable=["cache"], method=model.decode)
-  repeat_leaf = lambda path, x: (jnp.repeat(x, copies, axis=_batch_axis(path))
-                                 if x.ndim > 0 else x)
+  def repeat_leaf(path, x):
+    # Cross-attention K/V stay one per sentence (MultiHeadAttention._attend_cached).
+    if x.ndim == 0 or _is_cross_attention(path):
+      return x
+    return jnp.repeat(x, copies, axis=_batch_axis(path))
   return jax.tree_util.tree_map_with_path(repeat_leaf, variables["cache"]), source_NxS
 
 
@@ -120,17 +129,50 @@ def _forbid_special(x_NxV: Array) -> Array:
 def _reorder_cache(cache: Any, flat_index_N: Array) -> Any:
   """Gathers every cache leaf along its batch axis.
 
-  The scalar step counter has no batch axis; the cross-attention K/V are equal for all
-  beams of a sentence (beams never move between sentences), so they stay as they are.
+  The scalar step counter has no batch axis; the cross-attention K/V are one per
+  sentence (beams never move between sentences), so they stay as they are.
   """
   def gather(path, x):
-    if x.ndim == 0 or any(getattr(key, "key", None) in ("cross_key", "cross_value")
-                          for key in path):
+    if x.ndim == 0 or _is_cross_attention(path):
       return x
     # In bounds by construction: "clip" spares the out-of-bounds select of the default
     # mode, a second pass over every buffer.
     return jnp.take(x, flat_index_N, axis=_batch_axis(path), mode="clip")
   return jax.tree_util.tree_map_with_path(gather, cache)
+
+
+def _slot_axis(path) -> int | None:
+  """A self-attention cache leaf's slot (position) axis: K is stored [.., H, K, C] and V
+  [.., H, C, E] (transformer/model/attention.py); None for every other leaf."""
+  return {"key": -1, "value": -2}.get(getattr(path[-1], "key", None))
+
+
+def cache_segments(cache_len: int, first: int = 16) -> tuple[int, ...]:
+  """Slot counts the search's cache grows through: doubling from `first`, then cache_len.
+
+  Step t writes slot t, so until step 16 a cache of 16 slots holds everything written.
+  Every step reorders its whole cache by parent beam and attends over all its slots, so
+  running steps [0, 16) on 16 slots, [16, 32) on 32 and so on moves about a third fewer
+  bytes than running them all on cache_len slots when a search runs to its end, and
+  far fewer when it stops early, as translation does well before source length + extra.
+  """
+  lengths, length = [], first
+  while length < cache_len:
+    lengths.append(length)
+    length *= 2
+  return tuple(lengths) + (cache_len,)
+
+
+def _grow_cache(cache: Any, cache_len: int) -> Any:
+  """The cache with its self-attention K/V zero-padded to cache_len slots."""
+  def grow(path, x):
+    axis = _slot_axis(path)
+    if axis is None:
+      return x
+    padding = [(0, 0)] * x.ndim
+    padding[axis % x.ndim] = (0, cache_len - x.shape[axis])
+    return jnp.pad(x, padding)
+  return jax.tree_util.tree_map_with_path(grow, cache)
 
 
 # ----------------------------------------------------------------------------------
@@ -368,7 +410,8 @@ def beam_search_state(model, params, source_BxS: Array, *, beam_size: int, alpha
   k = beam_size
   cache_len = source_len + max_decode_extra_len
   max_len_B = max_output_lengths(source_BxS, max_decode_extra_len)
-  decoder_state, source_NxS = _init_decoder_state(model, params, source_BxS, k, cache_len,
+  segments = cache_segments(cache_len) if use_cache else (cache_len,)
+  decoder_state, source_NxS = _init_decoder_state(model, params, source_BxS, k, segments[0],
                                                   use_cache)
 
   def cond(s: BeamState):
@@ -387,9 +430,13 @@ def beam_search_state(model, params, source_BxS: Array, *, beam_size: int, alpha
   seqs_BxKxC1 = jnp.zeros((batch, k, cache_len + 1), jnp.int32).at[:, :, 0].set(BOS_ID)
   # One live beam to start with: K copies of BOS would fill the beam with duplicates.
   live_logprobs_BxK = jnp.full((batch, k), -jnp.inf).at[:, 0].set(0.0)
-  init = BeamState(jnp.array(0, jnp.int32), seqs_BxKxC1, live_logprobs_BxK, seqs_BxKxC1,
-                   jnp.full((batch, k), -jnp.inf), decoder_state)
-  return jax.lax.while_loop(cond, body, init)
+  s = BeamState(jnp.array(0, jnp.int32), seqs_BxKxC1, live_logprobs_BxK, seqs_BxKxC1,
+                jnp.full((batch, k), -jnp.inf), decoder_state)
+  for i, slots in enumerate(segments):
+    if i:
+      s = s._replace(decoder_state=_grow_cache(s.decoder_state, slots))
+    s = jax.lax.while_loop(lambda s, slots=slots: cond(s) & (s.step < slots), body, s)
+  return s
 
 
 def beam_search(model, params, source_BxS: Array, *, beam_size: int, alpha: float,
