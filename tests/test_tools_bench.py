@@ -7,6 +7,7 @@ records them.
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -83,6 +84,35 @@ def test_beam_search_alone_needs_no_training_batch_flags(small_corpus):
   assert [r["name"] for r in records] == ["peak", "beam_search"]
   assert records[1]["sentences"] == 2 and records[1]["repeats"] == 2
   assert records[1]["sentences_per_sec"] > 0
+
+
+def test_train_loop_against_the_bare_step_on_the_same_batches(small_corpus):
+  """Bare, loop, bare over 6 steps in windows of 2: each pass's first window (it
+  compiles) is dropped, and the loop's figures are its own logged windows."""
+  result = run_bench(small_corpus, "--json", "--only=train_loop", "--loop_steps=6",
+                     "--loop_window=2")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+  assert [r["name"] for r in records] == ["peak", "train_loop"]  # progress lines: stderr
+  loop = records[1]
+  assert (loop["steps"], loop["window"]) == (6, 2)
+  assert len(loop["loop_window_steps_per_sec"]) == 2  # windows 2 and 3 of the loop
+  assert len(loop["bare_window_steps_per_sec"]) == 4  # windows 2 and 3 of each bare pass
+  assert math.isclose(loop["loop_steps_per_sec"],
+                      statistics.median(loop["loop_window_steps_per_sec"]))
+  assert math.isclose(loop["bare_steps_per_sec"],
+                      statistics.median(loop["bare_window_steps_per_sec"]))
+  assert math.isclose(loop["efficiency"], loop["loop_steps_per_sec"] / loop["bare_steps_per_sec"])
+  assert 0 < loop["real_target_tokens_per_step"] <= make_config(small_corpus).tokens_per_batch
+  assert 0 < loop["mfu"] < 1
+  assert "step 6/6" in result.stderr
+
+
+def test_train_loop_flags_are_checked_before_any_work(small_corpus):
+  result = run_bench(small_corpus, "--only=train_loop", "--loop_steps=5", "--loop_window=2")
+  assert result.returncode != 0
+  assert "--loop_steps 5 must be at least two windows of --loop_window 2" in result.stderr
+  assert "peak:" not in result.stdout
 
 
 def test_bench_human_readable_lines(small_corpus):

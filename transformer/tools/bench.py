@@ -20,6 +20,12 @@ One process measures, in order:
                   `--decode_repeats` runs after an untimed one: sentences/s, tokens/s;
   input_pipeline  batches of the config's dataset, tokenized and batched exactly as
                   training reads them: tokens/s (skipped when the dataset is not on disk);
+  train_loop      only when named in --only: train.py's training loop (input pipeline,
+                  metrics, progress lines, final checkpoint; no validation) on the
+                  config's own data against the bare step on the same batches, in one
+                  process, bare-loop-bare, `--loop_steps` steps each in windows of
+                  `--loop_window`: steps/s of each and the loop's share of the bare
+                  step's speed (what the loop itself costs);
   speculative     only when named in --only, on trained runs: `--workdir` (the target,
                   trained with --config) and `--draft_workdir` (the draft, e.g.
                   configs/default.py:draft trained with --config.vocab_from=TARGET). The
@@ -45,9 +51,14 @@ step_time_s; mfu is null where there is none); docs/performance.md records the f
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import os
 import resource
 import statistics
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -79,6 +90,10 @@ _DECODE_SOURCE_LEN = flags.DEFINE_integer("decode_source_len", 24, "Source token
 _DECODE_REPEATS = flags.DEFINE_integer("decode_repeats", 3, "Timed beam searches after an "
                                        "untimed one (the median is reported).")
 _PIPELINE_BATCHES = flags.DEFINE_integer("pipeline_batches", 50, "Input batches to time.")
+_LOOP_STEPS = flags.DEFINE_integer("loop_steps", 150, "--only train_loop: training steps of "
+                                   "each pass (a multiple of --loop_window).")
+_LOOP_WINDOW = flags.DEFINE_integer("loop_window", 25, "--only train_loop: steps per timed "
+                                    "window (the loop's log_every_steps).")
 _ONLY = flags.DEFINE_list("only", ["train_step", "beam_search", "input_pipeline"],
                           "Measurements to run (peak always runs).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "--only speculative: the trained target "
@@ -230,6 +245,79 @@ def measure_input_pipeline(config) -> dict[str, Any]:
   return {"name": "input_pipeline", "batches": r["batches"],
           "step_time_s": r["seconds"] / r["batches"], "examples_per_sec": r["examples_per_sec"],
           "tokens_per_sec": r["tokens_per_sec"], "mfu": None}
+
+
+def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
+  """train.py's loop against the bare step, on the same batches of the config's own data.
+
+  Three passes over the first `num_steps` batches, in one process: the bare step (the
+  batches built and put on the devices beforehand, the step dispatched back to back and
+  synchronized at the end of every `window` steps), then the training loop as train.py
+  runs it (input pipeline on its thread, metrics, progress lines every `window` steps
+  and the final checkpoint, in a temporary workdir; no validation), then the bare step
+  again, so drift of the machine's speed during the loop shows in the bare figures on
+  both sides. The first window of each pass (which compiles) is left out; medians of
+  the rest. Steps per second compare like with like: the passes train on the same
+  batches.
+  """
+  from transformer import data
+  from transformer.training import loop
+  config = config.copy_and_resolve_references()
+  config.num_train_steps = num_steps // config.grad_accum_steps
+  config.log_every_steps = window
+  config.eval_every_steps = 0
+  config.checkpoint_every_steps = 0
+  config.checkpoint_every_minutes = 0.0
+  with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as workdir:
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout is the report's
+      run = loop.TrainingRun(config, workdir, validation=None)
+      try:
+        iterator = data.make_train_iterator(
+            config, run.tokenizer, process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            row_multiple=sharding.batch_row_multiple(run.setup.mesh, run.setup.rules))
+        host_batches = list(itertools.islice(iterator, num_steps))
+        batches = [sharding.global_batch(b, run.setup.mesh, run.setup.rules)
+                   for b in host_batches]
+        target_tokens = [int(np.sum(b["target"] != 0)) for b in host_batches]
+        bare_step = steps.jit_train_step(run.setup)
+        bare_state = run.setup.init_state(jax.random.key(config.seed))
+        bare_before, bare_state = _bare_windows(bare_step, bare_state, batches, window)
+        run.train()
+        bare_after, _ = _bare_windows(bare_step, bare_state, batches, window)
+      finally:
+        run.close()
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f]
+  loop_records = [r for r in records if r["kind"] == "train"][1:]
+  loop_steps_per_sec = statistics.median(r["steps_per_sec"] for r in loop_records)
+  bare_steps_per_sec = statistics.median(window / t for t in bare_before + bare_after)
+  tokens_per_step = sum(target_tokens) / len(target_tokens)
+  return {
+      "name": "train_loop", "steps": num_steps, "window": window,
+      "loop_steps_per_sec": loop_steps_per_sec, "bare_steps_per_sec": bare_steps_per_sec,
+      "efficiency": loop_steps_per_sec / bare_steps_per_sec,
+      "loop_window_steps_per_sec": [r["steps_per_sec"] for r in loop_records],
+      "bare_window_steps_per_sec": [window / t for t in bare_before + bare_after],
+      "loop_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in loop_records),
+      "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in loop_records),
+      "real_target_tokens_per_step": tokens_per_step,
+      "step_time_s": 1.0 / bare_steps_per_sec,
+      "mfu": (statistics.median(r["mfu"] for r in loop_records)
+              if all("mfu" in r for r in loop_records) else None),
+  }
+
+
+def _bare_windows(step_fn, train_state, batches: list, window: int) -> tuple[list, Any]:
+  """Seconds of each window of `window` steps after the first, over all batches."""
+  times = []
+  for start in range(0, len(batches) - window + 1, window):
+    began = time.perf_counter()
+    for batch in batches[start:start + window]:
+      train_state, metrics = step_fn(train_state, batch)
+    jax.block_until_ready((train_state, metrics))
+    times.append(time.perf_counter() - began)
+  return times[1:], train_state
 
 
 def _count(params) -> int:
@@ -387,6 +475,12 @@ def describe(result: dict[str, Any]) -> str:
             f"{result['speculative_sentences_per_sec']:,.1f} sentences/s (identical tokens), "
             f"speed-up {result['speedup']:.2f}x; draft/target pass cost "
             f"{result['draft_cost_ratio']:.2f}")
+  if name == "train_loop":
+    return (f"train_loop: {result['steps']} steps in windows of {result['window']}, "
+            f"loop {result['loop_steps_per_sec']:.2f} steps/s "
+            f"({result['loop_tokens_per_sec']:,.0f} real target tokens/s), bare step on the "
+            f"same batches {result['bare_steps_per_sec']:.2f} steps/s: the loop runs at "
+            f"{100 * result['efficiency']:.1f}% of the bare step")
   return (f"input_pipeline: {result['batches']} batches, "
           f"{result['examples_per_sec']:,.0f} examples/s, "
           f"{result['tokens_per_sec']:,.0f} tokens/s")
@@ -399,7 +493,8 @@ def main(argv):
   config_lib.validate(config)
   seq_len = _SEQ_LEN.value or config.max_len
   batch_tokens = _BATCH_TOKENS.value or config.tokens_per_batch
-  unknown = set(_ONLY.value) - {"train_step", "beam_search", "input_pipeline", "speculative"}
+  unknown = set(_ONLY.value) - {"train_step", "beam_search", "input_pipeline", "speculative",
+                                "train_loop"}
   if unknown:
     raise app.UsageError(f"--only: unknown measurement(s) {sorted(unknown)}")
   if "speculative" in _ONLY.value:
@@ -413,6 +508,13 @@ def main(argv):
   multiple = sharding.batch_row_multiple(sharding.create_mesh(config),
                                          sharding.axis_rules(config))
   rows = sharding.rows_for_tokens(batch_tokens, seq_len, multiple)
+  if "train_loop" in _ONLY.value and (
+      _LOOP_WINDOW.value < 1 or _LOOP_STEPS.value % _LOOP_WINDOW.value
+      or _LOOP_STEPS.value < 2 * _LOOP_WINDOW.value
+      or _LOOP_STEPS.value % config.grad_accum_steps):
+    raise app.UsageError(f"--loop_steps {_LOOP_STEPS.value} must be at least two windows "
+                         f"of --loop_window {_LOOP_WINDOW.value} and a multiple of it (and "
+                         f"of grad_accum_steps {config.grad_accum_steps})")
   if "beam_search" in _ONLY.value and config.model.decoder_only:
     raise app.UsageError("beam_search needs an encoder-decoder config; drop it from --only")
 
@@ -441,6 +543,8 @@ def main(argv):
     report(measure_beam_search(config, model, params))
   if "input_pipeline" in _ONLY.value:
     report(measure_input_pipeline(config))
+  if "train_loop" in _ONLY.value:
+    report(measure_train_loop(config, _LOOP_STEPS.value, _LOOP_WINDOW.value))
   if "speculative" in _ONLY.value:
     report(measure_speculative(config, _WORKDIR.value, _DRAFT_WORKDIR.value, _DRAFT_LEN.value,
                                _SPECULATIVE_SENTENCES.value))
