@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU measurements of docs/performance.md, one after another (about 20 minutes on
+# The CPU measurements of docs/performance.md, one after another (about 30 minutes on
 # 2 cores; run it on an otherwise idle machine).
 #
 #   bash bench/cpu.sh                 # writes bench/results/cpu.jsonl and prints a table
@@ -59,6 +59,11 @@ run default configs/default.py --steps=5 --warmup=1
 # tokens_per_batch of 1,024 counts real tokens, docs/data.md).
 run default-train-shape configs/default.py --batch_tokens=1088 --steps=20 --warmup=2 \
     --only=train_step
+# train.py's loop against the bare step on the same batches (bare, loop, bare), with
+# freed host memory kept and with glibc's defaults.
+run default-train_loop configs/default.py --only=train_loop
+TRANSFORMER_RETAIN_FREED_MEMORY=0 run default-train_loop-glibc_default configs/default.py \
+    --only=train_loop
 
 "$PY" - "$LOG" <<'PY'
 import json, sys
@@ -82,5 +87,8 @@ for line in open(sys.argv[1]):
       parts.append(f"{r['sentences_per_sec']:,.2f} sentences/s")
     if r.get("mfu") is not None:
       parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r.get("efficiency") is not None:
+      parts.append(f"loop {r['loop_steps_per_sec']:.2f} against bare "
+                   f"{r['bare_steps_per_sec']:.2f} steps/s ({100 * r['efficiency']:.0f}%)")
     print(f"{r['label']:>22}  " + ", ".join(parts))
 PY
