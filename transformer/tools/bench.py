@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import resource
 import statistics
 import sys
@@ -69,7 +68,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-from transformer import cli, host_memory
+from transformer import cli, host_memory, storage
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID
 from transformer.tools import decoding_speed
@@ -260,7 +259,6 @@ def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
   the rest. Steps per second compare like with like: the passes train on the same
   batches.
   """
-  from transformer import data
   from transformer.training import loop
   config = config.copy_and_resolve_references()
   config.num_train_steps = num_steps // config.grad_accum_steps
@@ -272,14 +270,12 @@ def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout is the report's
       run = loop.TrainingRun(config, workdir, validation=None)
       try:
-        iterator = data.make_train_iterator(
-            config, run.tokenizer, process_index=jax.process_index(),
-            process_count=jax.process_count(),
-            row_multiple=sharding.batch_row_multiple(run.setup.mesh, run.setup.rules))
-        host_batches = list(itertools.islice(iterator, num_steps))
+        # The loop's own iterator, read ahead and rewound: the bare passes get its batches.
+        start = run.train_iter.get_state()
+        host_batches = list(itertools.islice(run.train_iter, num_steps))
+        run.train_iter.set_state(start)
         batches = [sharding.global_batch(b, run.setup.mesh, run.setup.rules)
                    for b in host_batches]
-        target_tokens = [int(np.sum(b["target"] != 0)) for b in host_batches]
         bare_step = steps.jit_train_step(run.setup)
         bare_state = run.setup.init_state(jax.random.key(config.seed))
         bare_before, bare_state = _bare_windows(bare_step, bare_state, batches, window)
@@ -287,21 +283,21 @@ def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
         bare_after, _ = _bare_windows(bare_step, bare_state, batches, window)
       finally:
         run.close()
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      records = [json.loads(line) for line in f]
-  loop_records = [r for r in records if r["kind"] == "train"][1:]
-  loop_steps_per_sec = statistics.median(r["steps_per_sec"] for r in loop_records)
-  bare_steps_per_sec = statistics.median(window / t for t in bare_before + bare_after)
-  tokens_per_step = sum(target_tokens) / len(target_tokens)
+    text = storage.read_text(storage.join(workdir, "metrics.jsonl"))
+  loop_records = [r for r in map(json.loads, text.splitlines()) if r["kind"] == "train"][1:]
+  loop_windows = [r["steps_per_sec"] for r in loop_records]
+  bare_windows = [window / seconds for seconds in bare_before + bare_after]
+  loop_steps_per_sec = statistics.median(loop_windows)
+  bare_steps_per_sec = statistics.median(bare_windows)
+  loop_tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in loop_records)
+  target_tokens = sum(float(flops.count_tokens(b)["target_tokens"]) for b in host_batches)
   return {
       "name": "train_loop", "steps": num_steps, "window": window,
       "loop_steps_per_sec": loop_steps_per_sec, "bare_steps_per_sec": bare_steps_per_sec,
       "efficiency": loop_steps_per_sec / bare_steps_per_sec,
-      "loop_window_steps_per_sec": [r["steps_per_sec"] for r in loop_records],
-      "bare_window_steps_per_sec": [window / t for t in bare_before + bare_after],
-      "loop_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in loop_records),
-      "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in loop_records),
-      "real_target_tokens_per_step": tokens_per_step,
+      "loop_window_steps_per_sec": loop_windows, "bare_window_steps_per_sec": bare_windows,
+      "loop_tokens_per_sec": loop_tokens_per_sec, "tokens_per_sec": loop_tokens_per_sec,
+      "real_target_tokens_per_step": target_tokens / num_steps,
       "step_time_s": 1.0 / bare_steps_per_sec,
       "mfu": (statistics.median(r["mfu"] for r in loop_records)
               if all("mfu" in r for r in loop_records) else None),
