@@ -25,9 +25,11 @@ train: install
 	$(PY) eval.py --workdir $(WORKDIR) --split test
 
 # Two workers, one test file each at a time: most tests wait on single-threaded work
-# (start-up, tracing, compiling, subprocesses), so two share the cores well.
+# (start-up, tracing, compiling, subprocesses), so two share the cores well. Files are
+# handed out in tests/conftest.py's order, slowest first (--no-loadscope-reorder: by
+# default xdist hands out the files with the most tests first instead).
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache
