@@ -5,12 +5,24 @@ preemption, several hosts) start subprocesses with their own environment.
 """
 
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# One persistent compilation cache for the whole run, made by the first process that
+# loads this file (pytest, or xdist's controller) and inherited through the environment
+# by the workers and every process they start (train.py, eval.py, the multi-host jobs):
+# the suite compiles the same small programs in dozens of processes, and a hit skips
+# XLA's compile. JAX reads the variable itself; the directory goes at the session's end.
+_OWN_COMPILATION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="transformer-tests-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -40,12 +52,16 @@ def trained_run(small_corpus, tmp_path_factory):
   return config, workdir
 
 
-# The slowest files (make test's --durations) start first: `make test` runs two workers
-# that take whole files (--dist loadfile), and a long file picked up last would leave one
-# worker running it alone while the other sits idle.
-_SLOWEST_FILES_FIRST = ("test_pod_rehearsal.py", "test_gcs_workdir.py",
-                        "test_evaluation_multihost.py", "test_sweeps_runner.py",
-                        "test_training_steps.py", "test_faults.py")
+# The slowest files start first, longest first: `make test` runs two workers that take
+# whole files (--dist loadfile, in this order with --no-loadscope-reorder), and a long
+# file picked up last would leave one worker running it alone while the other sits
+# idle. Ranked by their total time in `pytest --durations=0` (2026-12-01).
+_SLOWEST_FILES_FIRST = ("test_training_steps.py", "test_gcs_workdir.py", "test_faults.py",
+                        "test_pod_rehearsal.py", "test_training_loop.py",
+                        "test_model_transformer.py", "test_tools_bench.py",
+                        "test_evaluation_multihost.py", "test_evaluation_generation.py",
+                        "test_evaluation_translate.py", "test_evaluation_validation.py",
+                        "test_model_speculative.py", "test_sweeps_runner.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -54,3 +70,8 @@ def pytest_collection_modifyitems(items):
     return (_SLOWEST_FILES_FIRST.index(name) if name in _SLOWEST_FILES_FIRST
             else len(_SLOWEST_FILES_FIRST))
   items.sort(key=rank)  # stable: the order inside each file and among the rest is kept
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _OWN_COMPILATION_CACHE is not None:
+    shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
