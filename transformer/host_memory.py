@@ -15,9 +15,10 @@ in the process instead, and the next step reuses it:
 
 The costs: the process keeps its peak heap for its lifetime, as with tcmalloc or jemalloc
 (the base step's benchmark peaked at 3.4 GB of resident memory instead of 2.4 GB), and
-threads contend for the one arena (the bundled corpus's input pipeline ran 15% slower;
-`bench --only train_loop` found the default config's training loop no faster with the
-settings than without, on 2 cores, though its bare step was 11% faster).
+threads contend for the one arena (the bundled corpus's input pipeline ran 15% slower,
+though still far faster than the step consumes; `bench --only train_loop`, alternating,
+found the default config's training loop 22% faster with the settings, and its bare step
+18% faster, on 2 cores).
 So it applies only where JAX computes on the CPU, the only backend whose step buffers
 are host memory: JAX_PLATFORMS names cpu first, or, with JAX_PLATFORMS unset, no GPU or
 TPU plugin is installed. Applied once when the package is imported, before JAX or
