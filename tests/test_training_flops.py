@@ -155,6 +155,14 @@ def test_measure_matmul_peak_keeps_measuring_for_its_minimum_time():
   assert peak > 0
 
 
+def test_remeasuring_the_cpu_peak_keeps_the_higher_reading(monkeypatch):
+  monkeypatch.setattr(flops, "measure_matmul_peak", lambda: 5.0)
+  monkeypatch.setattr(flops, "_measured_cpu_peak", 2.0)  # a reading taken at a slow moment
+  assert flops.remeasure_cpu_peak() == 5.0 and flops.device_peak_flops() == 5.0
+  monkeypatch.setattr(flops, "_measured_cpu_peak", 9.0)
+  assert flops.remeasure_cpu_peak() == 9.0 and flops.device_peak_flops() == 9.0
+
+
 @pytest.mark.parametrize("kind,peak", [
     ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12), ("TPU v6 lite", 918e12),
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),

@@ -52,10 +52,11 @@ def half_padded_batch(rows=4, length=8):
 WINDOW_S = 1000.0
 
 
-def progress_record(peak, cfg, batch, steps=2):
+def progress_record(peak, cfg, batch, steps=2, remeasure_peak=None):
   """Progress over `steps` steps of `batch` (padded FLOPs as the loop charges them), in a
   window of 1000 s (give or take the milliseconds this takes)."""
-  progress = loop.Progress(peak_flops=peak, total_steps=10, model_config=cfg)
+  progress = loop.Progress(peak_flops=peak, total_steps=10, model_config=cfg,
+                           remeasure_peak=remeasure_peak)
   rows, length = batch["target"].shape
   for step in range(1, steps + 1):
     metrics = {"loss": jnp.float32(2.0), "loss_sum": 8.0, "ce_sum": 8.0, "correct_sum": 1.0,
@@ -82,6 +83,25 @@ def test_mfu_counts_real_tokens_and_hfu_the_padded_shape():
   assert record["source_padding_efficiency"] == 0.5
   line = reporting.progress_line(2, 10, record, started=0.0)
   assert f"| MFU {100 * record['mfu']:.1f}% (HFU {100 * record['hfu']:.1f}%, 50% real) |" in line
+
+
+def test_a_window_faster_than_the_peak_has_the_peak_measured_again():
+  cfg = ModelConfig(vocab_size=40, max_position=16, num_layers=2, d_model=12, d_ff=20,
+                    num_heads=3, d_k=4, d_v=5)
+  padded_per_s = 2 * 4 * flops.training_flops(cfg, 1, 8, 8) / WINDOW_S
+  readings = []
+
+  def remeasure():
+    readings.append(4 * padded_per_s)
+    return readings[-1]
+
+  # A peak read at half of what the window computed: HFU would be 200%.
+  record = progress_record(padded_per_s / 2, cfg, half_padded_batch(), remeasure_peak=remeasure)
+  assert len(readings) == 1
+  assert record["hfu"] == pytest.approx(0.25, rel=1e-3)
+  # A plausible peak is left alone.
+  record = progress_record(2 * padded_per_s, cfg, half_padded_batch(), remeasure_peak=remeasure)
+  assert len(readings) == 1 and record["hfu"] == pytest.approx(0.5, rel=1e-3)
 
 
 def test_unknown_peak_reports_padding_but_no_utilisation():

@@ -11,7 +11,7 @@ import contextlib
 import math
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.experimental.multihost_utils
@@ -75,14 +75,19 @@ class Progress:
     mfu  the FLOPs the model needs for the real tokens (`token_counts`, from
          flops.count_tokens, with `model_config`): comparable across batchings, and
          the figure tokens/s (real target tokens) goes with.
+  A window that computed faster than the peak (HFU above 100%) shows the peak was read
+  low; `remeasure_peak` (the CPU's, flops.remeasure_cpu_peak) then reads it again,
+  outside the window's time, and the higher reading stays.
   and padding_efficiency (real target tokens / target slots; source_padding_efficiency
   likewise), which is why the two differ. A window's time leaves out validation and
   checkpoint saves (`paused`): throughput is the training step's.
   """
 
   def __init__(self, peak_flops: float | None, total_steps: int,
-               model_config: ModelConfig | None = None):
+               model_config: ModelConfig | None = None,
+               remeasure_peak: Callable[[], float] | None = None):
     self.peak_flops = peak_flops
+    self.remeasure_peak = remeasure_peak
     self.total_steps = total_steps
     self.model_config = model_config
     self._pending: list[tuple[int, dict]] = []  # (step, metrics) since the last record
@@ -154,6 +159,9 @@ class Progress:
       out["padding_efficiency"] = counts["target_tokens"] / counts["target_slots"]
       if counts["source_slots"]:
         out["source_padding_efficiency"] = counts["source_tokens"] / counts["source_slots"]
+    if (self.peak_flops is not None and self.remeasure_peak is not None
+        and self._pending_flops / elapsed > self.peak_flops):
+      self.peak_flops = max(self.peak_flops, self.remeasure_peak())
     if self.peak_flops is not None:
       if counts is not None:
         out["mfu"] = flops.utilisation(flops.real_training_flops(self.model_config, counts),
@@ -241,8 +249,10 @@ class TrainingRun:
     logging.info("%s parameters", f"{self.setup.num_params:,}")
     self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief)
     self.total_steps = config.num_train_steps * config.grad_accum_steps
+    on_cpu = jax.devices()[0].platform == "cpu"  # the one measured peak (flops.py)
     self.progress = Progress(flops.total_peak_flops(), self.total_steps,
-                             self.setup.model.config)
+                             self.setup.model.config,
+                             remeasure_peak=flops.remeasure_cpu_peak if on_cpu else None)
     self.validate = validation(config, self.setup, self.tokenizer) if (
         config.eval_every_steps) else None
     self.batches = None
