@@ -158,9 +158,11 @@ def test_measure_matmul_peak_keeps_measuring_for_its_minimum_time():
 def test_remeasuring_the_cpu_peak_keeps_the_higher_reading(monkeypatch):
   monkeypatch.setattr(flops, "measure_matmul_peak", lambda: 5.0)
   monkeypatch.setattr(flops, "_measured_cpu_peak", 2.0)  # a reading taken at a slow moment
-  assert flops.remeasure_cpu_peak() == 5.0 and flops.device_peak_flops() == 5.0
+  assert flops.total_peak_flops() == 2.0  # measured once per process ...
+  assert flops.total_peak_flops(remeasure=True) == 5.0  # ... unless asked again
+  assert flops.device_peak_flops() == 5.0
   monkeypatch.setattr(flops, "_measured_cpu_peak", 9.0)
-  assert flops.remeasure_cpu_peak() == 9.0 and flops.device_peak_flops() == 9.0
+  assert flops.total_peak_flops(remeasure=True) == 9.0 and flops.device_peak_flops() == 9.0
 
 
 @pytest.mark.parametrize("kind,peak", [

@@ -214,16 +214,22 @@ def measure_matmul_peak(size: int = 2048, min_repeats: int = 5,
   return 2 * size**3 / best
 
 
-def device_peak_flops(device: jax.Device | None = None) -> float | None:
+def device_peak_flops(device: jax.Device | None = None,
+                      remeasure: bool = False) -> float | None:
   """Peak FLOP/s of one device: measured on CPU, else the table's entry for exactly this
-  device kind; None (no MFU, and a one-time note saying why) for a kind not listed."""
+  device kind; None (no MFU, and a one-time note saying why) for a kind not listed.
+
+  The CPU's is measured once per process; remeasure=True measures it again and keeps the
+  higher reading, for a run that computed faster than it (the first reading caught a
+  slow moment). A table entry is a datasheet figure and stays as it is.
+  """
   global _measured_cpu_peak
   device = device or jax.devices()[0]
   if device.device_kind in _KNOWN_PEAKS:
     return _KNOWN_PEAKS[device.device_kind]
   if device.platform == "cpu":
-    if _measured_cpu_peak is None:
-      _measured_cpu_peak = measure_matmul_peak()
+    if _measured_cpu_peak is None or remeasure:
+      _measured_cpu_peak = max(_measured_cpu_peak or 0.0, measure_matmul_peak())
     return _measured_cpu_peak
   if device.device_kind not in _noted_unknown:
     _noted_unknown.add(device.device_kind)
@@ -234,22 +240,14 @@ def device_peak_flops(device: jax.Device | None = None) -> float | None:
   return None
 
 
-def remeasure_cpu_peak() -> float:
-  """Measures the CPU's peak again and keeps the higher of the two readings: for a run
-  that has computed faster than its peak, so the first reading caught a slow moment."""
-  global _measured_cpu_peak
-  _measured_cpu_peak = max(_measured_cpu_peak or 0.0, measure_matmul_peak())
-  return _measured_cpu_peak
-
-
-def total_peak_flops() -> float | None:
+def total_peak_flops(remeasure: bool = False) -> float | None:
   """Peak FLOP/s of all devices of the job (per device times the device count), or None.
 
   Fake CPU devices (--xla_force_host_platform_device_count) share the same cores, so on
   CPU the one measured peak is the whole machine's.
   """
   device = jax.devices()[0]
-  peak = device_peak_flops(device)
+  peak = device_peak_flops(device, remeasure)
   if peak is None or device.platform == "cpu":
     return peak
   return peak * jax.device_count()

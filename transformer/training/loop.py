@@ -8,6 +8,7 @@ was, so an interrupted run ends with the same parameters as an uninterrupted one
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import signal
 import time
@@ -75,12 +76,13 @@ class Progress:
     mfu  the FLOPs the model needs for the real tokens (`token_counts`, from
          flops.count_tokens, with `model_config`): comparable across batchings, and
          the figure tokens/s (real target tokens) goes with.
-  A window that computed faster than the peak (HFU above 100%) shows the peak was read
-  low; `remeasure_peak` (the CPU's, flops.remeasure_cpu_peak) then reads it again,
-  outside the window's time, and the higher reading stays.
   and padding_efficiency (real target tokens / target slots; source_padding_efficiency
   likewise), which is why the two differ. A window's time leaves out validation and
   checkpoint saves (`paused`): throughput is the training step's.
+
+  A window that computed faster than the peak (HFU above 100%) shows the peak was read
+  low: `remeasure_peak` (the loop's: flops.total_peak_flops with remeasure=True) gives it again, between
+  windows so outside their time, and the higher value stays.
   """
 
   def __init__(self, peak_flops: float | None, total_steps: int,
@@ -249,10 +251,10 @@ class TrainingRun:
     logging.info("%s parameters", f"{self.setup.num_params:,}")
     self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief)
     self.total_steps = config.num_train_steps * config.grad_accum_steps
-    on_cpu = jax.devices()[0].platform == "cpu"  # the one measured peak (flops.py)
     self.progress = Progress(flops.total_peak_flops(), self.total_steps,
                              self.setup.model.config,
-                             remeasure_peak=flops.remeasure_cpu_peak if on_cpu else None)
+                             remeasure_peak=functools.partial(flops.total_peak_flops,
+                                                              remeasure=True))
     self.validate = validation(config, self.setup, self.tokenizer) if (
         config.eval_every_steps) else None
     self.batches = None
