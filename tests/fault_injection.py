@@ -9,10 +9,13 @@ As a launcher it runs an entry point with the fault armed:
   in the middle of an asynchronous save. The stall creates the file FAULT_SLOW_SAVE_MARKER
   (if set) as it begins, for a test to wait on.
 - FAULT_FULL_DISK_STEP=N: writing checkpoint N fails with OSError(ENOSPC), as on a full disk.
+- FAULT_SLOW_VALIDATION_S=S: every validation waits S seconds before it computes, after
+  creating the file FAULT_SLOW_VALIDATION_MARKER (if set), so a signal lands inside it.
 
 In-process tests can call `arm(...)` / `disarm()` instead. The hook sits in Orbax's JSON
 item writer, which every checkpoint here runs in its background commit (the
-`data_iterator` and `config` items), before the final rename.
+`data_iterator` and `config` items), before the final rename; validation's in
+`training.metrics.evaluate_loss`, which the loop's validation calls.
 """
 
 import errno
@@ -24,6 +27,7 @@ import time
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 _ORIGINAL_SAVE = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+_original_evaluate_loss = None  # set while validation is slowed
 
 
 def _step_of(directory) -> int | None:
@@ -33,7 +37,8 @@ def _step_of(directory) -> int | None:
 
 
 def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
-        full_disk_step: int | None = None, slow_save_marker: str = "") -> None:
+        full_disk_step: int | None = None, slow_save_marker: str = "",
+        slow_validation_s: float = 0.0, slow_validation_marker: str = "") -> None:
   async def save_fn(self, item, directory):
     step = _step_of(directory)
     if step is not None and step == slow_save_step:
@@ -45,9 +50,32 @@ def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
     return await _ORIGINAL_SAVE(self, item, directory)
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = save_fn
 
+  if slow_validation_s:
+    _slow_validation(slow_validation_s, slow_validation_marker)
+
+
+def _slow_validation(seconds: float, marker: str) -> None:
+  global _original_evaluate_loss
+  # Imported here: the launcher puts the repository on the path first, and nothing of
+  # the package loads before the entry point starts jax.distributed.
+  from transformer.training import metrics
+  _original_evaluate_loss = _original_evaluate_loss or metrics.evaluate_loss
+  original = _original_evaluate_loss
+
+  def evaluate_loss(*args, **kwargs):
+    if marker:
+      open(marker, "w").close()
+    time.sleep(seconds)
+    return original(*args, **kwargs)
+  metrics.evaluate_loss = evaluate_loss
+
 
 def disarm() -> None:
+  global _original_evaluate_loss
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
+  if _original_evaluate_loss is not None:
+    from transformer.training import metrics
+    metrics.evaluate_loss, _original_evaluate_loss = _original_evaluate_loss, None
 
 
 def _env_int(name: str) -> int | None:
@@ -61,6 +89,8 @@ if __name__ == "__main__":
   arm(slow_save_step=_env_int("FAULT_SLOW_SAVE_STEP"),
       slow_save_s=float(os.environ.get("FAULT_SLOW_SAVE_S", "600")),
       full_disk_step=_env_int("FAULT_FULL_DISK_STEP"),
-      slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""))
+      slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""),
+      slow_validation_s=float(os.environ.get("FAULT_SLOW_VALIDATION_S", "0")),
+      slow_validation_marker=os.environ.get("FAULT_SLOW_VALIDATION_MARKER", ""))
   script, sys.argv = sys.argv[1], sys.argv[1:]
   runpy.run_path(script, run_name="__main__")

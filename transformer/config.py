@@ -126,7 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Loop, logging, checkpoints.
   c.log_every_steps = 100
   c.eval_every_steps = 1000
-  c.num_eval_batches = 0  # validation batches per evaluation; 0 = the whole split
+  c.num_eval_batches = 0  # validation batches per evaluation, spread over all lengths; 0 = all
   c.eval_bleu_sentences = 500  # beam-search BLEU on this many validation sentences; 0 = off
   c.checkpoint_every_steps = 1000
   c.checkpoint_every_minutes = 10.0  # the paper averaged checkpoints written every 10 minutes

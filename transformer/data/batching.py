@@ -111,10 +111,11 @@ def bucket_of(length: int, lengths: list[int]) -> int:
 
 def rows_for_real_tokens(tokens_per_batch: int, real_tokens_per_row: float,
                          row_multiple: int) -> int:
-  """Rows whose expected real (non-pad) tokens fill the budget, rounded to the nearest
-  multiple of row_multiple (0 when even that many rows hold over twice the budget): the
-  paper's batch counts the tokens the model reads, not the padding."""
-  return round(tokens_per_batch / real_tokens_per_row / row_multiple) * row_multiple
+  """The most rows, a multiple of row_multiple, whose expected real (non-pad) tokens stay
+  within the budget (0 when even row_multiple rows would exceed it): the paper's batch
+  counts the tokens the model reads, not the padding. Never over budget, so at most one
+  row_multiple of rows under it."""
+  return int(tokens_per_batch / real_tokens_per_row // row_multiple) * row_multiple
 
 
 def real_tokens_per_row(batches: list[dict[str, np.ndarray]]) -> float:

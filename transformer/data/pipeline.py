@@ -7,13 +7,16 @@ split measured ~6x faster than per-example tf.data ops here (docs/data.md).
 Training stream, identical on every host: epoch e is the training split shuffled by
 (seed, e), tokenized, filtered to max_len and batched. Every host builds the same
 global batch and keeps its own contiguous block of rows, so the global batch at a step
-does not depend on the number of hosts. State is (epoch, batch index); restoring replays
-the epoch up to that batch (it costs the tokenization of the skipped part).
+does not depend on the number of hosts. State is (epoch, batch index) and the batch plan
+(rows per batch shape); restoring replays the epoch up to that batch (it costs the
+tokenization of the skipped part) with the saved plan, so a run resumed on another mesh
+trains on the same examples in the same global batches (`TrainIterator.set_state`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator
 
 from absl import logging
@@ -89,6 +92,10 @@ def make_example(source_ids: np.ndarray, target_ids: np.ndarray,
           "loss_mask": np.concatenate([source_weight(source_ids), np.ones_like(target_ids)])}
 
 
+# The config keys a batch plan is made from, besides the mesh (row_multiple).
+PLAN_KEYS = ("tokens_per_batch", "batching", "max_len")
+
+
 def _epoch_seed(seed: int, epoch: int) -> int:
   return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
@@ -110,15 +117,26 @@ class TrainIterator:
     self._row_len, self._budget = sides * config.max_len, sides * config.tokens_per_batch
     if config.batching not in ("tokens", "packed"):
       raise ConfigError(f"batching: {config.batching!r} must be 'tokens' or 'packed'")
-    self.rows_by_length = self._plan_rows(row_multiple)
-    if config.batching == "packed":
-      (rows,) = self.rows_by_length.values()
-      self._make_batcher = lambda: batching.Packer(rows, self._row_len)
-    else:
-      self._make_batcher = lambda: batching.TokenBucketer(self.rows_by_length)
-    self._epoch, self._batch_in_epoch = 0, 0
+    self._row_multiple = row_multiple
+    self._plan: dict[int, int] | None = None  # made at first use, or restored
+    # Position: epoch, batches taken in it, the pair of the epoch's order its batching
+    # started at (0 unless the plan changed mid-epoch), and the pairs read so far.
+    self._epoch, self._batch_in_epoch, self._start_pair, self._pairs_read = 0, 0, 0, 0
     self._batches = None
     self._shapes_seen = set()
+
+  @property
+  def rows_by_length(self) -> dict[int, int]:
+    """{padded length: global rows} of every batch shape: the batch plan."""
+    if self._plan is None:
+      self._plan = self._plan_rows(self._row_multiple)
+    return self._plan
+
+  def _make_batcher(self):
+    if self._config.batching == "packed":
+      (rows,) = self.rows_by_length.values()
+      return batching.Packer(rows, self._row_len)
+    return batching.TokenBucketer(self.rows_by_length)
 
   def _plan_rows(self, row_multiple: int) -> dict[int, int]:
     """{padded length: rows} of every batch shape, sized to hold tokens_per_batch real
@@ -128,12 +146,14 @@ class TrainIterator:
     length buckets ~75%, so a budget of padded slots trains on fewer tokens than it
     says. The real tokens per row of each shape are measured on the first pairs of
     epoch 0 (the same on every process) batched as training batches them; a bucket
-    that sample hardly reaches is sized as if its rows were full, never over budget.
+    that sample hardly reaches is sized as if its rows were full. Each shape gets the
+    most rows, a multiple of row_multiple, whose expected real tokens stay within the
+    budget (`batching.rows_for_real_tokens`): never over it.
     """
     config = self._config
     examples = self._examples(0, log=False)
     try:
-      sample = list(itertools.islice(examples, PLAN_SAMPLE_PAIRS))
+      sample = [example for _, example in itertools.islice(examples, PLAN_SAMPLE_PAIRS)]
     finally:
       examples.close()  # stops its tf.data iterator's threads now
     if config.batching == "packed":
@@ -166,11 +186,52 @@ class TrainIterator:
     return plan
 
   def get_state(self) -> dict:
-    return {"epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch}
+    """JSON-able: the position and the batch plan, with the config values it was made
+    from, so that a resumed run can go on with the same batches on any mesh."""
+    return {"epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch,
+            "start_pair": self._start_pair, "pairs_read": self._pairs_read,
+            "plan": {"rows_by_length": [[length, rows] for length, rows
+                                        in self.rows_by_length.items()],
+                     **{key: self._config[key] for key in PLAN_KEYS}}}
 
-  def set_state(self, state: dict) -> None:
-    self._epoch, self._batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+  def set_state(self, state: dict, layout: str = "") -> None:
+    """Goes on from `state` (get_state's, or an older checkpoint's without a plan).
+
+    The saved plan is kept while its rows split over this run's row_multiple, so the
+    stream is the uninterrupted run's on any mesh; where they do not, a one-line
+    ConfigError (`layout` describes the mesh in it). If tokens_per_batch, batching or
+    max_len changed, the batches are planned again, a one-line warning says so, and
+    the stream goes on from the first pair of the epoch not yet read (examples that
+    waited for a batch to fill are skipped: at most a batch per shape).
+    """
     self.close()
+    self._epoch, self._batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+    self._start_pair = int(state.get("start_pair", 0))
+    self._pairs_read = int(state.get("pairs_read", 0))
+    saved = state.get("plan")
+    if saved is None:  # a checkpoint from before plans were saved: plan as it did
+      return
+    saved_rows = {int(length): int(rows) for length, rows in saved["rows_by_length"]}
+    changed = [f"{key} {saved[key]!r} -> {self._config[key]!r}" for key in PLAN_KEYS
+               if saved[key] != self._config[key]]
+    if changed:
+      logging.warning(
+          "%s since the checkpoint: batches planned again (rows by length %s, were %s); "
+          "the stream goes on at pair %d of epoch %d", ", ".join(changed),
+          self.rows_by_length, saved_rows, self._pairs_read, self._epoch)
+      self._start_pair, self._batch_in_epoch = self._pairs_read, 0
+      return
+    uneven = {length: rows for length, rows in saved_rows.items()
+              if rows % self._row_multiple}
+    if uneven:
+      common = math.gcd(*saved_rows.values())
+      raise ConfigError(
+          f"the checkpoint's batches have {uneven} rows by length, which do not split "
+          f"over the {self._row_multiple} row shards of this run "
+          f"({layout or f'{self._process_count} processes'}); use a mesh whose "
+          f"data-parallel devices times processes divide {common}, or change "
+          f"tokens_per_batch to plan the batches again")
+    self._plan = saved_rows
 
   def close(self) -> None:
     """Stops the epoch's tf.data iterator now; the next batch starts a new one at the state."""
@@ -184,52 +245,62 @@ class TrainIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     while True:
       if self._batches is None:
-        self._batches = self._epoch_batches(self._epoch, skip=self._batch_in_epoch)
-      batch = next(self._batches, None)
+        self._batches = self._epoch_batches(self._epoch, skip=self._batch_in_epoch,
+                                            start_pair=self._start_pair)
+      batch, pairs_read = next(self._batches, (None, 0))
       if batch is not None:
         break
       if self._batch_in_epoch == 0:
         raise ConfigError(f"tokens_per_batch: {self._config.tokens_per_batch} is more than "
                           f"one epoch of {self._source.name} yields")
       self._epoch, self._batch_in_epoch, self._batches = self._epoch + 1, 0, None
+      self._start_pair, self._pairs_read = 0, 0
     self._batch_in_epoch += 1
+    self._pairs_read = pairs_read
     self._log_new_shape(batch)
     rows = len(batch["target"]) // self._process_count
     start = self._process_index * rows
     return {k: v[start:start + rows] for k, v in batch.items()}
 
-  def _epoch_batches(self, epoch: int, skip: int) -> Iterator[dict[str, np.ndarray]]:
-    """Global batches of one epoch, after the first `skip` (which are built, then dropped)."""
+  def _epoch_batches(self, epoch: int, skip: int, start_pair: int = 0
+                     ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """(global batch, pairs of the epoch read when it was complete) of one epoch, batching
+    from pair `start_pair` on, after the first `skip` batches (built, then dropped)."""
     batcher, produced = self._make_batcher(), 0
     examples = self._examples(epoch)
     try:
-      for example in examples:
+      for pairs_read, example in examples:
+        if pairs_read <= start_pair:
+          continue
         batch = batcher.add(example)
         if batch is not None:
           produced += 1
           if produced > skip:
-            yield batch
+            yield batch, pairs_read
     finally:
       examples.close()  # on close() too: its tf.data iterator stops now, not at exit
     logging.info("Epoch %d of %s: %d batches", epoch, self._source.name, produced)
 
-  def _examples(self, epoch: int, log: bool = True) -> Iterator[dict[str, np.ndarray]]:
-    """Epoch `epoch`'s training examples in order, filtered or clipped to max_len."""
+  def _examples(self, epoch: int, log: bool = True
+                ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """Epoch `epoch`'s training examples in order, filtered or clipped to max_len, each
+    with the count of the epoch's pairs read up to it (dropped ones included)."""
     config = self._config
     chunks = tokenized_chunks(self._source, self._tokenizer, "train",
                               shuffle_seed=_epoch_seed(config.seed, epoch),
                               shuffle_buffer_size=config.shuffle_buffer_size)
     clip = not config.drop_long_examples
-    dropped = 0
+    dropped, pairs_read = 0, 0
     for source_flat, source_lengths, target_flat, target_lengths in chunks:
       source_ids = np.split(source_flat, np.cumsum(source_lengths)[:-1])
       target_ids = np.split(target_flat, np.cumsum(target_lengths)[:-1])
       for s, t in zip(source_ids, target_ids):
+        pairs_read += 1
         s, t = _fit(s, config.max_len, clip), _fit(t, config.max_len, clip)
         if s is None or t is None:
           dropped += 1
           continue
-        yield make_example(s, t, self._decoder_only, self._lm_loss)
+        yield pairs_read, make_example(s, t, self._decoder_only, self._lm_loss)
     if log and dropped:
       logging.info("Epoch %d of %s: %d pairs longer than max_len %d dropped", epoch,
                    self._source.name, dropped, config.max_len)
@@ -260,9 +331,20 @@ def load_raw_pairs(config, split: str, *, source=None) -> list[tuple[str, str]]:
   return sources.raw_pairs(source or sources.make_source(config), split)
 
 
-def make_eval_batches(config, tokenizer: Tokenizer, split: str, *,
-                      source=None) -> list[dict[str, np.ndarray]]:
-  """Every sentence of a split once, in padded batches of eval_batch_size rows.
+def spread_over(items: list, count: int) -> list:
+  """`count` of `items` spread evenly over them (all of them for count 0, or count at
+  least len(items)): the middle item of each of `count` equal runs, the same every call.
+  Of batches in length order, a subset that spans every length."""
+  if not count or count >= len(items):
+    return list(items)
+  return [items[int((k + 0.5) * len(items) / count)] for k in range(count)]
+
+
+def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, source=None,
+                      max_batches: int = 0) -> list[dict[str, np.ndarray]]:
+  """Every sentence of a split once, in padded batches of eval_batch_size rows; or, with
+  max_batches > 0, that many of those batches spread over the length order
+  (`spread_over`), a fixed subset from the shortest sentences to the longest.
 
   Sentences are batched in order of source length, so each batch pads only to its own
   longest sentence, rounded up to 8, 16, 32, ... (at most max_len): a handful of shapes
@@ -296,7 +378,7 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *,
     batch = batching.finalize(arrays)
     batch["index"] = np.array(indices + [-1] * (rows - len(indices)), np.int32)
     batches.append(batch)
-  return batches
+  return spread_over(batches, max_batches)
 
 
 def _eval_examples(config, tokenizer: Tokenizer, split: str,

@@ -138,12 +138,18 @@ class Checkpointer:
                             f"{first_line(e, with_type=True)}") from e
     return restored["state"], restored["data_iterator"]
 
+  def saved_iterator_state(self, step: int) -> dict:
+    """The data iterator's state of checkpoint `step`, read without the arrays."""
+    return self._manager.restore(step, args=ocp.args.Composite(
+        data_iterator=ocp.args.JsonRestore()))["data_iterator"]
+
   def saved_config(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(
         config=ocp.args.JsonRestore()))["config"]
 
   def reached_preemption(self, step: int) -> bool:
-    """True on every host once jax.distributed has seen a preemption notice."""
+    """True on every host at the same `step` after any host got a preemption notice
+    (jax.distributed's sync), provided every host asks at every step."""
     return self._manager.reached_preemption(step)
 
   def wait(self) -> None:

@@ -32,11 +32,15 @@ and sum s t (`count_tokens`, on device).
 
 from __future__ import annotations
 
+import socket
 import time
+import zlib
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
+import numpy as np
 
 from transformer.config import PAD_ID
 from transformer.model import ModelConfig
@@ -191,6 +195,7 @@ _KNOWN_PEAKS = {
 }
 
 _measured_cpu_peak: float | None = None
+_host_count: int | None = None
 _noted_unknown: set[str] = set()
 
 
@@ -240,16 +245,34 @@ def device_peak_flops(device: jax.Device | None = None,
   return None
 
 
+def host_count() -> int:
+  """How many machines the job's processes run on: distinct host names, gathered from
+  every process the first time (a collective: every process calls it then), then kept."""
+  global _host_count
+  if _host_count is None:
+    if jax.process_count() == 1:
+      _host_count = 1
+    else:
+      name = zlib.crc32(socket.gethostname().encode())
+      names = multihost_utils.process_allgather(np.array(name, np.int64))
+      _host_count = len(set(np.asarray(names).ravel().tolist()))
+  return _host_count
+
+
 def total_peak_flops(remeasure: bool = False) -> float | None:
   """Peak FLOP/s of all devices of the job (per device times the device count), or None.
 
-  Fake CPU devices (--xla_force_host_platform_device_count) share the same cores, so on
-  CPU the one measured peak is the whole machine's.
+  On CPU the measured peak is one machine's: fake CPU devices
+  (--xla_force_host_platform_device_count), and processes started on one machine, share
+  its cores; processes on separate machines have their own, so the peak is that times
+  the number of machines (`host_count`), as the FLOPs counted are the whole job's.
   """
   device = jax.devices()[0]
   peak = device_peak_flops(device, remeasure)
-  if peak is None or device.platform == "cpu":
-    return peak
+  if peak is None:
+    return None
+  if device.platform == "cpu":
+    return peak * host_count()
   return peak * jax.device_count()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import signal
 import time
 from typing import Any, Callable
@@ -33,18 +34,31 @@ class TrainingError(RuntimeError):
 
 
 class PreemptionSignal:
-  """SIGTERM/SIGINT ask the loop to checkpoint and exit 0; a second SIGINT aborts."""
+  """SIGTERM/SIGINT ask the loop to checkpoint and exit 0; a second SIGINT aborts.
 
-  def __init__(self):
+  One process: Python handlers note either signal in `received`. Several processes:
+  SIGTERM is left to jax.distributed's preemption service. Its own handler, installed by
+  `jax.distributed.initialize`, tells every host through the coordination service, which
+  picks one step for all of them (`TrainingRun._preempted`); a Python handler here would
+  replace it, and each host would then stop alone at its own step while the others wait
+  for it in a collective. Ctrl-C on one host becomes that same notice: the handler sends
+  SIGTERM to its own process.
+  """
+
+  def __init__(self, several_processes: bool = False):
     self.received = None
+    self._several_processes = several_processes
     self._previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGINT,) if several_processes else (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
       self._previous[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
     if self.received is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.received = signal.Signals(signum).name
+    if self._several_processes:  # jax.distributed's handler takes it from here
+      os.kill(os.getpid(), signal.SIGTERM)
     logging.warning("%s received: saving a checkpoint after this step, then exiting",
                     self.received)
 
@@ -173,7 +187,8 @@ class Progress:
 
 
 class ValidationLoss:
-  """Loss and perplexity on the validation split, or on its first num_eval_batches.
+  """Loss and perplexity on the validation split, or on num_eval_batches of its batches
+  spread over all sentence lengths (the same ones at every evaluation).
 
   The loop builds it as `ValidationLoss(config, setup, tokenizer)` and calls it with the
   parameters every eval_every_steps; evaluation.validation.ValidationWithBleu adds the
@@ -183,11 +198,12 @@ class ValidationLoss:
   def __init__(self, config, run_setup: state.Setup, tokenizer):
     self.config, self.setup, self.tokenizer = config, run_setup, tokenizer
     self._eval_step = steps.jit_eval_step(run_setup)
-    self._batches = data.make_eval_batches(config, tokenizer, "validation")
+    self._batches = data.make_eval_batches(config, tokenizer, "validation",
+                                           max_batches=config.num_eval_batches)
 
   def __call__(self, params) -> dict[str, Any]:
     return metrics.evaluate_loss(self._eval_step, params, self._batches, self.setup.mesh,
-                                 self.setup.rules, self.config.num_eval_batches)
+                                 self.setup.rules)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -265,8 +281,11 @@ class TrainingRun:
     if latest is None:
       return self.setup.init_state(jax.random.key(self.config.seed))
     checkpoints.check_compatible(self.checkpointer.saved_config(latest), self.config)
-    restored, iterator_state = self.checkpointer.restore(latest, self.setup.restore_target())
-    self.train_iter.set_state(iterator_state)
+    # The data first: a batch plan this mesh cannot split fails before the arrays load.
+    self.train_iter.set_state(
+        self.checkpointer.saved_iterator_state(latest),
+        layout=f"mesh {dict(self.setup.mesh.shape)} over {jax.process_count()} processes")
+    restored, _ = self.checkpointer.restore(latest, self.setup.restore_target())
     logging.info("resumed from step %d", latest)
     return restored
 
@@ -281,7 +300,7 @@ class TrainingRun:
     self.batches = prefetch.Prefetcher(
         self.train_iter, lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules),
         size=2)
-    preemption = PreemptionSignal()
+    preemption = PreemptionSignal(several_processes=jax.process_count() > 1)
     started = time.time()
     eval_metrics: dict[str, Any] = {}
     finished = False
@@ -297,7 +316,7 @@ class TrainingRun:
         if self.validate and (step % self.config.eval_every_steps == 0 or is_last):
           with self.progress.paused():
             eval_metrics = self._evaluate(step)
-        preempted = self._preempted(step, preemption)
+        preempted = self._preempted(step, start_step, preemption)
         if self._checkpoint_due(step) or is_last or preempted:
           with self.progress.paused():
             self._save(step)
@@ -350,11 +369,20 @@ class TrainingRun:
       due = bool(jax.experimental.multihost_utils.broadcast_one_to_all(due))
     return due
 
-  def _preempted(self, step: int, preemption: PreemptionSignal) -> bool:
-    preempted = preemption.received is not None
-    if jax.process_count() > 1:  # hosts agree on the step through jax.distributed
-      preempted = self.checkpointer.reached_preemption(step) or preempted
-    return preempted
+  def _preempted(self, step: int, start_step: int, preemption: PreemptionSignal) -> bool:
+    """Whether to save and stop after `step`: on several processes, the same answer at the
+    same step on every host, whichever hosts got the notice and when.
+
+    jax.distributed's preemption sync takes the largest step count any host has reached
+    when the notice arrives, and answers true on every host at the next. Every host must
+    ask after every step. It counts the steps taken since this start, from 0 as JAX's
+    counter does, so that a notice during start-up, before any host has asked, stops the
+    run after its first step; counted in global steps from a checkpoint, the step chosen
+    (1) would already be behind every host, and no host would ever stop.
+    """
+    if jax.process_count() > 1:
+      return self.checkpointer.reached_preemption(step - start_step)
+    return preemption.received is not None
 
   def _save(self, step: int) -> None:
     self.progress.check_finite()  # a NaN state is never written

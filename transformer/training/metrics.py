@@ -36,16 +36,12 @@ def token_averages(sums: dict[str, float]) -> dict[str, float]:
           "accuracy": sums["correct_sum"] / tokens, "num_tokens": sums["num_tokens"]}
 
 
-def evaluate_loss(p_eval_step, params: Any, eval_batches: Iterable[dict], mesh, rules,
-                  max_batches: int = 0) -> dict[str, float]:
-  """Unsmoothed cross-entropy and perplexity over a split (or its first `max_batches`).
-
-  `eval_batches`: whole batches, the same on every process (data.make_eval_batches).
-  """
+def evaluate_loss(p_eval_step, params: Any, eval_batches: Iterable[dict], mesh,
+                  rules) -> dict[str, float]:
+  """Unsmoothed cross-entropy and perplexity over `eval_batches`: whole batches, the same
+  on every process (data.make_eval_batches)."""
   pending = []
-  for i, batch in enumerate(eval_batches):
-    if max_batches and i >= max_batches:
-      break
+  for batch in eval_batches:
     batch = {k: v for k, v in batch.items() if k != "index"}
     pending.append(p_eval_step(params, sharding.global_batch_from_whole(batch, mesh, rules)))
   return token_averages(sum_metrics(pending))
