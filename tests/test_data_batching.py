@@ -100,3 +100,19 @@ def test_geometric_length_is_the_smallest_doubling_that_holds_n():
   # However many lengths a split has, at most log2(cap / 8) + 1 shapes come out.
   assert {batching.geometric_length(n, 256) for n in range(1, 257)} == {
       8, 16, 32, 64, 128, 256}
+
+
+def test_planned_rows_never_exceed_the_budget_and_miss_it_by_under_one_multiple():
+  """The most rows, in multiples of row_multiple, whose expected real tokens fit; the
+  nearest multiple went up to +95% over (1.49 multiples rounded to 1 ... 1.5 to 2)."""
+  rng = np.random.default_rng(0)
+  for _ in range(2000):
+    budget = int(rng.integers(8, 50_000))
+    real = float(rng.uniform(1.0, 300.0))
+    multiple = int(rng.choice([1, 2, 4, 8, 16, 64, 256]))
+    rows = batching.rows_for_real_tokens(budget, real, multiple)
+    assert rows % multiple == 0 and rows >= 0
+    assert rows * real <= budget
+    assert (rows + multiple) * real > budget
+  assert batching.rows_for_real_tokens(384, 128.0, 2) == 2  # 3 rows fit, 4 do not
+  assert batching.rows_for_real_tokens(384, 20.0, 8) == 16  # 19.2 rows: 16, not 24

@@ -203,6 +203,28 @@ def test_each_evaluation_sentence_exactly_once(setup):
     assert list(rows_by_index[index][:len(expected)]) == expected
 
 
+def test_a_validation_subset_spans_every_length(setup):
+  """num_eval_batches takes batches spread over the length order, the same every time:
+  the first ones would hold only the shortest sentences."""
+  config, source, tokenizer = setup
+  every = pipeline.make_eval_batches(config, tokenizer, "validation", source=source)
+  subset = pipeline.make_eval_batches(config, tokenizer, "validation", source=source,
+                                      max_batches=3)
+  assert len(every) >= 9 and len(subset) == 3
+  positions = [[(b["index"] == s["index"]).all() for b in every].index(True) for s in subset]
+  assert positions == [len(every) // 6, len(every) // 2, 5 * len(every) // 6]
+
+  def mean_source_length(batches):
+    real = np.concatenate([(b["source"] != 0).sum(1)[b["index"] >= 0] for b in batches])
+    return real.mean()
+  whole = mean_source_length(every)
+  assert abs(mean_source_length(subset) - whole) < 0.15 * whole
+  assert mean_source_length(every[:3]) < 0.7 * whole  # what the first batches measured
+  assert pipeline.spread_over(list(range(10)), 0) == list(range(10))
+  assert pipeline.spread_over(list(range(10)), 20) == list(range(10))
+  assert pipeline.spread_over(list(range(10)), 1) == [5]
+
+
 def test_long_pairs_are_dropped_or_clipped_keeping_eos():
   ids = np.array([5, 6, 7, 8, EOS_ID], np.int32)
   assert pipeline._fit(ids, 5, clip=False) is ids

@@ -2,28 +2,37 @@
 nothing but a bucket (the local GCS fake) for the corpus and the run. Each host has its
 own HOME, where the default vocabulary cache is: only process 0 reads it.
 
-One process is killed with SIGKILL mid-run; the others must stop in bounded time. The
-four are started again and resume: their losses are those of an uninterrupted run. The
-same run then moves to a smaller slice (2 processes x 1 device) and continues it, and
-is evaluated across those two processes.
+One job, started again and again on the same workdir, meets the faults of a pod in turn:
+one process killed with SIGKILL mid-run (the others must stop in bounded time); then
+preemption notices (SIGTERM): to every host at staggered times while an asynchronous
+checkpoint is being written, then to one host only during validation. After each notice
+every host exits 0, having written its part of one new checkpoint at one step they all
+agree on, and the next start resumes from it. The run then finishes: its losses
+are bit for bit those of an uninterrupted run of the same mesh. It moves to a smaller
+slice (2 processes x 1 device), which continues the same global batches, and is
+evaluated across those two processes.
 """
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
+import pytest
 
 from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 from tests.tiny_run import OVERRIDES, REPO, free_port
 
-POD_STEPS = 12  # the 4-process run's last step
-SLICE_STEPS = 16  # ... and the 2-process run's
 HEARTBEAT_TIMEOUT_S = 10
+EXIT_AFTER_NOTICE_S = 180  # every host of a preempted job has exited by then
 POD_MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+SLICE_MESH = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.tensor": 1}
+NO_PERIODIC_SAVES = {"checkpoint_every_steps": 10_000, "num_train_steps": 10_000}
 
 
 class Bucket:
@@ -36,14 +45,22 @@ class Bucket:
         tf.io.gfile.GFile(f"{self.url}/corpus/small.tsv", "wb") as out:
       out.write(f.read())
     self.overrides = {**OVERRIDES, "dataset": f"tsv:{self.url}/corpus/small.tsv",
-                      "vocab_cache_dir": "", "checkpoint_every_steps": 2}
+                      "vocab_cache_dir": "", "checkpoint_every_steps": 2,
+                      "keep_checkpoints": 100}
+    self.started = []  # every process, so that a failed test leaves none behind
 
-  def start(self, script, workdir, num_processes, devices, *extra, **overrides):
+  def start(self, script, workdir, num_processes, devices, *extra, faults=None,
+            **overrides):
+    """faults: tests/fault_injection.py's variables; the job then runs under it."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(self.fake.env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(faults or {}),
+               # One matplotlib font cache for all hosts: in each fresh HOME it would
+               # be built again, by every process of every job.
+               MPLCONFIGDIR=str(self.tmp_path / "matplotlib"))
     flat = {**self.overrides, **overrides}
-    command = [sys.executable, script, "--workdir", f"{self.url}/{workdir}", *extra]
+    entry = ["tests/fault_injection.py", script] if faults else [script]
+    command = [sys.executable, *entry, "--workdir", f"{self.url}/{workdir}", *extra]
     if script == "train.py":
       command += ["--config", "configs/default.py"] + [f"--config.{k}={v}"
                                                        for k, v in flat.items()]
@@ -60,18 +77,34 @@ class Bucket:
       hosts.append((subprocess.Popen(command + cluster, cwd=REPO,
                                      env={**env, "HOME": str(home)}, stdout=log,
                                      stderr=subprocess.STDOUT, text=True), log))
+    self.started += [process for process, _ in hosts]
     return hosts
+
+  def finish(self, hosts, timeout=600):
+    """Waits for every host; returns (return codes, outputs)."""
+    deadline = time.time() + timeout
+    codes, outputs = [], []
+    for process, log in hosts:
+      try:
+        codes.append(process.wait(timeout=max(1.0, deadline - time.time())))
+      except subprocess.TimeoutExpired:
+        codes.append(None)  # still running: a hang
+      log.seek(0)
+      outputs.append(log.read())
+    return codes, outputs
 
   def run(self, *args, **overrides):
     """Starts the job's processes and waits; every one must succeed. Returns outputs."""
-    hosts = self.start(*args, **overrides)
-    outputs = []
-    for process, log in hosts:
-      process.wait(timeout=420)
-      log.seek(0)
-      outputs.append(log.read())
-      assert process.returncode == 0, outputs[-1][-3000:]
+    codes, outputs = self.finish(self.start(*args, **overrides))
+    for code, output in zip(codes, outputs):
+      assert code == 0, output[-3000:]
     return outputs
+
+  def kill_all(self):
+    for process in self.started:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
 
   def losses(self, workdir):
     """{step: loss} of the run's train records; a step logged twice keeps the last."""
@@ -79,64 +112,149 @@ class Bucket:
     records = [json.loads(line) for line in text.splitlines()]
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
-  def logged_steps(self, workdir):
+  def logged_records(self, workdir):
     try:
       return len(self.fake.read(f"{workdir}/metrics.jsonl").decode().splitlines())
     except FileNotFoundError:
       return 0
 
+  def committed_steps(self, workdir):
+    """Steps whose checkpoint is complete: on cloud storage, once commit_success.txt is."""
+    return sorted(int(n.split("/")[2]) for n in self.fake.list_objects(f"{workdir}/checkpoints/")
+                  if n.endswith("/commit_success.txt") and n.count("/") == 3)
 
-def test_pod_survives_a_dead_host_resumes_exactly_and_moves_to_a_smaller_slice(
+  def writers(self, workdir, step):
+    """Processes whose own array files are in checkpoint `step` (ocdbt.process_<i>/)."""
+    names = self.fake.list_objects(f"{workdir}/checkpoints/{step}/state/")
+    return sorted({int(m.group(1)) for n in names
+                   for m in [re.search(r"/ocdbt\.process_(\d+)/", n)] if m})
+
+
+def wait_until(condition, hosts, what, timeout=600):
+  deadline = time.time() + timeout
+  while not condition():
+    assert all(p.poll() is None for p, _ in hosts), f"a host exited before {what}"
+    assert time.time() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.1)
+
+
+def send_sigterm(hosts, delays_s):
+  """SIGTERM to hosts[i] delays_s[i] seconds from now (None: never); returns at once."""
+  def send(process, delay):
+    time.sleep(delay)
+    if process.poll() is None:
+      process.send_signal(signal.SIGTERM)
+  threads = [threading.Thread(target=send, args=(process, delay))
+             for (process, _), delay in zip(hosts, delays_s) if delay is not None]
+  for thread in threads:
+    thread.start()
+  return threads
+
+
+def preempt(bucket, hosts, delays_s, when, what):
+  """Sends the notices once `when()` holds; every host must then exit 0, all having saved
+  at the same step, in one new committed checkpoint with every host's arrays in it.
+  Returns (that step, the committed steps that are new, the outputs)."""
+  before = set(bucket.committed_steps("pod"))
+  wait_until(when, hosts, what)
+  for thread in send_sigterm(hosts, delays_s):
+    thread.join()
+  codes, outputs = bucket.finish(hosts, timeout=EXIT_AFTER_NOTICE_S)
+  for code, output in zip(codes, outputs):
+    assert code == 0, f"{what}: {code}\n{output[-3000:]}"
+  saved = [re.findall(r"checkpoint at step (\d+) written after .*; exiting", out)
+           for out in outputs]
+  assert all(len(steps) == 1 for steps in saved), (what, saved)
+  steps = {int(steps[0]) for steps in saved}
+  assert len(steps) == 1, (what, saved)  # one step, agreed by every host
+  (step,) = steps
+  new = sorted(set(bucket.committed_steps("pod")) - before)
+  assert step in new and bucket.writers("pod", step) == [0, 1, 2, 3], (what, new)
+  return step, new, outputs
+
+
+def test_pod_survives_a_dead_host_and_preemptions_resumes_exactly_and_moves_to_a_smaller_slice(
     gcs, small_corpus, tmp_path):  # noqa: F811
   bucket = Bucket(gcs, small_corpus, tmp_path)
-  # The uninterrupted run, on the same mesh in one process.
-  bucket.run("train.py", "reference", 1, 8, num_train_steps=SLICE_STEPS, **POD_MESH)
-  reference = bucket.losses("reference")
-  assert sorted(reference) == list(range(1, SLICE_STEPS + 1))
+  try:
+    rehearse(bucket, gcs, tmp_path)
+  finally:
+    bucket.kill_all()
 
-  # Four hosts; one dies (SIGKILL) once a few steps are logged.
+
+def rehearse(bucket, gcs, tmp_path):  # noqa: F811
+  # --- Four hosts; one dies (SIGKILL) once a few steps are logged.
   hosts = bucket.start("train.py", "pod", 4, 2, num_train_steps=10_000, **POD_MESH)
-  deadline = time.time() + 300
-  while bucket.logged_steps("pod") < 5:
-    assert all(p.poll() is None for p, _ in hosts), "a host exited before the kill"
-    assert time.time() < deadline, "the pod logged no five steps"
-    time.sleep(0.2)
+  wait_until(lambda: bucket.logged_records("pod") >= 5, hosts, "five steps")
   hosts[3][0].send_signal(signal.SIGKILL)
   killed = time.time()
-  for process, log in hosts[:3]:
-    process.wait(timeout=HEARTBEAT_TIMEOUT_S + 90)  # without the timeouts: a hang
-    log.seek(0)
-    assert process.returncode != 0, log.read()[-3000:]
+  codes, outputs = bucket.finish(hosts[:3], timeout=HEARTBEAT_TIMEOUT_S + 90)
+  for code, output in zip(codes, outputs):  # None: still running, a hang
+    assert code is not None and code != 0, output[-3000:]
   assert time.time() - killed < HEARTBEAT_TIMEOUT_S + 90
-  # On cloud storage a checkpoint is complete once its commit_success.txt is written.
-  saved = sorted(int(n.split("/")[2]) for n in gcs.list_objects("pod/checkpoints/")
-                 if n.endswith("/commit_success.txt") and n.count("/") == 3)
-  assert saved and saved[-1] >= 2, saved
+  resume_from = bucket.committed_steps("pod")[-1]
+  assert resume_from >= 2
 
-  # All four again: they resume from the newest complete checkpoint, and every step
-  # (before the kill and after it) has the loss of the uninterrupted run.
-  outputs = bucket.run("train.py", "pod", 4, 2, num_train_steps=POD_STEPS, **POD_MESH)
-  assert f"resumed from step {saved[-1]}" in outputs[0]
+  # --- Preemption notices. Each job resumes from the checkpoint the one before left.
+  # (a) every host, at staggered times (0, 1 and 3 s after the first), while (c) an
+  # asynchronous save is being written: the periodic save at step `in_flight` stalls
+  # 6 s in its background commit. It completes, then the preemption's.
+  every = 4
+  in_flight = (resume_from // every + 1) * every
+  marker = tmp_path / "save-stalled"
+  hosts = bucket.start("train.py", "pod", 4, 2, **POD_MESH, num_train_steps=10_000,
+                       checkpoint_every_steps=every,
+                       faults={"FAULT_SLOW_SAVE_STEP": str(in_flight), "FAULT_SLOW_SAVE_S": "6",
+                               "FAULT_SLOW_SAVE_MARKER": str(marker)})
+  step, new, outputs = preempt(bucket, hosts, [3, 0, 1, 3], marker.exists,
+                               "staggered notices during an asynchronous save")
+  assert new == sorted({in_flight, step}) and step > in_flight, new
+  assert f"resumed from step {resume_from}" in outputs[0]
+  resume_from = step
+
+  # (b) one host only, not process 0, (d) during validation (which waits 6 s in it):
+  # every host saves at that step.
+  evaluated = (resume_from // every + 1) * every
+  marker = tmp_path / "validating"
+  hosts = bucket.start("train.py", "pod", 4, 2, **NO_PERIODIC_SAVES, **POD_MESH,
+                       eval_every_steps=every, eval_bleu_sentences=0, num_eval_batches=1,
+                       faults={"FAULT_SLOW_VALIDATION_S": "6",
+                               "FAULT_SLOW_VALIDATION_MARKER": str(marker)})
+  step, new, outputs = preempt(bucket, hosts, [None, None, 0, None], marker.exists,
+                               "a notice to one host during validation")
+  # The step validated, unless validation outlasted the hosts' agreement (a loaded machine).
+  assert new == [step] and step in (evaluated, evaluated + 1), (new, evaluated)
+  assert f"validation at step {evaluated}" in outputs[0]
+  assert f"resumed from step {resume_from}" in outputs[0]
+  resume_from = step
+
+  # --- All four again, to the end: every step, before each fault and after it, has the
+  # loss of an uninterrupted run on the same mesh (one process of 8 devices), bit for bit.
+  pod_steps, slice_steps = resume_from + 3, resume_from + 7
+  outputs = bucket.run("train.py", "pod", 4, 2, num_train_steps=pod_steps, **POD_MESH)
+  assert f"resumed from step {resume_from}" in outputs[0]
+  bucket.run("train.py", "reference", 1, 8, num_train_steps=slice_steps, **POD_MESH)
+  reference = bucket.losses("reference")
+  assert sorted(reference) == list(range(1, slice_steps + 1))
   pod = bucket.losses("pod")
-  assert sorted(pod) == list(range(1, POD_STEPS + 1))
-  np.testing.assert_allclose([pod[s] for s in sorted(pod)],
-                             [reference[s] for s in sorted(pod)], rtol=1e-5)
+  assert sorted(pod) == list(range(1, pod_steps + 1))
+  assert {s: pod[s] for s in pod} == {s: reference[s] for s in pod}
 
-  # A smaller slice (2 hosts x 1 device) continues the same run.
-  outputs = bucket.run("train.py", "pod", 2, 1, num_train_steps=SLICE_STEPS,
-                       **{"mesh.data": 2, "mesh.fsdp": 1, "mesh.tensor": 1})
-  assert f"resumed from step {POD_STEPS}" in outputs[0]
+  # --- A smaller slice (2 hosts x 1 device) continues the same run, on the same global
+  # batches (the checkpoint's batch plan): only the sums' order differs.
+  outputs = bucket.run("train.py", "pod", 2, 1, num_train_steps=slice_steps, **SLICE_MESH)
+  assert f"resumed from step {pod_steps}" in outputs[0]
   continued = bucket.losses("pod")
-  later = list(range(POD_STEPS + 1, SLICE_STEPS + 1))
+  later = list(range(pod_steps + 1, slice_steps + 1))
   np.testing.assert_allclose([continued[s] for s in later], [reference[s] for s in later],
-                             atol=2e-3)
+                             rtol=1e-5)
 
-  # Evaluated across the two processes: process 0 prints and writes into the bucket.
+  # --- Evaluated across the two processes: process 0 prints and writes into the bucket.
   outputs = bucket.run("eval.py", "pod", 2, 1, "--split", "test")
   assert outputs[0].strip().splitlines()[-1].startswith("sacreBLEU ")
   assert "sacreBLEU" not in outputs[1]
-  report = json.loads(gcs.read(f"pod/eval/test-{SLICE_STEPS}.json"))
-  hypotheses = gcs.read(f"pod/eval/test-{SLICE_STEPS}.hyp.txt").decode().splitlines()
+  report = json.loads(gcs.read(f"pod/eval/test-{slice_steps}.json"))
+  hypotheses = gcs.read(f"pod/eval/test-{slice_steps}.hyp.txt").decode().splitlines()
   assert len(hypotheses) == report["num_sentences"] > 0
 
   # Only process 0 of each job ever read or wrote the vocabulary cache on its own disk;

@@ -1,8 +1,10 @@
 """Model FLOPs against hand counts and the traced program, and device peaks."""
 
 import math
+import socket
 import time
 import types
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +147,26 @@ def test_device_peak_on_cpu_is_measured_once_and_positive():
   # Fake CPU devices share the cores: the whole job's peak is the one measured peak.
   assert jax.device_count() == 8
   assert flops.total_peak_flops() == peak
+
+
+@pytest.mark.parametrize("hostnames,machines", [(["a", "b", "c", "d"], 4),
+                                                (["a", "a", "b", "b"], 2),
+                                                (["a", "a", "a", "a"], 1)])
+def test_cpu_peak_counts_every_machine_of_the_job(monkeypatch, hostnames, machines):
+  """Processes on separate machines each have their own cores; on one machine they share
+  them. The FLOPs counted are the whole job's, so the peak is per machine times machines."""
+  monkeypatch.setattr(flops, "_measured_cpu_peak", 3.0)
+  monkeypatch.setattr(flops, "_host_count", None)
+  monkeypatch.setattr(jax, "process_count", lambda: len(hostnames))
+  gathered = []
+
+  def allgather(local):  # what every process would contribute: its host name's hash
+    gathered.append(int(local))
+    return np.array([zlib.crc32(name.encode()) for name in hostnames], np.int64)
+  monkeypatch.setattr(flops.multihost_utils, "process_allgather", allgather)
+  assert flops.total_peak_flops() == 3.0 * machines
+  assert flops.total_peak_flops() == 3.0 * machines  # gathered once, then kept
+  assert gathered == [zlib.crc32(socket.gethostname().encode())]
 
 
 def test_measure_matmul_peak_keeps_measuring_for_its_minimum_time():

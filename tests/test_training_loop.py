@@ -176,6 +176,31 @@ def test_sigterm_saves_the_current_step_and_exits_zero(small_corpus, tmp_path):
   assert read_metrics(workdir)[-1]["step"] == steps[0] + 2
 
 
+def test_on_several_processes_sigterm_is_left_to_jax_and_ctrl_c_becomes_it():
+  """jax.distributed's own SIGTERM handler (here a stand-in) must stay installed: it is
+  what tells every host. Ctrl-C is turned into a SIGTERM to this process; a second one
+  aborts."""
+  notices = []
+  jax_handler = lambda signum, frame: notices.append(signum)  # noqa: E731
+  previous = signal.signal(signal.SIGTERM, jax_handler)
+  preemption = loop.PreemptionSignal(several_processes=True)
+  try:
+    assert signal.getsignal(signal.SIGTERM) is jax_handler
+    signal.raise_signal(signal.SIGINT)
+    assert notices == [signal.SIGTERM] and preemption.received == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)
+  finally:
+    preemption.restore()
+    signal.signal(signal.SIGTERM, previous)
+  single = loop.PreemptionSignal()  # one process: both signals are noted here
+  try:
+    signal.raise_signal(signal.SIGTERM)
+    assert single.received == "SIGTERM" and notices == [signal.SIGTERM]
+  finally:
+    single.restore()
+
+
 def test_time_based_checkpoints(small_corpus, tmp_path):
   workdir = str(tmp_path / "timed")
   config = make_config(small_corpus, num_train_steps=4, log_every_steps=2,

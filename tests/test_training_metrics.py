@@ -120,20 +120,6 @@ def test_evaluate_loss_equals_one_step_on_the_concatenated_batches(tiny_run):
   assert got["loss"] != pytest.approx(got["ce"], rel=1e-3)  # label-smoothed, not the CE
 
 
-def test_evaluate_loss_stops_after_max_batches(tiny_run):
-  run, params, eval_step = tiny_run
-  batches = make_batches(3, seed=1)
-  first_two = metrics.evaluate_loss(eval_step, params, iter(batches), run.mesh, run.rules,
-                                    max_batches=2)
-  ce, _, tokens = numpy_cross_entropy(run, params, concatenate(batches[:2]))
-  assert first_two["num_tokens"] == tokens
-  assert first_two["ce"] == pytest.approx(ce, rel=1e-4)
-  every = metrics.evaluate_loss(eval_step, params, iter(batches), run.mesh, run.rules,
-                                max_batches=0)
-  assert every["num_tokens"] == numpy_cross_entropy(run, params, concatenate(batches))[2]
-  assert every["num_tokens"] > first_two["num_tokens"]
-
-
 def test_no_batches_reduce_to_zero_tokens():
   """An empty split sums to nothing and averages to zero tokens, not an IndexError."""
   assert metrics.sum_metrics([]) == {}
