@@ -87,10 +87,10 @@ def test_rows_count_real_tokens_not_padding():
   assert batching.real_tokens_per_row([full]) == 4.0  # the fuller side
   assert batching.real_tokens_per_row([half]) == 2.0
   assert batching.real_tokens_per_row([full, half]) == 3.0
-  # 2.0 real tokens per row: 100 tokens are 50 rows, the nearest multiple of 8 is 48.
+  # 2.0 real tokens per row: 100 tokens are 50 rows, the multiple of 8 below is 48.
   assert batching.rows_for_real_tokens(100, 2.0, 8) == 48
-  assert batching.rows_for_real_tokens(108, 2.0, 8) == 56
-  assert batching.rows_for_real_tokens(7, 2.0, 8) == 0  # 8 rows would be over twice 7
+  assert batching.rows_for_real_tokens(108, 2.0, 8) == 48  # 54 rows: 56 would be over
+  assert batching.rows_for_real_tokens(14, 2.0, 8) == 0  # 8 rows would be over 14
 
 
 def test_geometric_length_is_the_smallest_doubling_that_holds_n():
