@@ -31,6 +31,7 @@ def main(argv):
 
   # Imported after jax.distributed is up: nothing may touch devices before that.
   from transformer import config as config_lib
+  from transformer import storage
   from transformer.training import describe
 
   config = _CONFIG.value
@@ -46,7 +47,9 @@ def main(argv):
     result = loop.train_and_evaluate(config, _WORKDIR.value,
                                      validation=validation.ValidationWithBleu)
   except (config_lib.ConfigError, RuntimeError) as e:
-    distributed.exit_with_error(e)
+    # After a stalled write its thread is still blocked in the storage client, and a
+    # normal exit would wait for it.
+    distributed.exit_with_error(e, force=isinstance(e, storage.StorageTimeout))
   logging.info("finished: %s", result)
 
 

@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 import pytest
 
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_fake_server.py")
+CONTROL_HEADER = "X-Gcs-Fake-Control"  # gcs_fake_server.CONTROL_HEADER: never failed
 _START_TIMEOUT_S = 60.0
 
 # The token TensorFlow and TensorStore send; the fake accepts any.
@@ -131,12 +132,14 @@ class FakeGcs:
 
   # ---- the bucket, as the test sees it ----------------------------------------
 
-  def _request(self, method: str, path: str, query: Optional[dict] = None) -> bytes:
+  def _request(self, method: str, path: str, query: Optional[dict] = None,
+               data: Optional[bytes] = None) -> bytes:
     url = self.endpoint + path
     if query:
       url += "?" + urllib.parse.urlencode(query)
-    request = urllib.request.Request(url, method=method,
-                                     data=b"" if method == "POST" else None)
+    request = urllib.request.Request(url, method=method, headers={CONTROL_HEADER: "1"},
+                                     data=data if data is not None else
+                                     (b"" if method == "POST" else None))
     with self._opener.open(request, timeout=30) as response:
       return response.read()
 
@@ -165,11 +168,25 @@ class FakeGcs:
 
   def requests(self) -> list[dict]:
     """Every request served since the start or `reset()`: method, host, path (without
-    the query), status and tls (whether it came through the HTTPS proxy)."""
+    the query), status ("-" for a dropped connection), tls (whether it came through the
+    HTTPS proxy), bytes (of the request's body), object (the name it is about, where
+    known) and fault ("error", "drop" or "")."""
     return json.loads(self._request("GET", "/_fake/log"))
 
+  def uploaded_bytes(self, object_prefix: str = "") -> int:
+    """Request body bytes sent for objects whose name starts with `object_prefix`."""
+    return sum(r["bytes"] for r in self.requests() if r["object"].startswith(object_prefix)
+               and r["method"] in ("POST", "PUT"))
+
+  def set_faults(self, **faults) -> None:
+    """Makes the server misbehave from now on (see gcs_fake_server.Faults): error_rate
+    and statuses (429, 503), drop_rate, stall_s with stall_match and stall_count, seed.
+    `set_faults()` heals it; `reset()` does too. The test's own requests here (read,
+    list_objects) are never failed."""
+    self._request("POST", "/_fake/faults", data=json.dumps(faults).encode())
+
   def reset(self) -> None:
-    """Empties the bucket and the request log."""
+    """Empties the bucket and the request log, and stops any faults."""
     self._request("POST", "/_fake/reset")
 
   # ---- lifetime ---------------------------------------------------------------

@@ -20,6 +20,11 @@ One port serves three kinds of client:
   other host is refused, so nothing reaches the network through this proxy.
 - GCE metadata probes (/computeMetadata/...) get a 404: "not on GCE", at once.
 
+Faults on demand (`/_fake/faults`, `FakeGcs.set_faults`): a share of the storage requests
+answered 429 or 503, a share whose connection is closed with no answer, and requests
+whose object name holds a given text held back for a given number of seconds first.
+Faults strike before a request is carried out, so a failed write has changed nothing.
+
 Only what the clients above use is implemented: objects with generations and the
 ifGeneration(Not)Match / ifMetageneration(Not)Match preconditions (TensorStore's atomic
 writes depend on them), media/multipart/resumable uploads, ranged reads, listing with
@@ -38,6 +43,7 @@ import hashlib
 import http.server
 import json
 import os
+import random
 import re
 import socketserver
 import ssl
@@ -288,7 +294,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     self.server.record({
         "method": self.command, "host": self.headers.get("Host", "") if self.headers else "",
         "path": getattr(self, "_path", self.path), "status": int(code) if str(code).isdigit()
-        else code, "tls": self._tls})
+        else code, "tls": self._tls, "bytes": len(getattr(self, "_read_body", None) or b""),
+        "object": getattr(self, "_subject", ""),
+        "fault": getattr(self, "_fault", "")})
 
   def _send(self, status: int, body: bytes = b"", content_type: str = "application/json",
             headers: Optional[dict] = None) -> None:
@@ -368,6 +376,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
   def _dispatch(self):
     self._read_body = None
+    self._fault = ""
     self._body()  # read whatever the request carries, so no answer leaves it unread
     url = urllib.parse.urlsplit(self.path)  # an absolute URL if a client sent one
     raw_path = url.path
@@ -375,6 +384,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
     self._query = {k: v[-1] for k, v in
                    urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
     host = (url.hostname or self.headers.get("Host", "")).split(":")[0].lower()
+    self._subject = self._object_name(raw_path)
+    if not (raw_path.startswith(("/_fake/", "/computeMetadata/")) or
+            self.headers.get(CONTROL_HEADER)):
+      fault = self.server.faults.draw(self._subject)
+      if fault == "drop":
+        self._fault = "drop"
+        self.log_request("-")
+        self.close_connection = True  # no answer: the client sees the connection close
+        return
+      if fault:
+        self._fault = "error"
+        return self._error(fault, "gcs-fake: injected failure", "backendError" if
+                           fault >= 500 else "rateLimitExceeded")
     try:
       self._route(host, raw_path)
     except _HttpError as e:
@@ -427,6 +449,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
     # The XML API, path style: /BUCKET/OBJECT (TensorFlow reads objects this way).
     bucket_name, _, object_path = raw_path.lstrip("/").partition("/")
     return self._xml(bucket_name, object_path)
+
+  def _object_name(self, raw_path: str) -> str:
+    """The object a request is about (for the stall fault's match), "" if none."""
+    if self._query.get("name"):
+      return self._query["name"]
+    m = re.search(r"/b/[^/]+/o/([^/]+)", raw_path)
+    if m:
+      return _unquote(m.group(1))
+    if self._query.get("upload_id"):
+      upload = self.server.store.uploads.get(self._query["upload_id"])
+      return (upload or {}).get("name", "")
+    return _unquote(raw_path.lstrip("/").partition("/")[2])  # XML API: /BUCKET/OBJECT
 
   def _bucket(self, quoted_name: str) -> str:
     name = _unquote(quoted_name)
@@ -725,9 +759,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
     if what == "reset" and self.command == "POST":
       self.server.store.clear()
       self.server.clear_log()
+      self.server.faults.configure()
       return self._json(200, {})
     if what == "log" and self.command == "GET":
       return self._json(200, self.server.log())
+    if what == "faults" and self.command == "POST":
+      self.server.faults.configure(**json.loads(self._body() or b"{}"))
+      return self._json(200, {})
     raise _HttpError(404, f"unknown control request {what}")
 
 
@@ -763,6 +801,55 @@ def _parse_multipart(content_type: str, body: bytes) -> tuple[dict, bytes, str]:
   return meta, parts[1].get_payload(decode=True) or b"", parts[1].get_content_type()
 
 
+# A request carrying this header is never failed on purpose: the test's own reads.
+CONTROL_HEADER = "X-Gcs-Fake-Control"
+
+
+class Faults:
+  """What goes wrong, drawn per request from a seeded generator (reproducible counts).
+
+  error_rate: share of requests answered with one of `statuses` (429, 503: what GCS
+    answers when a bucket is over its request rate or a backend is busy);
+  drop_rate: share of requests whose connection is closed with no answer (a reset);
+  stall_s, stall_match, stall_count: the first `stall_count` requests about an object
+    whose name contains `stall_match` wait `stall_s` seconds before being served.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._generation = 0  # how many times the faults were set: a stall outlives a test
+    self.configure()
+
+  def configure(self, error_rate: float = 0.0, statuses=(429, 503), drop_rate: float = 0.0,
+                stall_s: float = 0.0, stall_match: str = "", stall_count: int = 1,
+                seed: int = 0) -> None:
+    with self._lock:
+      self._generation += 1
+      self.error_rate, self.statuses, self.drop_rate = error_rate, tuple(statuses), drop_rate
+      self.stall_s, self.stall_match, self.stall_left = stall_s, stall_match, stall_count
+      self._random = random.Random(seed)
+
+  def draw(self, name: str):
+    """"drop", an HTTP status to answer, or None (serve it), after any stall."""
+    with self._lock:
+      generation = self._generation
+      stall = (self.stall_s > 0 and self.stall_left > 0 and bool(self.stall_match) and
+               self.stall_match in name)
+      if stall:
+        self.stall_left -= 1
+      roll = self._random.random()
+      status = self._random.choice(self.statuses) if self.statuses else 503
+    if stall:
+      time.sleep(self.stall_s)
+      if generation != self._generation:
+        return "drop"  # the test that asked for it is over: write nothing into the next
+    if roll < self.error_rate:
+      return status
+    if roll < self.error_rate + self.drop_rate:
+      return "drop"
+    return None
+
+
 class Server(http.server.ThreadingHTTPServer):
   daemon_threads = True
   # The listening socket is created before the port is reported, so no client ever
@@ -773,6 +860,7 @@ class Server(http.server.ThreadingHTTPServer):
     super().__init__(address, Handler)
     self.store = store
     self.tls_context = tls_context
+    self.faults = Faults()
     self._log: list[dict] = []
     self._log_lock = threading.Lock()
 

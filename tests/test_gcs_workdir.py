@@ -1,12 +1,15 @@
 """A run whose every file lives in a bucket (gs://...), as on a TPU pod whose hosts share
 nothing but cloud storage: train, SIGTERM, resume, eval.py, checkpoint averaging and a
-sweep, all against the local GCS fake (tests/gcs_fake.py). Everything a run writes must
-be in the bucket, and nothing on local disk.
+sweep, all against the local GCS fake (tests/gcs_fake.py), with about 5% of the bucket's
+requests failing (429, 503, dropped connections) as real buckets sometimes do.
+Everything a run writes must be in the bucket, and nothing on local disk. A write that
+stalls ends the run in one line instead of hanging it.
 
 The corpus and the vocabulary cache are in the bucket too, so the parts that read through
 TensorFlow's own GCS client (the TSV reader, the vocabulary cache) are exercised as well.
 """
 
+import collections
 import json
 import os
 import signal
@@ -19,6 +22,7 @@ import pytest
 from tests import sweep_helpers
 from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 from tests.tiny_run import OVERRIDES, REPO
+from transformer import storage
 
 
 def _local_files(*roots):
@@ -63,42 +67,58 @@ def bucket_run(gcs, small_corpus, tmp_path):  # noqa: F811
   yield start, run, url, flags, (cwd, home)
 
 
-def _logged_steps(gcs, name):  # noqa: F811
-  try:
-    return len(gcs.read(name).decode().splitlines())
-  except FileNotFoundError:
-    return 0
+def _logged_steps(gcs, run):  # noqa: F811
+  """Lines of the run's metrics so far, read past the faults (and TensorFlow's caches)."""
+  chunks = [n for n in gcs.list_objects(f"{run}/metrics-") if n.endswith(".jsonl")]
+  return sum(len(gcs.read(name).decode().splitlines()) for name in chunks)
+
+
+def _committed_steps(gcs, run):  # noqa: F811
+  """Cloud storage marks a complete checkpoint with <step>/commit_success.txt."""
+  return sorted(int(n.split("/")[2]) for n in gcs.list_objects(f"{run}/checkpoints/")
+                if n.endswith("/commit_success.txt") and n.count("/") == 3)
 
 
 def test_everything_a_user_does_works_on_a_bucket(gcs, bucket_run, small_corpus, tmp_path):  # noqa: F811
+  from transformer.training import reporting
   start, run, url, flags, local_dirs = bucket_run
-  train = [os.path.join(REPO, "train.py"), "--config", "configs/default.py",
-           "--workdir", f"{url}/run"]
+  train = [os.path.join(REPO, "train.py"), "--config", "configs/default.py"]
+  # From here on the bucket fails 4% of requests with 429 or 503 and drops the
+  # connection of 1% more. The clients retry them (docs/reliability.md); nothing may
+  # be lost.
+  gcs.set_faults(error_rate=0.04, drop_rate=0.01, seed=23)
 
   # Train until SIGTERM: the current step is saved to the bucket, exit 0.
-  process = start(train + flags + ["--config.num_train_steps=10000",
-                                   "--config.checkpoint_every_steps=1000"])
+  process = start(train + ["--workdir", f"{url}/run"] + flags +
+                  ["--config.num_train_steps=10000", "--config.checkpoint_every_steps=1000"])
   deadline = time.time() + 240
-  while _logged_steps(gcs, "run/metrics.jsonl") < 3:
+  while _logged_steps(gcs, "run") < 3:
     assert process.poll() is None, process.stdout.read()[-3000:]
     assert time.time() < deadline, "no three logged steps"
     time.sleep(0.5)
   process.send_signal(signal.SIGTERM)
   output, _ = process.communicate(timeout=120)
   assert process.returncode == 0, output[-3000:]
-  # Cloud storage marks a complete checkpoint with <step>/commit_success.txt.
-  saved = sorted(int(n.split("/")[2]) for n in gcs.list_objects("run/checkpoints/")
-                 if n.endswith("/commit_success.txt") and n.count("/") == 3)
+  saved = _committed_steps(gcs, "run")
   assert len(saved) == 1 and saved[0] >= 3, saved
 
-  # The same command resumes from the bucket's checkpoint.
-  final = saved[0] + 2
-  output = run(train + flags + [f"--config.num_train_steps={final}",
-                                "--config.checkpoint_every_steps=1000"])
+  # The same command resumes from the bucket's checkpoint, saving every 2 steps.
+  final = saved[0] + 4
+  output = run(train + ["--workdir", f"{url}/run"] + flags +
+               [f"--config.num_train_steps={final}", "--config.checkpoint_every_steps=2"])
   assert f"resumed from step {saved[0]}" in output
-  records = [json.loads(line) for line in gcs.read("run/metrics.jsonl").decode().splitlines()]
-  assert [r["step"] for r in records][-2:] == [final - 1, final]
-  assert records[0]["step"] == 1  # the first run's lines are kept, not overwritten
+  assert _committed_steps(gcs, "run") == sorted(
+      {saved[0], final} | {s for s in range(saved[0] + 1, final) if s % 2 == 0})
+  # Every step once, with the loss of a run that was never stopped.
+  output = run(train + ["--workdir", f"{url}/straight"] + flags +
+               [f"--config.num_train_steps={final}"])
+  losses = {r["step"]: r["loss"] for r in reporting.read_metrics(f"{url}/run", "train")}
+  straight = {r["step"]: r["loss"] for r in reporting.read_metrics(f"{url}/straight",
+                                                                    "train")}
+  assert sorted(losses) == list(range(1, final + 1))
+  assert losses == straight
+  injected = collections.Counter(r["status"] for r in gcs.requests() if r["fault"])
+  assert injected[429] and injected[503] and injected["-"], injected
 
   # eval.py reads the run from the bucket and writes its files there.
   output = run([os.path.join(REPO, "eval.py"), "--workdir", f"{url}/run", "--split", "test"])
@@ -132,12 +152,14 @@ def test_everything_a_user_does_works_on_a_bucket(gcs, bucket_run, small_corpus,
   expected = ["run/config.json", "run/vocab.model", f"run/checkpoints/{final}/",
               f"run/eval/test-{final}.src.txt", f"run/eval/test-{final}.ref.txt",
               "run/tensorboard/events.out.tfevents", "avg/config.json", "avg/vocab.model",
-              f"avg/checkpoints/{final}/", "vocab/", "sweep/sweep_log.jsonl",
-              "sweep/one/metrics.jsonl", "sweep/two/checkpoints/2/",
+              f"avg/checkpoints/{final}/", "vocab/", "sweep/sweep_log-000000.jsonl",
+              "sweep/one/metrics-000000.jsonl", "sweep/two/checkpoints/2/",
               "sweep/tiny_sweep.md", "sweep/tiny_sweep.csv", "sweep/tiny_sweep.png"]
   for prefix in expected:
     assert any(name.startswith(prefix) for name in objects), (prefix, objects)
-  assert len(json.loads(gcs.read("sweep/sweep_log.jsonl").decode().splitlines()[0])) > 0
+  sweep_log = [json.loads(line)
+               for line in storage.read_log_lines(f"{url}/sweep/sweep_log.jsonl")]
+  assert [(e["row"], e["phase"]) for e in sweep_log] == [("one", "train"), ("two", "train")]
   assert _local_files(*local_dirs) == []  # nothing went to the working directory or HOME
   assert not os.path.exists(os.path.join(REPO, "gs:"))
 
@@ -165,3 +187,22 @@ def test_a_bucket_that_cannot_be_used_is_a_one_line_error(bucket_run):
     last = output.strip().splitlines()[-1]
     assert last.startswith(expected), last
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize("stalled, named", [
+    ("run/metrics-", "gs://test-bucket/run/metrics-000000.jsonl"),
+    ("run/checkpoints/2/", "the checkpoint gs://test-bucket/run/checkpoints/2")])
+def test_a_stalled_write_ends_the_run_in_one_line(gcs, bucket_run, stalled, named):  # noqa: F811
+  """A request about the object that hangs for 10 minutes: the run stops after
+  storage_timeout_s with an error naming it, instead of waiting."""
+  start, _, url, flags, _ = bucket_run
+  gcs.set_faults(stall_s=600, stall_match=stalled, stall_count=1)
+  process = start([os.path.join(REPO, "train.py"), "--config", "configs/default.py",
+                   "--workdir", f"{url}/run", *flags, "--config.num_train_steps=50",
+                   "--config.storage_timeout_s=3"])
+  output, _ = process.communicate(timeout=240)  # far less than the stall
+  assert process.returncode == 1, output[-3000:]
+  last = output.strip().splitlines()[-1]
+  assert last.startswith(f"error: writing {named} did not finish within 3 s "
+                         "(config.storage_timeout_s)"), last
+  assert "Traceback" not in output

@@ -107,16 +107,15 @@ class Bucket:
         process.wait()
 
   def losses(self, workdir):
-    """{step: loss} of the run's train records; a step logged twice keeps the last."""
-    text = self.fake.read(f"{workdir}/metrics.jsonl").decode()
-    records = [json.loads(line) for line in text.splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    """{step: loss} of the run's train records, as readers see them (each step once)."""
+    from transformer.training import reporting
+    return {r["step"]: r["loss"] for r in reporting.read_metrics(f"{self.url}/{workdir}",
+                                                                 kind="train")}
 
   def logged_records(self, workdir):
-    try:
-      return len(self.fake.read(f"{workdir}/metrics.jsonl").decode().splitlines())
-    except FileNotFoundError:
-      return 0
+    """Lines logged so far, read from the fake directly (no client cache in between)."""
+    chunks = [n for n in self.fake.list_objects(f"{workdir}/metrics-") if n.endswith(".jsonl")]
+    return sum(len(self.fake.read(name).decode().splitlines()) for name in chunks)
 
   def committed_steps(self, workdir):
     """Steps whose checkpoint is complete: on cloud storage, once commit_success.txt is."""

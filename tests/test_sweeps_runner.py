@@ -15,6 +15,7 @@ import pytest
 
 from tests import tiny_run
 from tests.sweep_helpers import REPO, fake_finished_row, write_sweep
+from transformer import storage
 from transformer.sweeps import runner, spec
 from transformer.training import checkpoints, loop
 
@@ -274,12 +275,15 @@ def test_local_runner_resumes_an_interrupted_row_and_skips_a_finished_one(
 
   done = runner.run_local(sweep, sweep.rows, configs, workdir, final_eval=False)
   assert [(d["phase"], d["resumed"], d["returncode"]) for d in done] == [("train", True, 0)]
-  steps = [r["step"] for r in tiny_run.read_metrics(row_dir)]
-  assert steps == [1, 2, 3, 4, 5, 6, 5, 6]  # resumed at 5, not restarted at 1
+  logged = [json.loads(line)["step"]
+            for line in storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl"))]
+  assert logged == [1, 2, 3, 4, 5, 6, 5, 6]  # resumed at 5, not restarted at 1
+  # Readers see each step once: the rerun's 5 and 6.
+  assert [r["step"] for r in tiny_run.read_metrics(row_dir)] == [1, 2, 3, 4, 5, 6]
   assert checkpoints.steps_on_disk(row_dir)[-1] == 6
 
   done = runner.run_local(sweep, sweep.rows, configs, workdir, final_eval=False)
   assert done == [{"row": "r", "phase": "skipped"}]
-  assert len(tiny_run.read_metrics(row_dir)) == 8
+  assert len(storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl"))) == 8
   # Asking for the full-split evaluation would now run only eval.py, not training.
   assert runner.row_state(row_dir, 6, final_eval=True) == "trained"

@@ -2,7 +2,6 @@
 and a one-layer model, so training, resuming and evaluating take seconds."""
 
 import gzip
-import json
 import os
 import socket
 
@@ -47,8 +46,8 @@ def flag_overrides(corpus, **overrides) -> list[str]:
 
 
 def read_metrics(workdir, kind="train"):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [r for r in map(json.loads, f) if r["kind"] == kind]
+  from transformer.training import reporting
+  return reporting.read_metrics(workdir, kind=kind)
 
 
 def free_port() -> int:

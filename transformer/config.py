@@ -131,6 +131,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every_steps = 1000
   c.checkpoint_every_minutes = 10.0  # the paper averaged checkpoints written every 10 minutes
   c.keep_checkpoints = 20
+  # Seconds one write to storage may take during training (a metrics or TensorBoard
+  # upload, a checkpoint's save as a whole) before the run stops with an error naming
+  # it, instead of hanging on a stalled bucket. Raise it for checkpoints that take
+  # longer to upload. Clients retry failed requests (429, 503, resets) within it.
+  c.storage_timeout_s = 600.0
   c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
 
   # Decoding (transformer/model/decoding.py).
@@ -344,6 +349,8 @@ def _check_loop_and_decoding(config: ml_collections.ConfigDict) -> None:
   _check(config.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be >= 0 (0 = off)")
   _check(config.checkpoint_every_minutes >= 0, "checkpoint_every_minutes", "must be >= 0")
   _check(config.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
+  _check(config.storage_timeout_s > 0, "storage_timeout_s",
+         f"must be positive (seconds), got {config.storage_timeout_s}")
   _check(config.beam_size >= 1, "beam_size", "must be at least 1")
   _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")
 

@@ -8,13 +8,15 @@ cache use, so one set of credentials and one client serve every file of a run.
 
 Cloud storage has no appends and no atomic rename, so writers here only ever write
 whole objects: `write_text` replaces a file in one upload (on local disk, through a
-temporary file and a rename), and `AppendLog` rewrites its whole file at each flush.
+temporary file and a rename), and `AppendLog` cuts a bucket's log into numbered chunk
+objects, so that adding a line never uploads the lines before it again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from typing import Any, Iterable
 
@@ -134,27 +136,103 @@ def check_writable(directory: str | os.PathLike) -> None:
     raise OSError(error_text(e)) from None
 
 
+class StorageTimeout(RuntimeError):
+  """A write that did not finish within its time limit: the message names the object.
+
+  The thread that was writing may still be blocked in the storage client, so whoever
+  catches this should end the process without waiting for it (train.py does)."""
+
+
+def timeout_message(what: str, seconds: float) -> str:
+  return (f"writing {what} did not finish within {seconds:g} s (config.storage_timeout_s): "
+          "the storage stalled; rerun the same command to resume from the newest "
+          "complete checkpoint")
+
+
+# A bucket's log is cut into objects of about this size: a flush re-uploads at most one
+# of them, so the cost of a line does not grow with the log, and a reader fetches
+# (log size / 64 KiB) objects.
+LOG_CHUNK_BYTES = 64 * 1024
+
+
+def _chunk_pattern(path: epath.Path) -> re.Pattern:
+  stem, suffix = os.path.splitext(path.name)
+  return re.compile(re.escape(stem) + r"-(\d+)" + re.escape(suffix))
+
+
+def log_chunks(path: str | os.PathLike) -> list[epath.Path]:
+  """The chunk objects of the log at `path` (metrics.jsonl: metrics-000000.jsonl, ...),
+  in order."""
+  path = as_path(path)
+  if not path.parent.exists():
+    return []
+  stem, suffix = os.path.splitext(path.name)
+  pattern = _chunk_pattern(path)
+  numbered = [(int(m.group(1)), p) for p in path.parent.glob(f"{stem}-*{suffix}")
+              if (m := pattern.fullmatch(p.name))]
+  return [p for _, p in sorted(numbered)]
+
+
+def read_log_lines(path: str | os.PathLike) -> list[str]:
+  """Every line of the log `AppendLog(path)` writes, in order, whatever its layout: the
+  file `path` itself (local disk, or a run written before logs were chunked), then its
+  chunk objects (a bucket). [] if there is neither."""
+  text = read_text(path) if exists(path) else ""
+  for chunk in log_chunks(path):
+    text += chunk.read_text(encoding="utf-8")
+  return text.splitlines()
+
+
 class AppendLog:
   """A text file that grows by lines (metrics.jsonl, a sweep's log), on disk or in a bucket.
 
-  Lines are buffered and the file is rewritten whole at `flush`, because cloud objects
-  cannot be appended to. The lines already in the file when it is opened are kept, so a
-  resumed run continues the same file. Rewriting costs O(file size) per flush; callers
-  flush at log steps, not per line.
+  Lines are buffered until `flush`. On local disk they are appended to the file. Cloud
+  objects cannot be appended to, so in a bucket the lines go to numbered chunk objects
+  beside `path` (metrics.jsonl: metrics-000000.jsonl, metrics-000001.jsonl, ...): a
+  flush rewrites only the newest chunk, which is closed once it holds LOG_CHUNK_BYTES.
+  A flush therefore uploads at most about LOG_CHUNK_BYTES, however long the log. A log
+  opened again (a resumed run) continues after what is there. `read_log_lines` reads
+  either layout back as one stream.
   """
 
   def __init__(self, path: str | os.PathLike):
     self.path = as_path(path)
-    self._text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
-    if self._text and not self._text.endswith("\n"):
-      self._text += "\n"  # a line torn by a kill on local disk: keep later lines whole
-    self._dirty = False
+    self._pending: list[str] = []
+    self._remote = is_remote(self.path)
+    if self._remote:
+      stem, suffix = os.path.splitext(self.path.name)
+      self._chunk_name = lambda index: f"{stem}-{index:06d}{suffix}"
+      existing = log_chunks(self.path)
+      self._chunk_index = (int(_chunk_pattern(self.path).fullmatch(existing[-1].name)
+                               .group(1)) + 1) if existing else 0
+      self._chunk_text = ""
+    elif self.path.exists():
+      with open(self.path, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+          f.write(b"\n")  # a line torn by a kill: keep later lines whole
 
   def write_line(self, line: str) -> None:
-    self._text += line.rstrip("\n") + "\n"
-    self._dirty = True
+    self._pending.append(line.replace("\n", " ") + "\n")
+
+  def object_name(self) -> str:
+    """What the next flush writes: the file, or the bucket's newest chunk."""
+    if not self._remote:
+      return os.fspath(self.path)
+    return os.fspath(self.path.parent / self._chunk_name(self._chunk_index))
 
   def flush(self) -> None:
-    if self._dirty:
-      write_text(self.path, self._text)
-      self._dirty = False
+    if not self._pending:
+      return
+    new = "".join(self._pending)
+    if self._remote:
+      text = self._chunk_text + new
+      write_text(self.object_name(), text)
+      if len(text.encode("utf-8")) >= LOG_CHUNK_BYTES:
+        self._chunk_index, self._chunk_text = self._chunk_index + 1, ""
+      else:
+        self._chunk_text = text
+    else:
+      with open(self.path, "a", encoding="utf-8") as f:
+        f.write(new)
+    self._pending = []

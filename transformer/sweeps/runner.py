@@ -19,6 +19,7 @@ from transformer import config as config_lib
 from transformer import storage
 from transformer.messages import format_duration
 from transformer.sweeps.spec import Row, Sweep, SweepError, config_file, eval_args, train_args
+from transformer.training import reporting
 from transformer.training.checkpoints import steps_on_disk
 
 
@@ -34,13 +35,9 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
     found = storage.read_json(report)
     return {"ppl": found["ppl"], "bleu": found["bleu"], "bleu_tok": found.get("bleu_tok"),
             "bleu_sentences": found.get("num_sentences"), "source": "eval.py"}
-  metrics = storage.join(workdir, "metrics.jsonl")
-  if not storage.exists(metrics):
-    return None
   last = None
-  for line in storage.read_text(metrics).splitlines():
-    record = json.loads(line)
-    if record.get("kind") == "validation" and record.get("step") == num_train_steps:
+  for record in reporting.read_metrics(workdir, kind="validation"):
+    if record.get("step") == num_train_steps:
       last = record
   if last is None:
     return None

@@ -68,11 +68,11 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-from transformer import cli, host_memory, storage
+from transformer import cli, host_memory
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID
 from transformer.tools import decoding_speed
-from transformer.training import flops, sharding, state, steps
+from transformer.training import flops, reporting, sharding, state, steps
 
 _CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
 _BATCH_TOKENS = flags.DEFINE_integer(
@@ -283,8 +283,7 @@ def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
         bare_after, _ = _bare_windows(bare_step, bare_state, batches, window)
       finally:
         run.close()
-    text = storage.read_text(storage.join(workdir, "metrics.jsonl"))
-  loop_records = [r for r in map(json.loads, text.splitlines()) if r["kind"] == "train"][1:]
+    loop_records = reporting.read_metrics(workdir, kind="train")[1:]
   loop_windows = [r["steps_per_sec"] for r in loop_records]
   bare_windows = [window / seconds for seconds in bare_before + bare_after]
   loop_steps_per_sec = statistics.median(loop_windows)

@@ -7,14 +7,18 @@ torn by a crash is never listed, `latest_step()` is always a whole checkpoint,
 and the training run's next start deletes the leftover. A save that fails (a full disk)
 surfaces as a one-line `CheckpointError` at the next save or at the end; Orbax deletes
 old checkpoints only after a newer one is complete, so the earlier ones stay intact.
+A save that has not finished `timeout_s` after it began (a stalled bucket) is a
+`CheckpointTimeout` naming the checkpoint, at the next save or at the end, instead of a
+hang: the training thread never waits on Orbax longer than that.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import ml_collections
@@ -30,6 +34,31 @@ _ITEMS = ("state", "data_iterator", "config")
 
 class CheckpointError(RuntimeError):
   """A checkpoint that could not be written or read; the message names the step."""
+
+
+class CheckpointTimeout(CheckpointError, storage.StorageTimeout):
+  """A save still not written after the time limit; Orbax's threads may be stuck in it."""
+
+
+def _call_within(seconds: float, call: Callable[[], Any]) -> bool:
+  """Runs `call` on a helper thread; True if it returned (or raised, re-raised here)
+  within `seconds`, False if it is still running then (it is left behind)."""
+  outcome: list = []
+
+  def run():
+    try:
+      outcome.append((True, call()))
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+      outcome.append((False, e))
+  thread = threading.Thread(target=run, name="checkpoint-wait", daemon=True)
+  thread.start()
+  thread.join(max(seconds, 0.0))
+  if not outcome:
+    return False
+  ok, value = outcome[0]
+  if not ok:
+    raise value
+  return True
 
 
 def _join_orbax_threads(timeout_s: float = 60.0) -> None:
@@ -68,13 +97,18 @@ class Checkpointer:
   """Asynchronous saves every so often, keeping the newest `keep` checkpoints."""
 
   def __init__(self, workdir: str, keep: int, async_save: bool = True,
-               clean_torn: bool = False):
+               clean_torn: bool = False, timeout_s: float = 600.0):
     """clean_torn: delete the `<step>.orbax-checkpoint-tmp` directories that saves torn by
     a kill left behind (they are never listed as steps). Only the training run may: for
-    anyone else reading the workdir they can be saves still in progress."""
+    anyone else reading the workdir they can be saves still in progress.
+    timeout_s: how long a save may take, from its start to its commit (config.storage_timeout_s);
+    Orbax's own background thread gives up after it too."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=clean_torn)
+        cleanup_tmp_directories=clean_torn,
+        async_options=ocp.AsyncOptions(timeout_secs=max(1, math.ceil(timeout_s))))
+    self.timeout_s = timeout_s
+    self._started = 0.0  # time.monotonic() at the start of the last save
     self.workdir = workdir
     self.directory = checkpoint_dir(workdir)
     try:
@@ -93,6 +127,8 @@ class Checkpointer:
     return steps_on_disk(self.workdir)
 
   def _failed(self, e: Exception) -> CheckpointError:
+    if isinstance(e, TimeoutError):  # Orbax's background thread ran out of timeout_s
+      return self._timed_out()
     _join_orbax_threads()
     step = f" at step {self._writing}" if self._writing is not None else ""
     self._writing = None
@@ -100,6 +136,23 @@ class Checkpointer:
         f"the checkpoint{step} could not be written ({first_line(e, with_type=True)}); "
         f"complete checkpoints in {self.directory}: {self.steps_on_disk()}")
     return self._reported
+
+  def _timed_out(self) -> CheckpointTimeout:
+    """The error of a save past its time; the storage is not asked anything more."""
+    where = storage.join(self.directory, str(self._writing)) if self._writing is not None \
+        else self.directory
+    self._writing = None
+    self._reported = CheckpointTimeout(storage.timeout_message(f"the checkpoint {where}",
+                                                               self.timeout_s))
+    return self._reported
+
+  def _within_time_left(self, call: Callable[[], Any]) -> None:
+    """`call`, given what is left of the current save's time; CheckpointTimeout after."""
+    left = self.timeout_s
+    if self._writing is not None:
+      left -= time.monotonic() - self._started
+    if not _call_within(left, call):
+      raise self._timed_out()
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
@@ -113,17 +166,18 @@ class Checkpointer:
 
     Raises CheckpointError if the previous asynchronous save failed (it is awaited here).
     """
+    if self._writing is not None:
+      self.wait()  # within the previous save's time: Orbax's save would wait without end
+    self._started, self._writing = time.monotonic(), step
     try:
-      self._manager.save(step, args=ocp.args.Composite(
+      self._within_time_left(lambda: self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data_iterator=ocp.args.JsonSave(iterator_state),
-          config=ocp.args.JsonSave(json.loads(config.to_json()))), force=True)
-    except Exception as e:  # the previous save's error, or this one's synchronous part
-      # The previous step if its write failed, else this step.
-      if self._writing is None or self._writing in self.steps_on_disk():
-        self._writing = step
+          config=ocp.args.JsonSave(json.loads(config.to_json()))), force=True))
+    except CheckpointTimeout:
+      raise
+    except Exception as e:  # this save's synchronous part failed
       raise self._failed(e) from e
-    self._writing = step
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """(state placed as `abstract_state`'s shardings say, iterator state)."""
@@ -155,13 +209,17 @@ class Checkpointer:
   def wait(self) -> None:
     """Blocks until the last asynchronous save is on disk; CheckpointError if it failed."""
     try:
-      self._manager.wait_until_finished()
+      self._within_time_left(self._manager.wait_until_finished)
       self._manager.check_for_errors()
+    except CheckpointTimeout:
+      raise
     except Exception as e:
       raise self._failed(e) from e
     self._writing = None
 
   def close(self) -> None:
+    if isinstance(self._reported, CheckpointTimeout):
+      return  # Orbax's close would wait for the stalled save
     try:
       if self._reported is None:  # an error already raised is not raised again
         self.wait()

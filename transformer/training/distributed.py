@@ -74,7 +74,8 @@ def exit_with_error(error, force: bool = False) -> None:
   process died it would sit there until the heartbeat timeout and then abort with pages
   of logs. Exiting at once also closes this process's connections, so the others' next
   collective fails at once instead of waiting. `force`: exit so even before JAX knows
-  the process count (a failed jax.distributed.initialize).
+  the process count (a failed jax.distributed.initialize), or when a thread may never
+  return (a write stalled in a storage client).
   """
   message = str(error).strip().replace("\n", " ")
   several = force or (jax.distributed.is_initialized() and jax.process_count() > 1)

@@ -262,10 +262,12 @@ class TrainingRun:
         row_multiple=sharding.batch_row_multiple(self.setup.mesh, self.setup.rules))
     # --- Restore, or start fresh.
     self.checkpointer = checkpoints.Checkpointer(workdir, config.keep_checkpoints,
-                                                 clean_torn=True)
+                                                 clean_torn=True,
+                                                 timeout_s=config.storage_timeout_s)
     self.state = self._restore_or_init()
     logging.info("%s parameters", f"{self.setup.num_params:,}")
-    self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief)
+    self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief,
+                                          timeout_s=config.storage_timeout_s)
     self.total_steps = config.num_train_steps * config.grad_accum_steps
     self.progress = Progress(flops.total_peak_flops(), self.total_steps,
                              self.setup.model.config,
