@@ -346,6 +346,46 @@ def _check_loop_and_decoding(config: ml_collections.ConfigDict) -> None:
   _check(config.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
   _check(config.beam_size >= 1, "beam_size", "must be at least 1")
   _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")
+  _check_position_table(config)
+
+
+def position_table_size(config: ml_collections.ConfigDict) -> int:
+  """Rows of the learned position table (model.positional='learned'): one per position a
+  run may look up. jnp.take returns NaN for a row past the table, and the NaN spreads
+  through attention to the whole sequence.
+
+  A training or evaluation row holds max_len tokens, or for a decoder-only model source
+  + target (2 max_len), padded up to a multiple of 8. Generation feeds BOS, the prompt
+  (decoder-only: the source, up to max_len) and all but the last of up to max_len +
+  max_decode_extra_len outputs; one row of slack on top.
+  """
+  sides = 2 if config.model.decoder_only else 1
+  longest_row = -(-sides * config.max_len // 8) * 8
+  longest_generation = sides * config.max_len + config.max_decode_extra_len + 1
+  return max(longest_row, longest_generation)
+
+
+def positions_used(config: ml_collections.ConfigDict) -> dict[str, int]:
+  """How many positions each reader of the table needs, from the readers' own sizing:
+  training batches (data/batching.py), evaluation batches, and generation."""
+  from transformer.data import batching  # imports this module: imported late
+  sides = 2 if config.model.decoder_only else 1
+  row = sides * config.max_len
+  training = row if config.batching == "packed" else batching.bucket_lengths(row)[-1]
+  prompt = 1 + (config.max_len if config.model.decoder_only else 0)
+  return {"training rows": training,
+          "evaluation rows": batching.geometric_length(row, row),
+          "generation": prompt + config.max_len + config.max_decode_extra_len - 1}
+
+
+def _check_position_table(config: ml_collections.ConfigDict) -> None:
+  """No lookup in the learned position table can fall off its end."""
+  if config.model.positional != "learned":
+    return
+  table = position_table_size(config)
+  for reader, needed in positions_used(config).items():
+    _check(needed <= table, "model.positional",
+           f"the learned position table has {table} rows but {reader} need {needed}")
 
 
 def _check_mesh(config: ml_collections.ConfigDict, flat: dict) -> None:
