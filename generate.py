@@ -90,6 +90,9 @@ def main(args: argparse.Namespace) -> None:
   import jax
   from transformer import config as config_lib
   try:
+    if args.job == "attention" and jax.process_count() > 1:
+      raise config_lib.ConfigError("attention runs on one process (it plots one sentence); "
+                                   "start generate.py without the cluster flags")
     translator = _translator(args)
     if args.job == "translate":
       outputs = translator.translate_lines(_lines(args))  # every process takes part
@@ -116,9 +119,6 @@ def _translator(args: argparse.Namespace):
   if args.job == "continue" and not config.model.decoder_only:
     raise config_lib.ConfigError("continue extends text with a decoder-only model; this run "
                                  "is an encoder-decoder: use generate.py translate")
-  if args.job == "attention" and jax_process_count() > 1:
-    raise config_lib.ConfigError("attention runs on one process (it plots one sentence); "
-                                 "start generate.py without the cluster flags")
   settings, draft = translate.BEAM, None
   if args.job != "attention":
     settings = translate.SearchSettings(args.search, args.temperature, args.top_k,
@@ -131,11 +131,6 @@ def _translator(args: argparse.Namespace):
   return translate.Translator(config, args.workdir, step=args.step,
                               average_last=args.average_last, settings=settings,
                               draft_workdir=draft)
-
-
-def jax_process_count() -> int:
-  import jax
-  return jax.process_count()
 
 
 def _lines(args: argparse.Namespace) -> list[str]:

@@ -10,6 +10,7 @@ import pytest
 
 from tests import tiny_run
 from transformer import config as config_lib
+from transformer.data import batching as batching_lib
 from transformer.data import pipeline
 from transformer.evaluation import translate
 from transformer.model import decoding
@@ -56,7 +57,14 @@ def test_no_config_can_look_past_the_learned_position_table(monkeypatch):
                                                                           extra)
           config_lib.validate(config)
           table = config_lib.position_table_size(config)
-          assert max(config_lib.positions_used(config).values()) <= table
+          used = config_lib.positions_used(config)
+          assert max(used.values()) <= table
+          # What the data pipeline builds: length buckets or packed rows, and evaluation
+          # batches padded geometrically, capped at the longest row.
+          row = (2 if decoder_only else 1) * max_len
+          built = (row if batching == "packed" else batching_lib.bucket_lengths(row)[-1])
+          assert built == used["training rows"]
+          assert batching_lib.geometric_length(row, row) == used["evaluation rows"]
   # The size encoder-decoder runs have always had: too small for decoder-only rows.
   monkeypatch.setattr(config_lib, "position_table_size",
                       lambda c: c.max_len + c.max_decode_extra_len + 1)

@@ -360,21 +360,28 @@ def position_table_size(config: ml_collections.ConfigDict) -> int:
   max_decode_extra_len outputs; one row of slack on top.
   """
   sides = 2 if config.model.decoder_only else 1
-  longest_row = -(-sides * config.max_len // 8) * 8
+  longest_row = -(-sides * config.max_len // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
   longest_generation = sides * config.max_len + config.max_decode_extra_len + 1
   return max(longest_row, longest_generation)
 
 
+# Training and evaluation rows are padded to a multiple of this (data/batching.py).
+ROW_LENGTH_MULTIPLE = 8
+
+
 def positions_used(config: ml_collections.ConfigDict) -> dict[str, int]:
-  """How many positions each reader of the table needs, from the readers' own sizing:
-  training batches (data/batching.py), evaluation batches, and generation."""
-  from transformer.data import batching  # imports this module: imported late
+  """How many positions each reader of the table needs: training rows (length buckets
+  up to the longest row rounded up, or packed rows of exactly the longest row),
+  evaluation rows (at most the longest row), and generation (BOS, a decoder-only
+  model's source, and all but the last output). tests/test_decoder_only_options.py
+  holds these to the data pipeline's own sizes."""
   sides = 2 if config.model.decoder_only else 1
   row = sides * config.max_len
-  training = row if config.batching == "packed" else batching.bucket_lengths(row)[-1]
+  training = row
+  if config.batching != "packed":
+    training = -(-row // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
   prompt = 1 + (config.max_len if config.model.decoder_only else 0)
-  return {"training rows": training,
-          "evaluation rows": batching.geometric_length(row, row),
+  return {"training rows": training, "evaluation rows": row,
           "generation": prompt + config.max_len + config.max_decode_extra_len - 1}
 
 
