@@ -67,11 +67,11 @@ class SearchSettings:
     """The decoding search these settings describe."""
     if self.kind == "beam":
       return decoding.BeamSearch(config.beam_size, config.length_penalty_alpha)
-    then = (decoding.Greedy() if self.kind == "greedy" else
-            decoding.Sampling(self.temperature, self.top_k, self.top_p))
+    search = (decoding.Greedy() if self.kind == "greedy" else
+              decoding.Sampling(self.temperature, self.top_k, self.top_p))
     if draft_model is None:
-      return then
-    return decoding.Speculative(draft_model, self.draft_len, then)
+      return search
+    return decoding.Speculative(draft_model, self.draft_len, search)
 
   @property
   def sampling(self) -> dict:

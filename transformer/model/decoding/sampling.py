@@ -79,15 +79,12 @@ class Sampling(Greedy):
                                   self.filtered_logprobs(logits_BxV), axis=-1).astype(jnp.int32)
 
 
-@dataclasses.dataclass(frozen=True)
 class _OneHypothesis:
   """Greedy or Sampling as a search.StepSearch of one hypothesis per row."""
-  chooser: Greedy
-  rng: Optional[Array]
   width = 1
 
-  def __hash__(self):  # never a static argument: rng is an array
-    return id(self)
+  def __init__(self, chooser: Greedy, rng: Optional[Array]):
+    self.chooser, self.rng = chooser, rng
 
   def start(self, logits_BxV: Array, prompts: search_lib.Prompts, rng) -> _State:
     batch = logits_BxV.shape[0]

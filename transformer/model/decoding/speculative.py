@@ -69,12 +69,12 @@ class _Round(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Speculative:
-  """The target's greedy decoding (`then` Greedy) or sampling (`then` a Sampling), with
+  """The target's own `search`, Greedy() or a Sampling, reproduced exactly with
   draft_len tokens of `draft_model` checked per target pass. `decode` passes the
   draft's parameters as draft_params."""
   draft_model: Any
   draft_len: int = 4
-  then: Greedy = Greedy()
+  search: Greedy = Greedy()
 
   def check(self, model) -> None:
     """ValueError unless the draft can serve this target."""
@@ -111,8 +111,8 @@ class Speculative:
                                                     draft_rng)
       fed_BxJ1 = jnp.concatenate([s.last_B[:, None], drafts_BxJ], axis=1)
       logits_BxJ1xV, target = cache_lib.feed(model, params, s.target, fed_BxJ1, position_B)
-      if isinstance(self.then, Sampling):
-        n_B, next_B = _verify_sampled(self.then, logits_BxJ1xV, drafts_BxJ, logq_BxJxV,
+      if isinstance(self.search, Sampling):
+        n_B, next_B = _verify_sampled(self.search, logits_BxJ1xV, drafts_BxJ, logq_BxJxV,
                                       verify_rng)
       else:
         n_B, next_B = _verify_greedy(logits_BxJ1xV, drafts_BxJ)
@@ -136,7 +136,7 @@ class Speculative:
     draft = cache_lib.prefill(draft_model, draft_params, prompt_BxP, cache_len=cache_len,
                               source_BxS=prompts.source_BxS, encoded_BxSxD=shared,
                               use_cache=use_cache)
-    first_B = self.then.choose(target.logits_BxV, jnp.array(0), rng)
+    first_B = self.search.choose(target.logits_BxV, jnp.array(0), rng)
     has_budget_B = prompts.budget_B >= 1
     first_B = jnp.where(has_budget_B, first_B, PAD_ID).astype(jnp.int32)
     logprob_B = jnp.where(has_budget_B, jnp.take_along_axis(
@@ -155,12 +155,12 @@ class Speculative:
   def _propose(self, draft_model, draft_params, s: _Round, position_B: Array,
                rng: Optional[Array]):
     """The draft's J tokens [B, J] (and, sampling, its log-probs [B, J, V])."""
-    sampling = self.then if isinstance(self.then, Sampling) else None
+    sampling = self.search if isinstance(self.search, Sampling) else None
     batch, j = s.last_B.shape[0], self.draft_len
 
     def choose(logits_BxV, index):
       if sampling is None:
-        return self.then.choose(logits_BxV, index, None), None
+        return self.search.choose(logits_BxV, index, None), None
       logq_BxV = sampling.filtered_logprobs(logits_BxV)
       token_B = jax.random.categorical(jax.random.fold_in(rng, index), logq_BxV, axis=-1)
       return token_B.astype(jnp.int32), logq_BxV
