@@ -74,3 +74,18 @@ def test_no_config_can_look_past_the_learned_position_table(monkeypatch):
     config_lib.validate(config)
   assert str(error.value).startswith("config.model.positional: the learned position table "
                                      "has 115 rows but training rows need 128")
+
+
+def test_a_continuation_past_the_learned_table_is_refused_in_one_line():
+  config = config_lib.base_config()
+  config.model.positional, config.model.decoder_only = "learned", True
+  table = config_lib.position_table_size(config)  # 179 for max_len 64, extra 50
+  prompt = config.max_len + 1
+  translate.check_generation_length(config, prompt, table - prompt)
+  with pytest.raises(config_lib.ConfigError) as error:
+    translate.check_generation_length(config, prompt, table - prompt + 1)
+  assert str(error.value) == (f"max_new_tokens: {table - prompt + 1} after a prompt of up to "
+                              f"{prompt} tokens passes the {table} learned positions; use at "
+                              f"most {table - prompt}")
+  config.model.positional = "rope"  # no table: any length
+  translate.check_generation_length(config, prompt, 10 * table)

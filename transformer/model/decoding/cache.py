@@ -64,7 +64,7 @@ def unrolled(model, params) -> tuple[Any, Any]:
   place, so scanned and unscanned runs decode at one speed (docs/performance.md). The
   split happens once per search, inside its jit.
   """
-  if not model.config.scan_layers:
+  if not getattr(model.config, "scan_layers", False):
     return model, params
   config = dataclasses.replace(model.config, scan_layers=False)
   return (model.clone(config=config),

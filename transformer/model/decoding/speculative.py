@@ -16,7 +16,10 @@ one-token calls), and for `Sampling` its distribution (the accept / resample rul
 Two kinds of draft work. An independent model of the target's kind (same vocabulary)
 encodes the source for itself. A draft whose `reads_target_encoding` attribute is True
 has no encoder of its own: its decoder cross-attends to the target's encoder output
-(same d_model), which the target's prefill computes once for both.
+(same d_model), which the target's prefill computes once for both. Either kind is a
+flax module with a `config` (vocab_size, d_model, decoder_only) and Transformer's
+`decode(encoded, source, tokens, use_cache=True)` (transformer/model/transformer.py),
+whose cache keeps its position at cache['decoder']['position'].
 
 After both prefills (search.Prompts: an encoder-decoder's prompt is BOS), with the
 pending (generated, not yet fed) token `last` at position p and the token before it
