@@ -180,8 +180,8 @@ def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
     model = Transformer(RecordingModelConfig(**{**fields, "positional": positional}))
     params = model.init(jax.random.key(0), **state.dummy_inputs(config))["params"]
     source = jnp.array([[5, 6, config_lib.EOS_ID]], jnp.int32)
-    decoding.beam_search(model, nn.unbox(params), source, beam_size=2, alpha=0.6,
-                         max_decode_extra_len=2)
+    decoding.decode(model, nn.unbox(params), decoding.translation_prompts(source, 2, False),
+                    decoding.BeamSearch(beam_size=2, alpha=0.6))
     del run
   unread = sorted(set(ModelConfig.__dataclass_fields__) - model_fields_read)
   assert not unread, f"ModelConfig fields never read by the model: {unread}"

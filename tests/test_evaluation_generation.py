@@ -1,6 +1,6 @@
 """Generation beyond the paper's beam search: greedy, sampling and speculative decoding
 through the split evaluation and eval.py, decoder-only runs evaluated like the
-encoder-decoder (beam search continuing a prompt, validation BLEU), and --prompt."""
+encoder-decoder (beam search continuing a prompt, validation BLEU), and generate.py."""
 
 import json
 import os
@@ -19,7 +19,7 @@ from transformer.config import ConfigError, EOS_ID, PAD_ID
 from transformer.data import pipeline
 from transformer.evaluation import score, translate
 from transformer.evaluation.validation import ValidationWithBleu
-from transformer.model import decoding, speculative
+from transformer.model import decoding
 from transformer.training import checkpoints, loop
 
 SENTENCES = ["I like cats.", "Good morning.", "Where is the station?", "He is here."]
@@ -54,7 +54,7 @@ def _translator(workdir, search="beam", draft_workdir=None, eval_batch_size=None
   config = checkpoints.load_run_config(workdir)
   config.eval_batch_size = eval_batch_size or config.eval_batch_size
   return translate.Translator(config, workdir,
-                              search=translate.Search(search, **settings),
+                              settings=translate.SearchSettings(search, **settings),
                               draft_workdir=draft_workdir)
 
 
@@ -64,9 +64,9 @@ def _read(stem):
   return files, json.load(open(f"{stem}.json"))
 
 
-def _eval_py(*args):
+def _run(script, *args):
   env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "eval.py", *args], cwd=tiny_run.REPO, env=env,
+  return subprocess.run([sys.executable, script, *args], cwd=tiny_run.REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 
 
@@ -74,14 +74,13 @@ def _eval_py(*args):
 # Decoder-only beam search, on a random model far from uniform outputs.
 
 
-def test_prompt_beam_search_of_one_beam_is_greedy_and_scores_its_output():
+def test_decoder_only_beam_of_one_is_greedy_and_scores_its_output():
   model, params = make_model(2, decoder_only=True)
-  prompt = speculative.translation_prompt(SOURCE)  # prompts of 4, 2, 6 and 3 tokens
-  new_tokens = 8
-  greedy = np.asarray(speculative.prompt_greedy_decode(model, params, prompt,
-                                                       max_new_tokens=new_tokens))
-  one, _ = decoding.prompt_beam_search(model, params, prompt, beam_size=1, alpha=0.0,
-                                       max_new_tokens=new_tokens)
+  # Prompts of 4, 2, 6 and 3 tokens, budgets of 8 new tokens.
+  prompt = decoding.translation_prompts(SOURCE, 4, True).prompt_BxP
+  prompts = decoding.continuation_prompts(prompt, 8)
+  greedy = np.asarray(decoding.decode(model, params, prompts, decoding.Greedy()).tokens_BxO)
+  one = decoding.decode(model, params, prompts, decoding.BeamSearch(1, 0.0)).tokens_BxO
   np.testing.assert_array_equal(one, greedy)
   assert len({len(strip(row)) for row in greedy}) > 1  # rows end at different steps
 
@@ -89,10 +88,9 @@ def test_prompt_beam_search_of_one_beam_is_greedy_and_scores_its_output():
   # model (prompt and output read at once, no cache) over the length penalty, and no
   # row exceeds its own budget.
   budget = np.array([3, 8, 5, 2], np.int32)
-  tokens, scores = decoding.prompt_beam_search(model, params, prompt, beam_size=3,
-                                               alpha=0.6, max_new_tokens=new_tokens,
-                                               max_len_B=jnp.asarray(budget))
-  tokens, scores = np.asarray(tokens), np.asarray(scores)
+  out = decoding.decode(model, params, prompts.replace(budget_B=jnp.asarray(budget)),
+                        decoding.BeamSearch(3, 0.6))
+  tokens, scores = np.asarray(out.tokens_BxO), np.asarray(out.scores_B)
   for row in range(len(budget)):
     output = strip(tokens[row])
     assert 1 <= len(output) <= budget[row]
@@ -137,13 +135,13 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(trained_run, draft_run):
   translator = _translator(workdir, "greedy", draft_workdir=draft_run)
   translator.draft, draft = None, translator.draft  # plain greedy first
   greedy = translator.translate_lines(SENTENCES)
-  translator.search = translate.Search("sample", top_k=1)
+  translator.settings = translate.SearchSettings("sample", top_k=1)
   assert translator.translate_lines(SENTENCES) == greedy
   translator.draft = draft  # speculative sampling from a one-hot target is greedy too
   assert translator.translate_lines(SENTENCES) == greedy and translator.stats.proposed > 0
 
   translator.draft = None
-  sample = lambda seed: (setattr(translator, "search", translate.Search(
+  sample = lambda seed: (setattr(translator, "settings", translate.SearchSettings(
       "sample", seed=seed, temperature=3.0)), translator.translate_lines(SENTENCES * 4))[1]
   first = sample(1)
   assert sample(1) == first and sample(2) != first
@@ -164,13 +162,13 @@ def test_bad_search_settings_fail_in_one_line_before_restoring(trained_run, tmp_
     _translator(workdir, "greedy", draft_workdir=str(other))
 
 
-def test_eval_py_prompt_on_an_encoder_decoder_suggests_translate(trained_run):
+def test_generate_py_continue_on_an_encoder_decoder_suggests_translate(trained_run):
   _, workdir = trained_run
-  result = _eval_py("--workdir", workdir, "--prompt", "I like")
+  result = _run("generate.py", "continue", "--workdir", workdir, "I like")
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: --prompt continues text with a decoder-only model")
-  assert "use --translate" in last
+  assert last.startswith("error: continue extends text with a decoder-only model")
+  assert "generate.py translate" in last
 
 
 # ----------------------------------------------------------------------------------
@@ -202,10 +200,10 @@ def test_decoder_only_run_is_validated_and_evaluated_like_the_encoder_decoder(
     assert len(output) <= budget[row] and EOS_ID not in output[:-1]
 
 
-def test_eval_py_speculative_decoder_only_split_and_prompt(decoder_only_run):
+def test_speculative_decoder_only_split_and_continuation(decoder_only_run):
   _, workdir = decoder_only_run
-  result = _eval_py("--workdir", workdir, "--search", "greedy", "--draft_workdir", workdir,
-                    "--draft_len", "2")
+  result = _run("eval.py", "--workdir", workdir, "--search", "greedy", "--draft_workdir",
+                workdir, "--draft_len", "2")
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.splitlines()[-1].startswith("sacreBLEU")
   files, saved = _read(os.path.join(workdir, "eval", "test-2-greedy-spec"))
@@ -216,6 +214,7 @@ def test_eval_py_speculative_decoder_only_split_and_prompt(decoder_only_run):
 
   translator = _translator(workdir, "greedy")
   expected, = translator.continue_text(["I like"], max_new_tokens=6)
-  result = _eval_py("--workdir", workdir, "--prompt", "I like", "--max_new_tokens", "6")
+  result = _run("generate.py", "continue", "--workdir", workdir, "I like",
+                "--max_new_tokens", "6")
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.splitlines() == [expected]

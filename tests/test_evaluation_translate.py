@@ -1,6 +1,7 @@
-"""eval.py's machinery on a tiny trained run: a split once, in order; translation;
-one-line errors for missing or incompatible runs. Checkpoint averaging is in
-test_tools_average_checkpoints.py."""
+"""eval.py and generate.py on a tiny trained run: a split (or a file with references)
+scored once, in order; translation; one job per command, each with its own flags;
+one-line errors for missing or incompatible runs and for moved flags. Checkpoint
+averaging is in test_tools_average_checkpoints.py."""
 
 import json
 import os
@@ -55,28 +56,68 @@ def test_incompatible_config_fails_naming_the_key(trained_run):
   assert str(error.value).startswith("config.model.d_model:") and "\n" not in str(error.value)
 
 
-def _eval_py(*args):
+def _run(script, *args):
   env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, env=env,
+  return subprocess.run([sys.executable, script, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 
 
-def test_eval_py_translates_to_stdout_and_reports_errors_in_one_line(trained_run, tmp_path):
+def test_a_file_with_references_is_scored_as_a_split(trained_run, tmp_path):
   _, workdir = trained_run
-  result = _eval_py("--workdir", workdir, "--translate", "Good morning.")
+  translator = translate.Translator(checkpoints.load_run_config(workdir), workdir)
+  sources, references = ["I like cats.", "Good morning."], ["Me gustan los gatos.", "Hola."]
+  (tmp_path / "news.txt").write_text("\n".join(sources) + "\n")
+  (tmp_path / "news.ref").write_text("\n".join(references) + "\n")
+  results = score.evaluate_files(translator, str(tmp_path / "news.txt"),
+                                 str(tmp_path / "news.ref"))
+  stem = os.path.join(workdir, "eval", "news-4")
+  assert results["path"] == stem + ".json" and results["num_sentences"] == 2
+  hypotheses = open(f"{stem}.hyp.txt", encoding="utf-8").read().split("\n")[:-1]
+  assert hypotheses == translator.translate_lines(sources)
+  (tmp_path / "short.ref").write_text("Hola.\n")
+  with pytest.raises(ConfigError, match="^reference_file: .* has 1 lines"):
+    score.evaluate_files(translator, str(tmp_path / "news.txt"), str(tmp_path / "short.ref"))
+
+
+def test_generate_py_translates_to_stdout_and_reports_errors_in_one_line(trained_run,
+                                                                         tmp_path):
+  _, workdir = trained_run
+  result = _run("generate.py", "translate", "--workdir", workdir, "Good morning.")
   assert result.returncode == 0, result.stderr[-2000:]
   assert len(result.stdout.splitlines()) == 1  # only the translation
 
-  missing = _eval_py("--workdir", str(tmp_path / "nowhere"), "--split", "test")
+  missing = _run("eval.py", "--workdir", str(tmp_path / "nowhere"), "--split", "test")
   assert missing.returncode != 0
   assert missing.stderr.strip().splitlines()[-1].startswith("error: --workdir")
 
 
-def test_eval_py_writes_attention_maps(trained_run, tmp_path):
+def test_each_job_has_its_own_command_and_flags():
+  """eval.py only scores: its generation flags name their new home in one line; each
+  generate.py job's --help lists its own flags and no other job's."""
+  for flag, job in (("--translate=Hi", "generate.py translate"),
+                    ("--prompt=Hi", "generate.py continue"),
+                    ("--attention_maps=Hi", "generate.py attention")):
+    moved = _run("eval.py", "--workdir", "w", flag)
+    assert moved.returncode != 0
+    [line] = moved.stderr.strip().splitlines()
+    assert line.startswith("error: eval.py only scores") and job in line
+  helps = {job: _run("generate.py", job, "--help") for job in ("translate", "continue",
+                                                               "attention")}
+  assert all(h.returncode == 0 for h in helps.values())
+  own = {"translate": "--input_file", "continue": "--max_new_tokens",
+         "attention": "--output_dir"}
+  for job, result in helps.items():
+    for other, flag in own.items():
+      assert (flag in result.stdout) == (job == other), (job, flag)
+    assert ("--draft_workdir" in result.stdout) == (job != "attention")
+    assert "--coordinator_address" not in result.stdout  # the cluster's, not the job's
+
+
+def test_generate_py_writes_attention_maps(trained_run, tmp_path):
   config, workdir = trained_run
   out = tmp_path / "maps"
-  result = _eval_py("--workdir", workdir, "--attention_maps", "I like cats.",
-                    "--output_dir", str(out))
+  result = _run("generate.py", "attention", "--workdir", workdir, "I like cats.",
+                "--output_dir", str(out))
   assert result.returncode == 0, result.stderr[-2000:]
   pngs = sorted(p.name for p in out.glob("*.png"))
   # One figure per layer for each of encoder self-, decoder self- and cross-attention.

@@ -370,16 +370,16 @@ def test_eval_without_checkpoint_or_with_a_broken_config_json_is_one_line(
   assert "\n" not in str(error.value)
 
 
-def _eval_py(*args, stdin=None):
-  return subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, env=_env(),
+def _run(script, *args, stdin=None):
+  return subprocess.run([sys.executable, script, *args], cwd=REPO, env=_env(),
                         input=stdin, capture_output=True, timeout=300)
 
 
-def test_eval_py_translates_empty_long_and_broken_lines(straight_run):
+def test_generate_py_translates_empty_long_and_broken_lines(straight_run):
   lines = [b"I like cats.", b"", b"   ", b" ".join([b"the cat sat on the mat"] * 40),
            b"caf\xe9 \xff\xfe", b"Where is the station?"]
-  result = _eval_py("--workdir", straight_run, "--input_file", "-",
-                    stdin=b"\n".join(lines) + b"\n")
+  result = _run("generate.py", "translate", "--workdir", straight_run, "--input_file", "-",
+                stdin=b"\n".join(lines) + b"\n")
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   outputs = result.stdout.decode("utf-8").split("\n")[:-1]
   assert len(outputs) == len(lines)
@@ -389,8 +389,8 @@ def test_eval_py_translates_empty_long_and_broken_lines(straight_run):
 
 def test_eval_py_names_the_key_of_an_incompatible_checkpoint(small_corpus, straight_run):
   flags = [f for f in flag_overrides(small_corpus) if not f.startswith("--config.model.d_ff")]
-  result = _eval_py("--workdir", straight_run, "--config", "configs/default.py", *flags,
-                    "--config.model.d_ff=48", "--translate", "Hello.")
+  result = _run("eval.py", "--workdir", straight_run, "--config", "configs/default.py",
+                *flags, "--config.model.d_ff=48")
   assert result.returncode == 1
   stderr = result.stderr.decode()
   assert _last_line(stderr) == ("error: config.model.d_ff: the checkpoint was trained "

@@ -127,11 +127,11 @@ def test_everything_a_user_does_works_on_a_bucket(gcs, bucket_run, small_corpus,
   hypotheses = gcs.read(f"run/eval/test-{final}.hyp.txt").decode().splitlines()
   assert len(hypotheses) == report["num_sentences"] > 0
 
-  # Averaging writes a new run into the bucket, which eval.py can use.
+  # Averaging writes a new run into the bucket, which generate.py can use.
   run(["-m", "transformer.tools.average_checkpoints", "--workdir", f"{url}/run",
        "--average_last", "2", "--output_workdir", f"{url}/avg"])
-  output = run([os.path.join(REPO, "eval.py"), "--workdir", f"{url}/avg",
-                "--translate", "Hello."])
+  output = run([os.path.join(REPO, "generate.py"), "translate", "--workdir", f"{url}/avg",
+                "Hello."])
   assert output.strip()  # one translation printed
 
   # A two-row sweep: rows, their files, the sweep's log and its report, all in the bucket.

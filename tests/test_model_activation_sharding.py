@@ -140,14 +140,13 @@ def test_beam_search_under_the_rules_finds_the_same_translations():
   source = np.random.default_rng(0).integers(4, V, (4, 7), dtype=np.int32)
   source[:, -1] = config_lib.EOS_ID
   source = sharding.global_batch({"source": source}, run.mesh, run.rules)["source"]
-  search = dict(beam_size=2, alpha=0.6, max_decode_extra_len=4)
+  prompts = decoding.translation_prompts(source, 4, False)
+  search = decoding.BeamSearch(beam_size=2, alpha=0.6)
 
   with sharding.activation_sharding(run.mesh, run.rules):
-    lowered = decoding.beam_search_state.lower(run.model, params, source, **search)
+    lowered = decoding.decode.lower(run.model, params, prompts, search)
     assert _constraints(lowered.as_text())
-    constrained = decoding.beam_search_state(run.model, params, source, **search)
-  unconstrained = decoding.beam_search_state(run.model, params, source, **search)
-  np.testing.assert_array_equal(constrained.finished_seqs_BxKxC1,
-                                unconstrained.finished_seqs_BxKxC1)
-  np.testing.assert_allclose(constrained.finished_scores_BxK,
-                             unconstrained.finished_scores_BxK, rtol=1e-5)
+    constrained = decoding.decode(run.model, params, prompts, search)
+  unconstrained = decoding.decode(run.model, params, prompts, search)
+  np.testing.assert_array_equal(constrained.tokens_BxO, unconstrained.tokens_BxO)
+  np.testing.assert_allclose(constrained.scores_B, unconstrained.scores_B, rtol=1e-5)

@@ -10,8 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.model import decoding
+from tests.test_model_speculative import SOURCE as SPEC_SOURCE
+from tests.test_model_speculative import make_model
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
+from transformer.model import decoding
+from transformer.model.decoding import beam as beam_lib
+from transformer.model.decoding import cache as cache_lib
 from transformer.model import ModelConfig, Transformer, stack_layer_params
 
 VOCAB = 6  # PAD, EOS, BOS, UNK and two words: EOS, UNK, 4 and 5 can be generated
@@ -73,6 +77,21 @@ def gnmt_penalty(length, alpha):
   return ((5.0 + length) / 6.0)**alpha
 
 
+def translate(model, params, source, search, extra=EXTRA, use_cache=True, rng=None):
+  """decoding.decode on translation prompts: the Generation."""
+  prompts = decoding.translation_prompts(source, extra, model.config.decoder_only)
+  return decoding.decode(model, params, prompts, search, rng, use_cache=use_cache)
+
+
+def beam(model, params, source=SOURCE, beam_size=4, alpha=0.6, early_stop=True, **kwargs):
+  return translate(model, params, source, decoding.BeamSearch(beam_size, alpha, early_stop),
+                   **kwargs)
+
+
+def greedy(model, params, source=SOURCE, **kwargs):
+  return translate(model, params, source, decoding.Greedy(), **kwargs).tokens_BxO
+
+
 def strip(tokens):
   """Token list up to and including the first EOS (or all of it)."""
   tokens = [int(t) for t in tokens if t != PAD_ID]
@@ -80,23 +99,18 @@ def strip(tokens):
 
 
 def test_cached_decoding_equals_full_recompute(model, params):
-  cached = decoding.greedy_decode(model, params, SOURCE, max_decode_extra_len=EXTRA)
-  recomputed = decoding.greedy_decode(model, params, SOURCE, max_decode_extra_len=EXTRA,
-                                      use_cache=False)
+  cached = greedy(model, params)
+  recomputed = greedy(model, params, use_cache=False)
   chex.assert_shape(cached, (3, 4 + EXTRA))
   np.testing.assert_array_equal(cached, recomputed)
 
   # Beam search reorders the cache rows at every step; recomputing needs no reordering.
-  # Compare every hypothesis kept, not only the best (often the one-token [EOS] here).
-  kwargs = dict(beam_size=4, alpha=0.6, max_decode_extra_len=EXTRA, early_stop=True)
-  cached = decoding.beam_search_state(model, params, SOURCE, use_cache=True, **kwargs)
-  recomputed = decoding.beam_search_state(model, params, SOURCE, use_cache=False, **kwargs)
-  assert int(cached.step) == int(recomputed.step) > 2
-  np.testing.assert_array_equal(cached.live_seqs_BxKxC1, recomputed.live_seqs_BxKxC1)
-  np.testing.assert_array_equal(cached.finished_seqs_BxKxC1, recomputed.finished_seqs_BxKxC1)
-  np.testing.assert_allclose(cached.live_logprobs_BxK, recomputed.live_logprobs_BxK, rtol=1e-5)
-  np.testing.assert_allclose(cached.finished_scores_BxK, recomputed.finished_scores_BxK,
-                             rtol=1e-5)
+  # (Its longer searches are compared below.)
+  cached = beam(model, params)
+  recomputed = beam(model, params, use_cache=False)
+  assert int(cached.calls) == int(recomputed.calls) > 1
+  np.testing.assert_array_equal(cached.tokens_BxO, recomputed.tokens_BxO)
+  np.testing.assert_allclose(cached.scores_B, recomputed.scores_B, rtol=1e-5)
 
 
 def test_cache_segments_double_from_sixteen_up_to_the_cache_length():
@@ -107,52 +121,56 @@ def test_cache_segments_double_from_sixteen_up_to_the_cache_length():
   assert decoding.cache_segments(7) == (7,)
 
 
-def test_a_long_search_grows_its_cache_and_shares_cross_attention_per_sentence(model, params):
-  """24 slots: steps 0-15 run on a 16-slot cache, the rest on 24 (cache_segments), and the
-  cross-attention K/V stay one row per sentence; every hypothesis must still match the
-  search that recomputes the whole prefix at each step."""
-  extra = 20
-  _, params_copy = decoding.unrolled(model, params)
-  cache, source_NxS = decoding._init_decoder_state(model, params_copy, SOURCE, 4, 16, True)
-  layer = cache["decoder"]["layer_0"]
-  chex.assert_shape(source_NxS, (12, 4))
+def test_prefill_keeps_cross_attention_per_sentence_and_repeats_the_rest(model, params):
+  """The prefill projects the cross-attention K/V once per sentence; repeating the rows
+  for 4 beams repeats the self-attention K/V and the source, not the cross K/V."""
+  _, params_copy = cache_lib.unrolled(model, params)
+  prompt = jnp.full((3, 1), BOS_ID, jnp.int32)
+  prefilled = cache_lib.prefill(model, params_copy, prompt, cache_len=16, source_BxS=SOURCE)
+  state = cache_lib.repeat_rows(prefilled.state, 4)
+  layer = state.cache["decoder"]["layer_0"]
+  chex.assert_shape(state.source_NxS, (12, 4))
   chex.assert_shape(layer["self_attention"]["key"], (12, 2, 8, 16))  # [N, H, K, C]
   chex.assert_shape(layer["cross_attention"]["cross_key"], (3, 2, 8, 4))  # [B, H, K, S]
+  grown = cache_lib.grow(state, 24)
+  chex.assert_shape(grown.cache["decoder"]["layer_1"]["self_attention"]["value"],
+                    (12, 2, 24, 8))  # [N, H, C, E]
 
-  kwargs = dict(beam_size=4, alpha=0.6, max_decode_extra_len=extra, early_stop=False)
-  cached = decoding.beam_search_state(model, params, SOURCE, use_cache=True, **kwargs)
-  recomputed = decoding.beam_search_state(model, params, SOURCE, use_cache=False, **kwargs)
-  assert int(cached.step) == int(recomputed.step) == 4 + extra  # past the first segment
-  chex.assert_shape(cached.decoder_state["decoder"]["layer_1"]["self_attention"]["value"],
-                    (12, 2, 4 + extra, 8))  # grown to the full length: [N, H, C, E]
-  np.testing.assert_array_equal(cached.live_seqs_BxKxC1, recomputed.live_seqs_BxKxC1)
-  np.testing.assert_array_equal(cached.finished_seqs_BxKxC1, recomputed.finished_seqs_BxKxC1)
-  np.testing.assert_allclose(cached.live_logprobs_BxK, recomputed.live_logprobs_BxK, rtol=1e-4)
-  np.testing.assert_allclose(cached.finished_scores_BxK, recomputed.finished_scores_BxK,
-                             rtol=1e-4)
+
+def test_a_long_search_grows_its_cache_as_the_recomputing_search():
+  """Outputs of up to 25 tokens: steps 0-15 run on a 16-slot cache, the rest on 25
+  (cache_segments); the outcome must still be the search that recomputes the whole
+  prefix at each step, for beam search and greedy decoding alike. The model is random
+  and far from uniform (test_model_speculative.make_model), so outputs are long."""
+  model, params = make_model(4)
+  extra = 20
+  for search in (decoding.BeamSearch(3, 0.6), decoding.Greedy()):
+    cached = translate(model, params, SPEC_SOURCE, search, extra=extra)
+    recomputed = translate(model, params, SPEC_SOURCE, search, extra=extra, use_cache=False)
+    assert max(len(strip(row)) for row in np.asarray(cached.tokens_BxO)) > 16
+    np.testing.assert_array_equal(cached.tokens_BxO, recomputed.tokens_BxO)
+    np.testing.assert_allclose(cached.scores_B, recomputed.scores_B, rtol=1e-4)
 
 
 def test_beam_scores_are_penalized_logprobs_of_the_hypotheses(model, params, sequence_logprobs):
-  kwargs = dict(beam_size=4, alpha=0.6, max_decode_extra_len=EXTRA, use_cache=True)
-  tokens, scores = decoding.beam_search(model, params, SOURCE, early_stop=True, **kwargs)
-  state = decoding.beam_search_state(model, params, SOURCE, early_stop=True, **kwargs)
-  np.testing.assert_array_equal(tokens, state.finished_seqs_BxKxC1[:, 0, 1:])
-  np.testing.assert_array_equal(scores, state.finished_scores_BxK[:, 0])
+  out = beam(model, params, alpha=0.6)
+  outputs = [strip(row) for row in np.asarray(out.tokens_BxO)]
   for b in range(SOURCE.shape[0]):
-    outputs = [strip(seq[1:]) for seq in np.asarray(state.finished_seqs_BxKxC1[b])]
-    assert max(len(o) for o in outputs) > 2
-    penalties = np.array([gnmt_penalty(len(o), 0.6) for o in outputs])
-    expected = sequence_logprobs(SOURCE[b:b + 1], outputs) / penalties
-    np.testing.assert_allclose(state.finished_scores_BxK[b], expected, rtol=1e-5)
+    expected = sequence_logprobs(SOURCE[b:b + 1], [outputs[b]]) / gnmt_penalty(
+        len(outputs[b]), 0.6)
+    np.testing.assert_allclose(out.scores_B[b], expected[0], rtol=1e-5)
+  # Greedy and sampling report log P itself.
+  out = translate(model, params, SOURCE, decoding.Greedy())
+  for b, row in enumerate(np.asarray(out.tokens_BxO)):
+    expected = sequence_logprobs(SOURCE[b:b + 1], [strip(row)])[0]
+    np.testing.assert_allclose(out.scores_B[b], expected, rtol=1e-5)
 
 
 def test_beam_size_one_is_greedy(model, params):
   # alpha = 0: with a length penalty a finished hypothesis can lose to a longer one that
   # greedy never looks at.
-  greedy = decoding.greedy_decode(model, params, SOURCE, max_decode_extra_len=EXTRA)
-  beam, _ = decoding.beam_search(model, params, SOURCE, beam_size=1, alpha=0.0,
-                                 max_decode_extra_len=EXTRA)
-  np.testing.assert_array_equal(beam, greedy)
+  np.testing.assert_array_equal(beam(model, params, beam_size=1, alpha=0.0).tokens_BxO,
+                                greedy(model, params))
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 3.0])
@@ -160,8 +178,8 @@ def test_wide_beam_finds_the_exhaustive_best(model, params, sequence_logprobs, a
   source = jnp.array([[4, 5, 1], [3, 1, 0]], jnp.int32)  # budgets of 4 and 3 tokens
   extra = 1
   # 128 beams hold every prefix (at most 3^3 live, 4 * 27 candidates) at every step.
-  tokens, scores = decoding.beam_search(model, params, source, beam_size=128, alpha=alpha,
-                                        max_decode_extra_len=extra)
+  out = beam(model, params, source, beam_size=128, alpha=alpha, extra=extra)
+  tokens, scores = out.tokens_BxO, out.scores_B
   for b, budget in enumerate([4, 3]):
     # Every output that ends with EOS within the budget, or fills it without EOS.
     outputs = [list(words) + [EOS_ID] for n in range(budget)
@@ -177,10 +195,8 @@ def test_wide_beam_finds_the_exhaustive_best(model, params, sequence_logprobs, a
 def test_output_stops_at_source_length_plus_extra_when_eos_never_comes(model, params):
   never_eos = constant_output_params(params, eos_logit=-30.0)
   budgets = np.sum(np.asarray(SOURCE) != PAD_ID, axis=1) + EXTRA
-  beam, _ = decoding.beam_search(model, never_eos, SOURCE, beam_size=4, alpha=0.6,
-                                 max_decode_extra_len=EXTRA)
-  greedy = decoding.greedy_decode(model, never_eos, SOURCE, max_decode_extra_len=EXTRA)
-  for tokens in (np.asarray(beam), np.asarray(greedy)):
+  for tokens in (np.asarray(beam(model, never_eos).tokens_BxO),
+                 np.asarray(greedy(model, never_eos))):
     assert not np.any(tokens == EOS_ID)
     np.testing.assert_array_equal(np.sum(tokens != PAD_ID, axis=1), budgets)
     assert np.all(tokens[np.arange(tokens.shape[1]) >= budgets[:, None]] == PAD_ID)
@@ -188,56 +204,47 @@ def test_output_stops_at_source_length_plus_extra_when_eos_never_comes(model, pa
 
 def test_early_stop_ends_the_search_without_changing_the_result(model, params):
   eos_first = constant_output_params(params, eos_logit=30.0)
-  # Called as beam_search calls it, so the compilation is shared with the other tests.
-  kwargs = dict(beam_size=4, alpha=0.6, max_decode_extra_len=EXTRA, use_cache=True)
-  early = decoding.beam_search_state(model, eos_first, SOURCE, early_stop=True, **kwargs)
-  full = decoding.beam_search_state(model, eos_first, SOURCE, early_stop=False, **kwargs)
+  early = beam(model, eos_first, early_stop=True)
+  full = beam(model, eos_first, early_stop=False)
   # Step 0 finishes [EOS]; step 1 fills the beam with [w, EOS] (about -30 / penalty(2)
   # = -26); no live beam, at about -60 for two tokens, can then reach more than
   # -60 / penalty(7) = -40 (7: the longest budget, the smallest bound).
-  assert int(early.step) == 2
-  assert int(full.step) == 4 + EXTRA
-  np.testing.assert_array_equal(early.finished_seqs_BxKxC1[:, 0, 1], EOS_ID)
-  np.testing.assert_array_equal(early.finished_seqs_BxKxC1[:, 0], full.finished_seqs_BxKxC1[:, 0])
+  assert int(early.calls) + 1 == 2
+  assert int(full.calls) + 1 == 4 + EXTRA
+  np.testing.assert_array_equal(early.tokens_BxO[:, 0], EOS_ID)
+  np.testing.assert_array_equal(early.tokens_BxO, full.tokens_BxO)
 
   # On the random model too, stopping early never changes the outcome, also when a
   # strong length penalty (alpha 3) lets long hypotheses overtake finished short ones.
   for alpha in (0.6, 3.0):
-    kwargs["alpha"] = alpha
-    early = decoding.beam_search_state(model, params, SOURCE, early_stop=True, **kwargs)
-    full = decoding.beam_search_state(model, params, SOURCE, early_stop=False, **kwargs)
-    np.testing.assert_array_equal(early.finished_seqs_BxKxC1[:, 0],
-                                  full.finished_seqs_BxKxC1[:, 0])
-    np.testing.assert_allclose(early.finished_scores_BxK[:, 0], full.finished_scores_BxK[:, 0],
-                               rtol=1e-6)
+    early = beam(model, params, alpha=alpha, early_stop=True)
+    full = beam(model, params, alpha=alpha, early_stop=False)
+    np.testing.assert_array_equal(early.tokens_BxO, full.tokens_BxO)
+    np.testing.assert_allclose(early.scores_B, full.scores_B, rtol=1e-6)
 
 
 def test_early_stop_bound_uses_the_penalty_at_the_maximum_length():
   # A live hypothesis at log P = -4 may grow to the sentence's maximum length of 10 and
   # then score -4 / penalty(10) = -2.31 (alpha 0.6) or better.
-  max_len_B = jnp.array([10, 10])
-  state = decoding.BeamState(
-      step=jnp.array(2), live_seqs_BxKxC1=None, live_logprobs_BxK=jnp.array([[-4.0], [-4.0]]),
-      finished_seqs_BxKxC1=None, finished_scores_BxK=jnp.array([[-1.5], [-2.5]]),
-      decoder_state=None)
+  state = beam_lib.BeamState(
+      step=jnp.array(2), live_seqs_BxWxO1=None, live_logprobs_BxW=jnp.array([[-4.0], [-4.0]]),
+      finished_seqs_BxWxO1=None, finished_scores_BxW=jnp.array([[-1.5], [-2.5]]),
+      budget_B=jnp.array([10, 10]))
   assert -4.0 / gnmt_penalty(10, 0.6) == pytest.approx(-2.31, abs=0.01)
-  np.testing.assert_array_equal(decoding._is_done(state, max_len_B, 0.6, early_stop=True),
-                                [True, False])
-  np.testing.assert_array_equal(decoding._is_done(state, max_len_B, 0.6, early_stop=False),
-                                [False, False])
+  np.testing.assert_array_equal(beam_lib.is_done(state, 0.6, early_stop=True), [True, False])
+  np.testing.assert_array_equal(beam_lib.is_done(state, 0.6, early_stop=False), [False, False])
 
 
 def test_sampling_with_top_k_one_or_tiny_top_p_is_greedy(model, params):
-  greedy = decoding.greedy_decode(model, params, SOURCE, max_decode_extra_len=EXTRA)
-  # All arguments spelled out, so the three calls share one compilation.
-  sample = lambda **kw: decoding.sample_decode(model, params, SOURCE, jax.random.PRNGKey(7),
-                                               max_decode_extra_len=EXTRA, use_cache=True,
-                                               temperature=5.0, **kw)
-  np.testing.assert_array_equal(sample(top_k=1, top_p=1.0), greedy)
-  np.testing.assert_array_equal(sample(top_k=0, top_p=1e-6), greedy)
+  expected = greedy(model, params)
+  sample = lambda **kw: translate(model, params, SOURCE,
+                                  decoding.Sampling(temperature=5.0, **kw),
+                                  rng=jax.random.PRNGKey(7)).tokens_BxO
+  np.testing.assert_array_equal(sample(top_k=1, top_p=1.0), expected)
+  np.testing.assert_array_equal(sample(top_k=0, top_p=1e-6), expected)
   # A hot unfiltered sampler does wander off the greedy path.
   hot = sample(top_k=0, top_p=1.0)
-  assert not np.array_equal(hot, greedy)
+  assert not np.array_equal(hot, expected)
 
 
 def test_filter_logits_keeps_the_top_k_and_the_nucleus():
@@ -255,26 +262,22 @@ def test_scanned_layers_decode_as_the_looped_model(model, params):
   with the same tokens and scores as the looped model."""
   scanned = Transformer(dataclasses.replace(model.config, scan_layers=True))
   stacked = stack_layer_params(params, model.config.num_layers)
-  unrolled_model, unrolled_params = decoding.unrolled(scanned, stacked)
+  unrolled_model, unrolled_params = cache_lib.unrolled(scanned, stacked)
   assert not unrolled_model.config.scan_layers
   chex.assert_trees_all_equal(unrolled_params, params)  # exactly the looped weights
-  kwargs = dict(beam_size=3, alpha=0.6, max_decode_extra_len=EXTRA)
-  looped_tokens, looped_scores = decoding.beam_search(model, params, SOURCE, **kwargs)
-  scanned_tokens, scanned_scores = decoding.beam_search(scanned, stacked, SOURCE, **kwargs)
-  np.testing.assert_array_equal(scanned_tokens, looped_tokens)
-  np.testing.assert_allclose(scanned_scores, looped_scores, rtol=1e-5, atol=1e-5)
-  greedy = decoding.greedy_decode(scanned, stacked, SOURCE, max_decode_extra_len=EXTRA)
-  np.testing.assert_array_equal(
-      greedy, decoding.greedy_decode(model, params, SOURCE, max_decode_extra_len=EXTRA))
+  looped = beam(model, params, beam_size=3)
+  scanned_out = beam(scanned, stacked, beam_size=3)
+  np.testing.assert_array_equal(scanned_out.tokens_BxO, looped.tokens_BxO)
+  np.testing.assert_allclose(scanned_out.scores_B, looped.scores_B, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(greedy(scanned, stacked), greedy(model, params))
 
 
 def test_dot_product_attention_kernel_decodes_as_einsum(model, params):
   fused = Transformer(dataclasses.replace(model.config, attention_kernel="xla"))
-  kwargs = dict(beam_size=3, alpha=0.6, max_decode_extra_len=EXTRA)
-  tokens, scores = decoding.beam_search(model, params, SOURCE, **kwargs)
-  fused_tokens, fused_scores = decoding.beam_search(fused, params, SOURCE, **kwargs)
-  np.testing.assert_array_equal(fused_tokens, tokens)
-  np.testing.assert_allclose(fused_scores, scores, rtol=1e-5, atol=1e-5)
+  looped = beam(model, params, beam_size=3)
+  fused_out = beam(fused, params, beam_size=3)
+  np.testing.assert_array_equal(fused_out.tokens_BxO, looped.tokens_BxO)
+  np.testing.assert_allclose(fused_out.scores_B, looped.scores_B, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [37_000, 1_000, 997, 40])
@@ -285,7 +288,7 @@ def test_chunked_top_k_is_lax_top_k(vocab):
   x[1, ::7] = 5.0  # ties spread over many chunks
   x[2, -10:] = 9.0  # the best ones all in the last chunk
   for k in (1, 8, 10):
-    values, indices = decoding.top_k(jnp.asarray(x), k)
+    values, indices = beam_lib.top_k(jnp.asarray(x), k)
     want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(indices, want_indices)
@@ -295,7 +298,7 @@ def test_best_tokens_are_the_top_of_the_log_softmax_without_pad_and_bos():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(5, 3_000)).astype(np.float32)
   logits[:, PAD_ID] = logits[:, BOS_ID] = 50.0  # the most likely, and never generated
-  logprobs, tokens = decoding.best_tokens(jnp.asarray(logits), 8)
+  logprobs, tokens = beam_lib.best_tokens(jnp.asarray(logits), 8)
   reference = np.array(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
   reference[:, [PAD_ID, BOS_ID]] = -np.inf
   want_tokens = np.argsort(-reference, axis=1, kind="stable")[:, :8]

@@ -1,4 +1,5 @@
-"""transformer/model/speculative.py and the multi-token, per-row cache it decodes with.
+"""transformer/model/decoding/speculative.py and the multi-token, per-row cache it
+decodes with.
 
 Speculative decoding must reproduce the target's own decoding exactly, whatever the
 draft: greedy token for token, sampling in distribution (checked statistically, against
@@ -16,7 +17,8 @@ import pytest
 
 from tests.model_helpers import random_params, tiny_config
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
-from transformer.model import Transformer, decoding, speculative, stack_layer_params
+from transformer.model import Transformer, decoding, stack_layer_params
+from transformer.model.decoding import cache as cache_lib
 
 # Sentences of 3, 1, 5 and 2 tokens (with EOS): budgets of 7, 5, 9 and 6 output tokens.
 SOURCE = jnp.array([[4, 5, 1, 0, 0], [1, 0, 0, 0, 0], [5, 3, 4, 6, 1], [7, 1, 0, 0, 0]],
@@ -45,6 +47,13 @@ def make_model(seed, *, scan_layers=False, decoder_only=False, num_layers=2, d_m
   return Transformer(cfg), params
 
 
+def translate(model, params, search, draft_params=None, source=SOURCE, extra=EXTRA,
+              rng=None):
+  """decoding.decode of `search` translating `source`: the Generation."""
+  prompts = decoding.translation_prompts(source, extra, model.config.decoder_only)
+  return decoding.decode(model, params, prompts, search, rng, draft_params)
+
+
 def strip(tokens):
   """Token list up to and including the first EOS (or all of it)."""
   tokens = [int(t) for t in tokens if t != PAD_ID]
@@ -58,7 +67,7 @@ def strip(tokens):
 @functools.partial(jax.jit, static_argnums=0)
 def _apply_cached(model, params, cache, source, tokens, position=None):
   if position is not None:
-    cache = speculative.set_positions(cache, position)
+    cache = cache_lib.set_positions(cache_lib.DecoderState(cache, source), position).cache
   logits, variables = model.apply({"params": params, "cache": cache}, None, source, tokens,
                                   use_cache=True, mutable=["cache"], method="decode")
   return logits, variables["cache"]
@@ -144,20 +153,18 @@ def test_speculative_greedy_equals_greedy(scan_layers, draft_len, draft_seed, po
     draft, draft_params = target, target_params
   else:
     draft, draft_params = make_model(draft_seed, num_layers=1, scan_layers=scan_layers)
-  greedy = decoding.greedy_decode(target, target_params, SOURCE, max_decode_extra_len=EXTRA)
-  out = speculative.speculative_greedy_decode(target, target_params, draft, draft_params,
-                                              SOURCE, draft_len=draft_len,
-                                              max_decode_extra_len=EXTRA)
-  np.testing.assert_array_equal(out.tokens_BxC, greedy)
+  greedy = translate(target, target_params, decoding.Greedy()).tokens_BxO
+  out = translate(target, target_params, decoding.Speculative(draft, draft_len), draft_params)
+  np.testing.assert_array_equal(out.tokens_BxO, greedy)
   lengths = [len(strip(row)) for row in np.asarray(greedy)]
   assert len(set(lengths)) > 2  # rows end at different points: EOS or their budgets
   generated = sum(lengths)
   # The prefill yields each row's first token; every round then yields 1 .. k + 1 for
   # each row still going, and the batch runs until its longest row is done.
-  rounds = int(out.target_calls)
+  rounds = int(out.calls)
   assert -(-(max(lengths) - 1) // (draft_len + 1)) <= rounds <= max(lengths) - 1
   row_rounds = int(out.row_calls)
-  assert float(out.tokens_per_target_call) == pytest.approx(generated / row_rounds)
+  assert float(out.tokens_per_call) == pytest.approx(generated / row_rounds)
   if draft_seed is None:
     assert float(out.acceptance_rate) == 1.0
     # Each row needs ceil((its tokens - 1) / (k + 1)) rounds; the batch, the slowest row's.
@@ -175,13 +182,35 @@ def test_speculative_greedy_when_no_row_ever_ends_with_eos():
   # Logits are y W[:, v]: EOS's becomes 0, and one of tokens 3 and 4 always beats it.
   never_eos["decoder"]["output_projection"]["kernel"] = kernel_DxV.at[:, EOS_ID].set(
       0.0).at[:, 4].set(-kernel_DxV[:, 3])
-  greedy = decoding.greedy_decode(target, never_eos, SOURCE, max_decode_extra_len=EXTRA)
+  greedy = translate(target, never_eos, decoding.Greedy()).tokens_BxO
   budgets = np.sum(np.asarray(SOURCE) != PAD_ID, axis=1) + EXTRA
-  out = speculative.speculative_greedy_decode(target, never_eos, target, never_eos, SOURCE,
-                                              draft_len=3, max_decode_extra_len=EXTRA)
-  np.testing.assert_array_equal(out.tokens_BxC, greedy)
+  out = translate(target, never_eos, decoding.Speculative(target, 3), never_eos)
+  np.testing.assert_array_equal(out.tokens_BxO, greedy)
   assert not np.any(np.asarray(greedy) == EOS_ID)
   np.testing.assert_array_equal(np.sum(np.asarray(greedy) != PAD_ID, axis=1), budgets)
+
+
+class _ReadsTargetEncoding(Transformer):
+  """A draft without an encoder of its own: its decoder reads the target's encoding."""
+  reads_target_encoding = True
+
+
+def test_a_draft_reading_the_targets_encoding_is_just_another_draft():
+  """The target's own decoder as such a draft, with no encoder parameters at all: the
+  draft must be fed the target's encoder output (encoding for itself would fail), and
+  then it agrees with every token."""
+  target, target_params = make_model(2)
+  draft = _ReadsTargetEncoding(target.config)
+  assert decoding.reads_target_encoding(draft) and not decoding.reads_target_encoding(target)
+  draft_params = {k: v for k, v in target_params.items() if k != "encoder"}
+  greedy = translate(target, target_params, decoding.Greedy()).tokens_BxO
+  out = translate(target, target_params, decoding.Speculative(draft, 3), draft_params)
+  np.testing.assert_array_equal(out.tokens_BxO, greedy)
+  assert float(out.acceptance_rate) == 1.0
+  with pytest.raises(ValueError, match="d_model"):
+    other, other_params = make_model(9, d_model=16)
+    translate(target, target_params,
+              decoding.Speculative(_ReadsTargetEncoding(other.config), 3), other_params)
 
 
 # ----------------------------------------------------------------------------------
@@ -210,16 +239,15 @@ def _naive_prompt_greedy(model, params, prompt, max_new_tokens):
 def test_decoder_only_prompt_greedy_and_speculative_greedy():
   target, target_params = make_model(2, decoder_only=True)
   draft, draft_params = make_model(9, decoder_only=True, num_layers=1)
-  prompt = speculative.translation_prompt(SOURCE)
-  new_tokens = 8
-  plain = speculative.prompt_greedy_decode(target, target_params, prompt,
-                                           max_new_tokens=new_tokens)
-  np.testing.assert_array_equal(plain, _naive_prompt_greedy(target, target_params, prompt,
-                                                            new_tokens))
+  prompts = decoding.continuation_prompts(
+      decoding.translation_prompts(SOURCE, EXTRA, True).prompt_BxP, max_new_tokens=8)
+  plain = decoding.decode(target, target_params, prompts, decoding.Greedy()).tokens_BxO
+  np.testing.assert_array_equal(plain, _naive_prompt_greedy(
+      target, target_params, prompts.prompt_BxP, prompts.out_len))
   assert len({len(strip(row)) for row in np.asarray(plain)}) > 1
-  out = speculative.speculative_greedy_decode(target, target_params, draft, draft_params,
-                                              prompt, draft_len=2, max_new_tokens=new_tokens)
-  np.testing.assert_array_equal(out.tokens_BxC, plain)
+  out = decoding.decode(target, target_params, prompts, decoding.Speculative(draft, 2),
+                        draft_params=draft_params)
+  np.testing.assert_array_equal(out.tokens_BxO, plain)
   assert 0.0 < float(out.acceptance_rate) < 1.0
 
 
@@ -243,7 +271,7 @@ def _outputs_and_token_logprobs(model, params, source_1xS, budget):
   decoder_input = np.concatenate([np.full((len(outputs), 1), BOS_ID), targets[:, :-1]], axis=1)
   logits = _forward(model, params, jnp.repeat(source_1xS, len(outputs), axis=0),
                     jnp.asarray(decoder_input))
-  logprobs = speculative._filtered_logprobs(logits, **FILTER)
+  logprobs = decoding.Sampling(**FILTER).filtered_logprobs(logits)
   token_logprobs = np.asarray(jnp.take_along_axis(logprobs, targets[..., None], -1)[..., 0])
   return outputs, np.where(targets != PAD_ID, token_logprobs, 0.0)
 
@@ -273,14 +301,14 @@ def test_speculative_sampling_has_the_targets_distribution():
   exact = _distribution(outputs, target_logprobs)
   assert sum(exact.values()) == pytest.approx(1.0, abs=1e-4)
   source = jnp.repeat(source_1xS, SAMPLES, axis=0)
-  out = speculative.speculative_sample_decode(
-      target, target_params, draft, draft_params, source, jax.random.key(0), draft_len=2,
-      max_decode_extra_len=extra, **FILTER)
+  out = translate(target, target_params,
+                  decoding.Speculative(draft, 2, decoding.Sampling(**FILTER)), draft_params,
+                  source=source, extra=extra, rng=jax.random.key(0))
   assert 0.05 < float(out.acceptance_rate) < 0.95  # both branches of the rule are exercised
   # Sampling error alone gives TV ~ 0.011 here (57 possible outputs, 10^4 samples);
   # its spread is a few thousandths, so 0.03 never flakes.
   bound = 0.03
-  assert _total_variation(_empirical(out.tokens_BxC), exact) < bound
+  assert _total_variation(_empirical(out.tokens_BxO), exact) < bound
   # Power: accepting every proposal would take the first token from the target (the
   # prefill) and the next two from the draft; that distribution is far off.
   _, draft_logprobs = _outputs_and_token_logprobs(draft, draft_params, source_1xS, 3)

@@ -116,3 +116,59 @@ def test_the_checker_sees_an_upward_import(tmp_path):
   assert _imported_layers(str(module)) == {"evaluation", "model"}
   assert "evaluation" not in ALLOWED["training"]
   assert set(FOLDERS) <= set(ALLOWED)
+
+
+def _private_names_used_across_modules(path: str) -> list[str]:
+  """`from transformer.x import _name`, or `module._name` on a module of the package
+  imported as `module`: another module's private names."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  found, module_aliases = [], set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformer"):
+      found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+      module_aliases |= {a.asname or a.name for a in node.names}
+    elif isinstance(node, ast.Import):
+      module_aliases |= {a.asname for a in node.names
+                         if a.asname and a.name.startswith("transformer")}
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in module_aliases and node.attr.startswith("_")
+        and not node.attr.startswith("__")):
+      found.append(f"{node.value.id}.{node.attr}")
+  return found
+
+
+def test_no_module_uses_another_modules_private_names(tmp_path):
+  used = {os.path.relpath(os.path.join(root, name), PACKAGE): names
+          for root, _, files in os.walk(PACKAGE) for name in files if name.endswith(".py")
+          for names in [_private_names_used_across_modules(os.path.join(root, name))] if names}
+  assert not used, used
+  module = tmp_path / "speculative.py"  # the checker sees both forms
+  module.write_text("from transformer.model.decoding import _cached_call\n"
+                    "from transformer.model.decoding import cache\ncache._slot_axis(1)\n")
+  assert _private_names_used_across_modules(str(module)) == [
+      "transformer.model.decoding._cached_call", "cache._slot_axis"]
+
+
+def _function_lengths(path: str) -> dict[str, int]:
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_functions_read_in_one_screen():
+  """No function over 100 lines anywhere in the package; none over 60 in generation
+  (decoding and evaluation), which new searches and model kinds extend."""
+  too_long = []
+  for root, _, files in os.walk(PACKAGE):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(root, name)
+        relative = os.path.relpath(path, PACKAGE)
+        limit = 60 if relative.startswith((os.path.join("model", "decoding"),
+                                           "evaluation")) else 100
+        too_long += [f"{relative}:{function} ({lines} lines)"
+                     for function, lines in _function_lengths(path).items() if lines > limit]
+  assert not too_long, too_long

@@ -32,23 +32,24 @@ def _source():
 
 @pytest.fixture
 def searched_steps(monkeypatch):
-  """The keyword arguments of each compiled search and the step its final state reached."""
-  real = decoding.beam_search_state
+  """The search, the budget and the use_cache of each compiled search, and the steps
+  it ran (its passes after the prefill, plus the prefill's)."""
+  real = decoding.decode
   seen = []
 
   class Recording:
-    def lower(self, model, params, source, **kwargs):
-      compiled = real.lower(model, params, source, **kwargs).compile()
+    def lower(self, model, params, prompts, search, **kwargs):
+      compiled = real.lower(model, params, prompts, search, **kwargs).compile()
 
       class Lowered:
         def compile(self):
-          def run(*args, **run_kwargs):
-            state = compiled(*args, **run_kwargs)
-            seen.append((kwargs, int(state.step)))
-            return state
+          def run(*args):
+            out = compiled(*args)
+            seen.append(((search, prompts.out_len, kwargs), int(out.calls) + 1))
+            return out
           return run
       return Lowered()
-  monkeypatch.setattr(decoding, "beam_search_state", Recording())
+  monkeypatch.setattr(decoding, "decode", Recording())
   return seen
 
 
@@ -69,8 +70,8 @@ def test_rates_agree_with_the_run_time(model_and_params, searched_steps, use_cac
   # One untimed run, then the timed one.
   [(kwargs, step), timed] = searched_steps
   assert timed == (kwargs, step) and step == STEPS
-  assert kwargs == dict(beam_size=BEAM, alpha=0.6, max_decode_extra_len=STEPS - SOURCE_LEN,
-                        use_cache=use_cache, early_stop=False)
+  assert kwargs == (decoding.BeamSearch(BEAM, alpha=0.6, early_stop=False), STEPS,
+                    dict(use_cache=use_cache))
 
 
 def test_a_search_that_ends_early_is_not_timed_as_a_full_one(model_and_params):

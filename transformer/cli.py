@@ -1,4 +1,5 @@
-"""Shared entry-point plumbing for train.py, eval.py and the package's commands.
+"""Shared entry-point plumbing for train.py, eval.py, generate.py and the package's
+commands.
 
 `run(main)` is absl's `app.run` with three additions:
   - a bad `--config.KEY=VALUE` override is reported in one line naming it;
@@ -19,7 +20,8 @@ UsageError = app.UsageError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_DIR = os.path.dirname(_PACKAGE_DIR)
-_ENTRY_POINTS = tuple(os.path.join(_REPO_DIR, name) for name in ("train.py", "eval.py"))
+_ENTRY_POINTS = tuple(os.path.join(_REPO_DIR, name)
+                      for name in ("train.py", "eval.py", "generate.py"))
 
 
 def is_project_file(path: str) -> bool:

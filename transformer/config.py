@@ -353,6 +353,53 @@ def _check_loop_and_decoding(config: ml_collections.ConfigDict) -> None:
          f"must be positive (seconds), got {config.storage_timeout_s}")
   _check(config.beam_size >= 1, "beam_size", "must be at least 1")
   _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")
+  _check_position_table(config)
+
+
+def position_table_size(config: ml_collections.ConfigDict) -> int:
+  """Rows of the learned position table (model.positional='learned'): one per position a
+  run may look up. jnp.take returns NaN for a row past the table, and the NaN spreads
+  through attention to the whole sequence.
+
+  A training or evaluation row holds max_len tokens, or for a decoder-only model source
+  + target (2 max_len), padded up to a multiple of 8. Generation feeds BOS, the prompt
+  (decoder-only: the source, up to max_len) and all but the last of up to max_len +
+  max_decode_extra_len outputs; one row of slack on top.
+  """
+  sides = 2 if config.model.decoder_only else 1
+  longest_row = -(-sides * config.max_len // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
+  longest_generation = sides * config.max_len + config.max_decode_extra_len + 1
+  return max(longest_row, longest_generation)
+
+
+# Training and evaluation rows are padded to a multiple of this (data/batching.py).
+ROW_LENGTH_MULTIPLE = 8
+
+
+def positions_used(config: ml_collections.ConfigDict) -> dict[str, int]:
+  """How many positions each reader of the table needs: training rows (length buckets
+  up to the longest row rounded up, or packed rows of exactly the longest row),
+  evaluation rows (at most the longest row), and generation (BOS, a decoder-only
+  model's source, and all but the last output). tests/test_decoder_only_options.py
+  holds these to the data pipeline's own sizes."""
+  sides = 2 if config.model.decoder_only else 1
+  row = sides * config.max_len
+  training = row
+  if config.batching != "packed":
+    training = -(-row // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
+  prompt = 1 + (config.max_len if config.model.decoder_only else 0)
+  return {"training rows": training, "evaluation rows": row,
+          "generation": prompt + config.max_len + config.max_decode_extra_len - 1}
+
+
+def _check_position_table(config: ml_collections.ConfigDict) -> None:
+  """No lookup in the learned position table can fall off its end."""
+  if config.model.positional != "learned":
+    return
+  table = position_table_size(config)
+  for reader, needed in positions_used(config).items():
+    _check(needed <= table, "model.positional",
+           f"the learned position table has {table} rows but {reader} need {needed}")
 
 
 def _check_mesh(config: ml_collections.ConfigDict, flat: dict) -> None:

@@ -1,7 +1,9 @@
-"""Evaluating a trained run: translation, the paper's metrics, attention maps.
+"""Using a trained run: scoring (eval.py), generation for people (generate.py), metrics.
 
-  translate.py       Translator (restore + vocabulary + beam search), beam_translate
-  score.py           evaluate_split: a whole split once, in order; BLEU, chrF, perplexity
+  translate.py       Translator (restore + vocabulary + a search), SearchSettings,
+                     run_search (one batch through any search), translate_lines
+  score.py           evaluate_split / evaluate_files: every sentence once, in order;
+                     BLEU, chrF, perplexity
   bleu.py            sacreBLEU, the paper's tokenized BLEU, chrF
   attention_maps.py  heatmaps of every head for one sentence
   validation.py      training's periodic validation: loss, perplexity and BLEU

@@ -47,14 +47,11 @@ class Tokenizer(Protocol):
 def translate(model, params, source_ids: Sequence[int], *, beam_size: int, alpha: float,
               max_decode_extra_len: int) -> list[int]:
   """One sentence -> its translation's ids, EOS included when the model produced one."""
-  source_1xS = jnp.asarray([source_ids], jnp.int32)
-  if beam_size > 1:
-    tokens_1xC, _ = decoding.beam_search(model, params, source_1xS, beam_size=beam_size,
-                                         alpha=alpha, max_decode_extra_len=max_decode_extra_len)
-  else:
-    tokens_1xC = decoding.greedy_decode(model, params, source_1xS,
-                                        max_decode_extra_len=max_decode_extra_len)
-  output = [int(t) for t in np.asarray(tokens_1xC)[0] if t != PAD_ID]
+  prompts = decoding.translation_prompts(jnp.asarray([source_ids], jnp.int32),
+                                         max_decode_extra_len, model.config.decoder_only)
+  search = decoding.BeamSearch(beam_size, alpha) if beam_size > 1 else decoding.Greedy()
+  tokens_1xO = decoding.decode(model, params, prompts, search).tokens_BxO
+  output = [int(t) for t in np.asarray(tokens_1xO)[0] if t != PAD_ID]
   return output[:output.index(EOS_ID) + 1] if EOS_ID in output else output
 
 

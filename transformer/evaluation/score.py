@@ -2,10 +2,11 @@
 
 `evaluate_split` writes WORKDIR/eval/<split>-<step>[-avg<k>][-<search>][-spec].{src,ref,
 hyp}.txt (one sentence per line, in the split's order) and .json (the scores), and
-returns the scores. The search is the translator's (translate.Search): beam search by
-default, whose files carry no search suffix; greedy and sample runs add theirs, and
-speculative ones (a draft model) '-spec' too, so that no run overwrites another's files.
-Both kinds of model are scored the same way.
+returns the scores. The search is the translator's (translate.SearchSettings): beam
+search by default, whose files carry no search suffix; greedy and sample runs add
+theirs, and speculative ones (a draft model) '-spec' too, so that no run overwrites
+another's files. `evaluate_files` scores a source file against its references the same
+way, named after the source file. Both kinds of model are scored the same way.
 """
 
 from __future__ import annotations
@@ -19,18 +20,49 @@ import jax
 from transformer import config as config_lib
 from transformer import data
 from transformer import storage
+from transformer.data import sources
 from transformer.evaluation import bleu
 from transformer.evaluation.translate import SearchStats, Translator
 from transformer.training import metrics, steps
 
 
-def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
-  """Translates `split` once, in order; writes hypotheses and scores; returns scores."""
+class _FilePairs(sources.TsvSource):
+  """A source file and its references as the one split "files" of a pair source (the
+  TSV source's reading of a split, without its files)."""
+
+  def __init__(self, source_path: str, reference_path: str):
+    source_lines = storage.read_text(source_path).splitlines()
+    references = storage.read_text(reference_path).splitlines()
+    if len(source_lines) != len(references):
+      raise config_lib.ConfigError(
+          f"reference_file: {reference_path} has {len(references)} lines, "
+          f"{source_path} has {len(source_lines)}")
+    self.name = f"files:{source_path}"
+    self._pairs = {"files": list(zip(source_lines, references))}
+
+
+def evaluate_files(translator: Translator, source_path: str,
+                   reference_path: str) -> dict[str, Any]:
+  """`evaluate_split` on a source file (one sentence per line) and its references, line
+  for line; the outputs are named after the source file."""
+  pairs = _FilePairs(source_path, reference_path)
+  name = storage.as_path(source_path).name.removesuffix(".txt")
+  return evaluate_split(translator, "files", pairs=pairs, name=name)
+
+
+def evaluate_split(translator: Translator, split: str, *, pairs=None,
+                   name: str | None = None) -> dict[str, Any]:
+  """Translates `split` once, in order; writes hypotheses and scores; returns scores.
+
+  pairs: the pair source to read the split from (default the config's dataset); name:
+  the output files' first part (default the split).
+  """
   config = translator.config
-  texts = data.load_raw_pairs(config, split)  # [(source, reference)] in the split's order
+  # [(source, reference)] in the split's order.
+  texts = data.load_raw_pairs(config, split, source=pairs)
   translator.stats = SearchStats()  # the JSON's speculative stats cover this split only
   started = time.time()  # sentences/s counts tokenizing and batching too
-  batches = data.make_eval_batches(config, translator.tokenizer, split)
+  batches = data.make_eval_batches(config, translator.tokenizer, split, source=pairs)
   hypotheses, generated_tokens = _translate_batches(translator, batches, len(texts), split)
   elapsed = time.time() - started
 
@@ -43,7 +75,7 @@ def evaluate_split(translator: Translator, split: str) -> dict[str, Any]:
   loss = metrics.evaluate_loss(steps.jit_eval_step(translator.setup), translator.params,
                                batches, translator.mesh, translator.rules)
   results["ppl"], results["ce"] = loss["ppl"], loss["ce"]
-  json_path = _output_stem(translator, split) + ".json"
+  json_path = _output_stem(translator, name or split) + ".json"
   if jax.process_index() == 0:  # the files are the same on every process: one writer
     _write_outputs(json_path, [s for s, _ in texts], references, hypotheses, results)
   results["path"] = json_path
@@ -83,7 +115,7 @@ def _translation_scores(hypotheses: list[str], references: list[str], config) ->
 def _search_settings(translator: Translator) -> dict[str, Any]:
   """The JSON's record of how the hypotheses were generated (and, speculative, of what
   the draft saved over the whole split: see translate.SearchStats)."""
-  config, search = translator.config, translator.search
+  config, search = translator.config, translator.settings
   settings: dict[str, Any] = {"search": search.kind, "decoder_only":
                               bool(config.model.decoder_only)}
   if search.kind == "beam":
@@ -100,7 +132,8 @@ def _output_stem(translator: Translator, split: str) -> str:
   """WORKDIR/eval/<split>-<step>[-avg<k>][-greedy|-sample][-spec]: beam search (the
   paper's protocol) keeps the plain name."""
   averaged = f"-avg{translator.average_last}" if translator.average_last > 1 else ""
-  search = "" if translator.search.kind == "beam" else f"-{translator.search.kind}"
+  kind = translator.settings.kind
+  search = "" if kind == "beam" else f"-{kind}"
   speculative = "-spec" if translator.draft is not None else ""
   return storage.join(translator.workdir, "eval",
                       f"{split}-{translator.step}{averaged}{search}{speculative}")

@@ -1,14 +1,16 @@
-"""Translation with a trained run: restored parameters, a search, detokenized text.
+"""Generation with a trained run: restored parameters, a search, detokenized text.
 
 `Translator` loads a workdir's (optionally averaged) parameters and vocabulary onto the
-config's mesh, and optionally a second run as the draft model of speculative decoding;
-`translate_lines` turns raw sentences into translations, in order. `Search` says how:
-beam search (the paper's protocol, the default), greedy decoding or sampling.
+config's mesh, and optionally a second run as the draft model of speculative decoding.
+`SearchSettings` says how to generate (beam search, the paper's protocol and the
+default; greedy; sampling; any but beam with a draft) and builds the decoding search
+(transformer/model/decoding). `run_search` is the one place a batch meets a search:
+its rows are spread over the mesh, sampling gets its key, and the outputs and the
+draft's statistics come back to every process in the batch's row order.
 
-Both kinds of model translate. The encoder-decoder reads the source; a decoder-only
-model, trained on source + EOS + target + EOS (data/pipeline.py `make_example`),
-continues the prompt BOS + source + EOS, and its output is the continuation up to its
-EOS. Either way a sentence may produce (its source length) + max_decode_extra_len tokens.
+Both kinds of model translate alike: decoding.translation_prompts (an encoder-decoder
+reads the source and continues BOS, a decoder-only model continues BOS + source), each
+sentence producing at most its source length + max_decode_extra_len tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from transformer import config as config_lib
 from transformer import data
 from transformer import storage
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.model import decoding, speculative
+from transformer.model import decoding
 from transformer.training import checkpoints, sharding
 from transformer.training import state as state_lib
 
@@ -33,10 +35,10 @@ SEARCH_KINDS = ("beam", "greedy", "sample")
 
 
 @dataclasses.dataclass(frozen=True)
-class Search:
-  """How hypotheses are generated: beam search (config's beam size and alpha), greedy
-  decoding, or sampling from the filtered distribution (decoding.filter_logits).
-  draft_len is the tokens a draft model proposes per target pass, when there is one."""
+class SearchSettings:
+  """How hypotheses are generated: beam search (the config's beam size and alpha),
+  greedy decoding, or sampling from the filtered distribution (decoding.filter_logits);
+  with a draft model, draft_len tokens are proposed per target pass."""
   kind: str = "beam"
   temperature: float = 1.0
   top_k: int = 0
@@ -44,7 +46,7 @@ class Search:
   seed: int = 0
   draft_len: int = 4
 
-  def check(self) -> None:
+  def check(self, with_draft: bool = False) -> None:
     """One-line ConfigError for values no search can use."""
     if self.kind not in SEARCH_KINDS:
       raise config_lib.ConfigError(f"search: {self.kind!r} is not one of {SEARCH_KINDS}")
@@ -56,13 +58,27 @@ class Search:
       raise config_lib.ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
     if self.draft_len < 1:
       raise config_lib.ConfigError(f"draft_len: must be >= 1, got {self.draft_len}")
+    if with_draft and self.kind == "beam":
+      raise config_lib.ConfigError("draft_workdir: speculative decoding is offered for "
+                                   "greedy and sampling (--search=greedy|sample), not beam")
+
+  def build(self, config: ml_collections.ConfigDict,
+            draft_model: Any = None) -> decoding.Search:
+    """The decoding search these settings describe."""
+    if self.kind == "beam":
+      return decoding.BeamSearch(config.beam_size, config.length_penalty_alpha)
+    search = (decoding.Greedy() if self.kind == "greedy" else
+              decoding.Sampling(self.temperature, self.top_k, self.top_p))
+    if draft_model is None:
+      return search
+    return decoding.Speculative(draft_model, self.draft_len, search)
 
   @property
   def sampling(self) -> dict:
     return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
-BEAM = Search()
+BEAM = SearchSettings()
 
 
 class Draft(NamedTuple):
@@ -74,7 +90,7 @@ class Draft(NamedTuple):
 
 class SearchStats(NamedTuple):
   """What speculative decoding saved over some batches (fill rows included): see
-  speculative.SpeculativeOutput."""
+  decoding.Generation."""
   target_calls: int = 0
   proposed: int = 0
   accepted: int = 0
@@ -102,128 +118,60 @@ def check_draft_vocabulary(workdir: str, draft_workdir: str) -> None:
                                  "the draft must share the target's vocabulary")
 
 
-def _budgets(source_BxS: np.ndarray, config: ml_collections.ConfigDict) -> np.ndarray:
-  """Each sentence's most generated tokens: its source length + max_decode_extra_len."""
-  return (np.sum(source_BxS != config_lib.PAD_ID, axis=1) + config.max_decode_extra_len
-          ).astype(np.int32)
+def run_search(model, params, mesh, rules, prompts: decoding.Prompts,
+               search: decoding.Search, *, seed: int = 0, batch_number: int = 0,
+               draft_params: Any = None) -> tuple[np.ndarray, SearchStats]:
+  """`search` on one batch every process holds whole -> (tokens [B, O], stats).
 
-
-def generate_batch(model, params, config: ml_collections.ConfigDict, mesh, rules,
-                   source_BxS: np.ndarray, search: Search = BEAM,
-                   draft: Optional[Draft] = None, batch_number: int = 0
-                   ) -> tuple[np.ndarray, SearchStats]:
-  """`search` on padded source ids (each ending in EOS) -> (tokens [B, C], stats).
-
-  C = S + max_decode_extra_len for both kinds of model; row r's tokens are the output
-  for source row r, EOS included, PAD after it and beyond the row's budget. With a
-  draft (greedy or sample only) the search is speculative and the stats count what it
-  saved; otherwise they are zero. Sampling draws from seed and batch_number.
-
-  Every process passes the same whole batch and gets every row's output back, row r for
-  row r: each device searches only its own rows, and the gather follows the global
-  array's indices, not an assumed order of processes over the mesh.
+  Each device searches only its own rows, and the gather follows the global array's
+  indices, not an assumed order of processes over the mesh: row r of the output is row
+  r of the prompts on every process. Sampling draws from seed and batch_number.
   """
-  decoder_only = bool(config.model.decoder_only)
-  extra = config.max_decode_extra_len
-  out_len = source_BxS.shape[1] + extra
-  inputs_BxS = source_BxS
-  if decoder_only:  # the prompt: BOS + source (+ EOS), right-padded
-    inputs_BxS = np.concatenate(
-        [np.full((source_BxS.shape[0], 1), config_lib.BOS_ID, np.int32),
-         np.asarray(source_BxS, np.int32)], axis=1)
-  inputs = sharding.global_batch_from_whole({"source": inputs_BxS}, mesh, rules)["source"]
-  rng = None
-  if search.kind == "sample":  # the same key on every device and process
-    key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(search.seed), batch_number))
-    rng = jax.make_array_from_callback(key.shape, sharding.replicated(mesh),
-                                       lambda index: key[index])
-  lengths = dict(max_new_tokens=out_len) if decoder_only else dict(max_decode_extra_len=extra)
-  spec = None
+  arrays = {"prompt_BxP": prompts.prompt_BxP, "budget_B": prompts.budget_B}
+  if prompts.source_BxS is not None:
+    arrays["source_BxS"] = prompts.source_BxS
+  arrays = sharding.global_batch_from_whole(
+      {k: np.asarray(v, np.int32) for k, v in arrays.items()}, mesh, rules)
+  prompts = decoding.Prompts(**arrays, out_len=prompts.out_len)
+  key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), batch_number))
+  rng = jax.make_array_from_callback(key.shape, sharding.replicated(mesh),
+                                     lambda index: key[index])  # the same everywhere
   with sharding.activation_sharding(mesh, rules):  # traced with the activations' axes
-    if search.kind == "beam":
-      if draft is not None:
-        raise config_lib.ConfigError("draft_workdir: speculative decoding is offered for "
-                                     "greedy and sampling, not beam search")
-      if decoder_only:
-        tokens, _ = decoding.prompt_beam_search(
-            model, params, inputs, beam_size=config.beam_size,
-            alpha=config.length_penalty_alpha, max_new_tokens=out_len,
-            max_len_B=_budgets(source_BxS, config))
-      else:
-        tokens, _ = decoding.beam_search(
-            model, params, inputs, beam_size=config.beam_size,
-            alpha=config.length_penalty_alpha, max_decode_extra_len=extra)
-    elif draft is not None:
-      common = dict(draft_len=search.draft_len, **lengths)
-      if search.kind == "greedy":
-        spec = speculative.speculative_greedy_decode(model, params, draft.model,
-                                                     draft.params, inputs, **common)
-      else:
-        spec = speculative.speculative_sample_decode(model, params, draft.model,
-                                                     draft.params, inputs, rng,
-                                                     **common, **search.sampling)
-      tokens = spec.tokens_BxC
-    elif search.kind == "greedy":
-      tokens = (speculative.prompt_greedy_decode(model, params, inputs, **lengths)
-                if decoder_only else
-                decoding.greedy_decode(model, params, inputs, **lengths))
-    else:
-      tokens = (speculative.prompt_sample_decode(model, params, inputs, rng, **lengths,
-                                                 **search.sampling)
-                if decoder_only else
-                decoding.sample_decode(model, params, inputs, rng, **lengths,
-                                       **search.sampling))
+    out = decoding.decode(model, params, prompts, search, rng, draft_params)
   if jax.process_count() > 1:
-    tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
+    tokens = np.asarray(multihost_utils.process_allgather(out.tokens_BxO, tiled=True))
   else:
-    tokens = np.asarray(jax.device_get(tokens))
+    tokens = np.asarray(jax.device_get(out.tokens_BxO))
   stats = SearchStats()
-  if spec is not None:  # scalars, the same on every process
-    stats = SearchStats(int(spec.target_calls), int(spec.proposed), int(spec.accepted),
-                        int(np.sum(tokens != config_lib.PAD_ID)), int(spec.row_calls))
-  if decoder_only:
-    # Prompt decoding gives every row the batch's budget; cutting a row at its own is
-    # what a per-row budget would have produced (each token depends on the earlier only).
-    beyond_BxC = np.arange(out_len)[None, :] >= _budgets(source_BxS, config)[:, None]
-    tokens = np.where(beyond_BxC, config_lib.PAD_ID, tokens)
+  if isinstance(search, decoding.Speculative):  # scalars, the same on every process
+    stats = SearchStats(int(out.calls), int(out.proposed), int(out.accepted),
+                        int(np.sum(tokens != config_lib.PAD_ID)), int(out.row_calls))
   return tokens, stats
 
 
-def search_batch(model, params, config: ml_collections.ConfigDict, mesh, rules,
-                 source_BxS: np.ndarray) -> np.ndarray:
-  """Beam search (config's beam size and alpha) on padded source ids -> tokens [B, C]."""
-  return generate_batch(model, params, config, mesh, rules, source_BxS)[0]
-
-
-def translate_lines_with(model, params, tokenizer, config: ml_collections.ConfigDict, mesh,
-                         rules, lines: list[str], search: Search = BEAM,
-                         draft: Optional[Draft] = None) -> tuple[list[str], SearchStats]:
+def translate_lines(model, params, tokenizer, config: ml_collections.ConfigDict, mesh, rules,
+                    lines: list[str], search: Optional[decoding.Search] = None, *,
+                    seed: int = 0, draft_params: Any = None) -> tuple[list[str], SearchStats]:
   """Translations of raw sentences, in order, and the speculative stats; an empty line
   stays empty. Inputs longer than max_len are clipped to it (the model never saw longer
-  ones)."""
+  ones). The search defaults to the config's beam search."""
+  search = search or BEAM.build(config)
   outputs = [""] * len(lines)
   stats = SearchStats()
-  batch_size = config.eval_batch_size
+  rows = config.eval_batch_size
   todo = [i for i, line in enumerate(lines) if line.strip()]
-  for number, start in enumerate(range(0, len(todo), batch_size)):
-    chunk = todo[start:start + batch_size]
+  for number, start in enumerate(range(0, len(todo), rows)):
+    chunk = todo[start:start + rows]
     ids = tokenizer.encode_for_model([lines[i] for i in chunk], config.max_len)
-    tokens, batch_stats = generate_batch(model, params, config, mesh, rules,
-                                         data.pad_batch(ids, rows=batch_size), search, draft,
-                                         number)
+    prompts = decoding.translation_prompts(data.pad_batch(ids, rows=rows),
+                                           config.max_decode_extra_len,
+                                           bool(config.model.decoder_only))
+    tokens, batch_stats = run_search(model, params, mesh, rules, prompts, search, seed=seed,
+                                     batch_number=number, draft_params=draft_params)
     stats += batch_stats
     for row, i in enumerate(chunk):
       outputs[i] = tokenizer.decode(tokens[row].tolist())
   return outputs, stats
-
-
-def beam_translate(model, params, tokenizer, config: ml_collections.ConfigDict, mesh,
-                   rules, lines: list[str]) -> list[str]:
-  """Beam-search translations of raw sentences, in order; an empty line stays empty.
-
-  Inputs longer than max_len are clipped to it (the model never saw longer ones).
-  """
-  return translate_lines_with(model, params, tokenizer, config, mesh, rules, lines)[0]
 
 
 class Translator:
@@ -231,49 +179,63 @@ class Translator:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                step: int | None = None, average_last: int = 1,
-               search: Search = BEAM, draft_workdir: str | None = None):
+               settings: SearchSettings = BEAM, draft_workdir: str | None = None):
     config_lib.validate(config)
-    search.check()
-    if draft_workdir is not None and search.kind == "beam":
-      raise config_lib.ConfigError("draft_workdir: speculative decoding is offered for "
-                                   "greedy and sampling (search greedy|sample), not beam")
+    settings.check(with_draft=draft_workdir is not None)
     self.config = config
     self.workdir = workdir
-    self.search = search
     self.setup = state_lib.setup(config)
     self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
     self.tokenizer = data.load_workdir_tokenizer(workdir)
     self.draft = None
     if draft_workdir is not None:
-      # Checked before either run's parameters are restored or anything compiles.
-      check_draft_vocabulary(workdir, draft_workdir)
-      draft_config = checkpoints.load_run_config(draft_workdir)
-      config_lib.validate(draft_config)
-      if bool(draft_config.model.decoder_only) != bool(config.model.decoder_only):
-        raise config_lib.ConfigError("draft_workdir: the draft must be of the target's kind "
-                                     "(decoder-only or encoder-decoder)")
-      draft_config.eval_batch_size = config.eval_batch_size  # rows split as the target's
-      draft_setup = state_lib.setup(draft_config, mesh=self.mesh)
-      draft_params, _ = checkpoints.restore_params(draft_workdir, draft_setup)
-      self.draft = Draft(draft_setup.model, draft_params, draft_workdir)
+      self.draft = self._restore_draft(draft_workdir)
+    self.settings = settings
     self.params, self.step = checkpoints.restore_params(
         workdir, self.setup, step=step, average_last=average_last)
     self.average_last = average_last
     self.stats = SearchStats()  # accumulated over every search this translator ran
 
-  def generate(self, source_BxS: np.ndarray, batch_number: int = 0) -> np.ndarray:
-    """The search on one padded source batch -> tokens [B, C] (see `generate_batch`)."""
-    tokens, stats = generate_batch(self.model, self.params, self.config, self.mesh,
-                                   self.rules, source_BxS, self.search, self.draft,
-                                   batch_number)
+  def _restore_draft(self, draft_workdir: str) -> Draft:
+    # Checked before either run's parameters are restored or anything compiles.
+    if not storage.is_dir(draft_workdir):
+      raise config_lib.ConfigError(f"draft_workdir: {draft_workdir} does not exist")
+    check_draft_vocabulary(self.workdir, draft_workdir)
+    draft_config = checkpoints.load_run_config(draft_workdir)
+    config_lib.validate(draft_config)
+    if bool(draft_config.model.decoder_only) != bool(self.config.model.decoder_only):
+      raise config_lib.ConfigError("draft_workdir: the draft must be of the target's kind "
+                                   "(decoder-only or encoder-decoder)")
+    draft_config.eval_batch_size = self.config.eval_batch_size  # rows split as the target's
+    draft_setup = state_lib.setup(draft_config, mesh=self.mesh)
+    draft_params, _ = checkpoints.restore_params(draft_workdir, draft_setup)
+    return Draft(draft_setup.model, draft_params, draft_workdir)
+
+  @property
+  def search(self) -> decoding.Search:
+    """The decoding search of the settings (speculative with the draft, if any)."""
+    return self.settings.build(self.config, self.draft and self.draft.model)
+
+  def _run(self, prompts: decoding.Prompts, batch_number: int) -> np.ndarray:
+    tokens, stats = run_search(self.model, self.params, self.mesh, self.rules, prompts,
+                               self.search, seed=self.settings.seed,
+                               batch_number=batch_number,
+                               draft_params=self.draft and self.draft.params)
     self.stats += stats
     return tokens
 
+  def generate(self, source_BxS: np.ndarray, batch_number: int = 0) -> np.ndarray:
+    """The search on one padded source batch -> tokens [B, S + max_decode_extra_len]."""
+    return self._run(decoding.translation_prompts(
+        source_BxS, self.config.max_decode_extra_len, bool(self.config.model.decoder_only)),
+        batch_number)
+
   def translate_lines(self, lines: Iterable[str]) -> list[str]:
     """Detokenized translations of raw sentences, in order (an empty line stays empty)."""
-    outputs, stats = translate_lines_with(self.model, self.params, self.tokenizer,
-                                          self.config, self.mesh, self.rules, list(lines),
-                                          self.search, self.draft)
+    outputs, stats = translate_lines(
+        self.model, self.params, self.tokenizer, self.config, self.mesh, self.rules,
+        list(lines), self.search, seed=self.settings.seed,
+        draft_params=self.draft and self.draft.params)
     self.stats += stats
     return outputs
 
@@ -282,12 +244,11 @@ class Translator:
     goes on rather than being translated), detokenized up to EOS. Greedy unless the
     search samples; speculative with a draft. Prompts are clipped to max_len tokens."""
     if not self.config.model.decoder_only:
-      raise config_lib.ConfigError("config.model.decoder_only: --prompt continues text "
-                                   "with a decoder-only model; use --translate for this run")
-    if max_new_tokens < 1:
-      raise config_lib.ConfigError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if self.search.kind == "beam":
+      raise config_lib.ConfigError("config.model.decoder_only: continuing text needs a "
+                                   "decoder-only model; translate with this run")
+    if self.settings.kind == "beam":
       raise config_lib.ConfigError("search: text continuation is greedy or sampled")
+    check_generation_length(self.config, self.config.max_len + 1, max_new_tokens)
     texts = list(texts)
     outputs = []
     rows = self.config.eval_batch_size
@@ -296,41 +257,19 @@ class Translator:
              for x in self.tokenizer.encode_batch(texts[start:start + rows])]
       prompt_BxP = data.pad_batch(ids, rows=rows)
       prompt_BxP[len(ids):, 0] = config_lib.BOS_ID  # fill rows: a one-token prompt
-      tokens = self._continue_batch(prompt_BxP, max_new_tokens, number)
+      tokens = self._run(decoding.continuation_prompts(prompt_BxP, max_new_tokens), number)
       outputs += [self.tokenizer.decode(tokens[row].tolist()) for row in range(len(ids))]
     return outputs
 
-  def _continue_batch(self, prompt_BxP: np.ndarray, max_new_tokens: int,
-                      batch_number: int) -> np.ndarray:
-    prompt = sharding.global_batch_from_whole({"source": prompt_BxP}, self.mesh,
-                                              self.rules)["source"]
-    key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(self.search.seed), batch_number))
-    rng = jax.make_array_from_callback(key.shape, sharding.replicated(self.mesh),
-                                       lambda index: key[index])
-    model, params, draft = self.model, self.params, self.draft
-    with sharding.activation_sharding(self.mesh, self.rules):
-      if draft is not None and self.search.kind == "greedy":
-        output = speculative.speculative_greedy_decode(
-            model, params, draft.model, draft.params, prompt,
-            draft_len=self.search.draft_len, max_new_tokens=max_new_tokens)
-      elif draft is not None:
-        output = speculative.speculative_sample_decode(
-            model, params, draft.model, draft.params, prompt, rng,
-            draft_len=self.search.draft_len, max_new_tokens=max_new_tokens,
-            **self.search.sampling)
-      elif self.search.kind == "greedy":
-        output = speculative.prompt_greedy_decode(model, params, prompt,
-                                                  max_new_tokens=max_new_tokens)
-      else:
-        output = speculative.prompt_sample_decode(model, params, prompt, rng,
-                                                  max_new_tokens=max_new_tokens,
-                                                  **self.search.sampling)
-    if draft is not None:
-      self.stats += SearchStats(int(output.target_calls), int(output.proposed),
-                                int(output.accepted),
-                                int(jax.numpy.sum(output.tokens_BxC != config_lib.PAD_ID)),
-                                int(output.row_calls))
-      output = output.tokens_BxC
-    if jax.process_count() > 1:
-      return np.asarray(multihost_utils.process_allgather(output, tiled=True))
-    return np.asarray(jax.device_get(output))
+
+def check_generation_length(config: ml_collections.ConfigDict, prompt_len: int,
+                            max_new_tokens: int) -> None:
+  """One-line ConfigError unless max_new_tokens >= 1 and, with a learned position table,
+  a prompt of prompt_len tokens and its continuation fit in the table."""
+  if max_new_tokens < 1:
+    raise config_lib.ConfigError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+  table = config_lib.position_table_size(config)
+  if config.model.positional == "learned" and prompt_len + max_new_tokens > table:
+    raise config_lib.ConfigError(
+        f"max_new_tokens: {max_new_tokens} after a prompt of up to {prompt_len} tokens "
+        f"passes the {table} learned positions; use at most {table - prompt_len}")

@@ -28,7 +28,7 @@ class ValidationWithBleu(ValidationLoss):
     result = super().__call__(params)
     if self._bleu_pairs:
       s = self.setup
-      hypotheses = translate.beam_translate(s.model, params, self.tokenizer, self.config,
-                                            s.mesh, s.rules, [x for x, _ in self._bleu_pairs])
+      hypotheses, _ = translate.translate_lines(s.model, params, self.tokenizer, self.config,
+                                                s.mesh, s.rules, [x for x, _ in self._bleu_pairs])
       result["bleu"] = bleu.sacre_bleu(hypotheses, [r for _, r in self._bleu_pairs]).score
     return result

@@ -4,7 +4,8 @@
   attention.py    multi-head self- and cross-attention, with the decoding cache
   layers.py       embedding, feed-forward, residual sublayers, encoder and decoder layers
   transformer.py  the stacks (looped or scanned), Transformer, model_inputs
-  decoding.py     beam search, greedy and sampled decoding over the cache
+  decoding/       decode(model, params, prompts, search): beam search, greedy, sampling
+                  and speculative decoding over one prefill and cache
 """
 
 from transformer.model.primitives import ModelConfig

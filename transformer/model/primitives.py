@@ -3,7 +3,12 @@
 Shape letters in names (`x_BxTxD` is x with shape [B, T, D]):
   B batch            S source length      T target length     L any length
   D d_model          H heads              K d_k (query/key)   E d_v (value)
-  F d_ff             V vocabulary         C decoding cache length
+  F d_ff             V vocabulary         C decoding cache length (slots)
+Generation (transformer/model/decoding) adds:
+  W beam width       N rows through the model (B * W)     P prompt length
+  O output length    J draft tokens per speculative round   M candidates per row
+  G chunks of a row  U entries per chunk (beam.top_k)
+and the sums O1 = O + 1 (a BOS slot, then the outputs), J1 = J + 1.
 
 Every parameter names logical axes (`vocab`, `embed`, `heads`, `kv`, `mlp`, `length`),
 and the activations that matter are constrained to `activation_*` axes (`constrain`);
@@ -20,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from transformer.config import PAD_ID
+from transformer.config import PAD_ID, position_table_size
 
 Array = jax.Array
 
@@ -53,7 +58,7 @@ class ModelConfig:
   parameters (and so of the optimizer state), as flax's layers name them.
   """
   vocab_size: int
-  max_position: int  # rows of the learned position table (max_len + decoding slack)
+  max_position: int  # rows of the learned position table (config.position_table_size)
   num_layers: int = 6
   d_model: int = 512
   d_ff: int = 2048
@@ -84,8 +89,8 @@ class ModelConfig:
     """Reads `config.model`'s keys that are fields here, plus the vocabulary and lengths."""
     model = {f.name: config.model[f.name] for f in dataclasses.fields(cls)
              if f.name in config.model}
-    return cls(vocab_size=config.vocab_size,
-               max_position=config.max_len + config.max_decode_extra_len + 1, **model)
+    return cls(vocab_size=config.vocab_size, max_position=position_table_size(config),
+               **model)
 
 
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:

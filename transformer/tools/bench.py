@@ -31,7 +31,7 @@ One process measures, in order:
                   configs/default.py:draft trained with --config.vocab_from=TARGET). The
                   first `--speculative_sentences` sentences of the test split, in
                   eval_batch_size batches as eval.py reads them, decoded by cached greedy
-                  decoding (decoding.greedy_decode) and by speculative greedy decoding
+                  decoding (decoding.Greedy) and by speculative greedy decoding
                   with `--draft_len` draft tokens per target pass; both (and the draft's
                   own greedy decoding, for its cost) compiled by an untimed pass first.
                   The tokens must be identical. Reports acceptance rate, tokens per target
@@ -333,11 +333,12 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
   # Imported here: restoring runs needs the evaluation and checkpoint code only.
   from transformer import data
   from transformer.evaluation import translate
-  from transformer.model import decoding, speculative
+  from transformer.model import decoding
   # Restored as eval.py --draft_workdir restores them: the vocabularies are checked to be
   # identical and the draft is placed on the target's mesh before anything compiles.
-  target = translate.Translator(config, workdir, draft_workdir=draft_workdir,
-                                search=translate.Search(kind="greedy", draft_len=draft_len))
+  target = translate.Translator(
+      config, workdir, draft_workdir=draft_workdir,
+      settings=translate.SearchSettings(kind="greedy", draft_len=draft_len))
   draft = target.draft
   pairs = data.load_raw_pairs(config, "test")[:num_sentences]
   lines = [source for source, _ in pairs]
@@ -351,14 +352,16 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
     sources.append(sharding.global_batch_from_whole({"source": whole}, target.mesh,
                                                     target.rules)["source"])
 
+  prompts = lambda source: decoding.translation_prompts(source, extra, False)
+
   def greedy(model, params):
-    return lambda source: decoding.greedy_decode(model, params, source,
-                                                 max_decode_extra_len=extra)
+    return lambda source: decoding.decode(model, params, prompts(source),
+                                          decoding.Greedy()).tokens_BxO
 
   def spec(source):
-    return speculative.speculative_greedy_decode(
-        target.model, target.params, draft.model, draft.params, source,
-        draft_len=draft_len, max_decode_extra_len=extra)
+    return decoding.decode(target.model, target.params, prompts(source),
+                           decoding.Speculative(draft.model, draft_len),
+                           draft_params=draft.params)
 
   timings = {}
   with sharding.activation_sharding(target.mesh, target.rules):
@@ -374,7 +377,7 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
   differ, generated, greedy_passes = 0, 0, 0
   for b, (plain, out) in enumerate(zip(timings["greedy"][2], spec_out)):
     real = np.arange(rows) < len(lines) - b * rows
-    fast = np.asarray(out.tokens_BxC)
+    fast = np.asarray(out.tokens_BxO)
     differ += int(np.sum(np.any(np.asarray(plain) != fast, axis=1) & real))
     generated += int(np.sum((fast != config_lib.PAD_ID) & real[:, None]))
     # Greedy decoding runs one target pass per token until every row (fill rows too)
@@ -387,7 +390,7 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
                        f"{differ} of {len(lines)} sentences")
   proposed = sum(int(o.proposed) for o in spec_out)
   accepted = sum(int(o.accepted) for o in spec_out)
-  target_calls = sum(int(o.target_calls) for o in spec_out)
+  target_calls = sum(int(o.calls) for o in spec_out)
   greedy_s, spec_s, draft_s = (timings[k][1] for k in ("greedy", "speculative",
                                                        "draft_greedy"))
   return {
@@ -402,9 +405,9 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
       "target_passes_greedy": greedy_passes,
       "target_passes_speculative": target_calls + len(sources),
       "target_pass_reduction": greedy_passes / (target_calls + len(sources)),
-      # As SpeculativeOutput and eval.py count it: tokens per sentence per target pass
+      # As decoding.Generation and eval.py count it: tokens per sentence per target pass
       # (at most k + 1, plus the first token, which the uncounted prefill yields).
-      "tokens_per_target_call": sum(int(np.sum(np.asarray(o.tokens_BxC) != config_lib.PAD_ID))
+      "tokens_per_target_call": sum(int(np.sum(np.asarray(o.tokens_BxO) != config_lib.PAD_ID))
                                     for o in spec_out) / max(sum(int(o.row_calls)
                                                                  for o in spec_out), 1),
       "generated_tokens": generated,

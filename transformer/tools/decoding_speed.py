@@ -28,21 +28,24 @@ def time_beam_search(model, params, source_BxS, *, beam_size: int, steps: int,
                      use_cache: bool, repeats: int = 1) -> dict[str, float]:
   """Compiles, runs once untimed (first-call allocations), then times `repeats` runs;
   returns the median run's seconds and rates."""
-  kwargs = dict(beam_size=beam_size, alpha=0.6, max_decode_extra_len=steps - source_BxS.shape[1],
-                use_cache=use_cache, early_stop=False)
+  prompts = decoding.translation_prompts(source_BxS, steps - source_BxS.shape[1],
+                                         model.config.decoder_only)
+  search = decoding.BeamSearch(beam_size, alpha=0.6, early_stop=False)
   start = time.perf_counter()
-  compiled = decoding.beam_search_state.lower(model, params, source_BxS, **kwargs).compile()
+  compiled = decoding.decode.lower(model, params, prompts, search,
+                                   use_cache=use_cache).compile()
   compile_s = time.perf_counter() - start
 
-  jax.block_until_ready(compiled(params, source_BxS, alpha=kwargs["alpha"]))
+  jax.block_until_ready(compiled(params, prompts))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    state = jax.block_until_ready(compiled(params, source_BxS, alpha=kwargs["alpha"]))
+    out = jax.block_until_ready(compiled(params, prompts))
     times.append(time.perf_counter() - start)
   run_s = statistics.median(times)
-  if int(state.step) != steps:  # early stopping is off: every sentence runs all steps
-    raise RuntimeError(f"beam search ran {int(state.step)} steps, expected {steps}")
+  ran = int(out.calls) + 1  # the prefill's logits give the first token
+  if ran != steps:  # early stopping is off: every sentence runs all steps
+    raise RuntimeError(f"beam search ran {ran} steps, expected {steps}")
   sentences = source_BxS.shape[0]
   return dict(compile_s=compile_s, run_s=run_s, sentences_per_s=sentences / run_s,
               tokens_per_s=sentences * steps / run_s,

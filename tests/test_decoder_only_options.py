@@ -1,0 +1,91 @@
+"""Decoder-only models with every position kind and batching: rows of source + target fill
+the longest bucket, training stays finite, and cached decoding gives the tokens of the
+decoder rerun over the whole prefix. The learned position table covers all of it
+(config.position_table_size), and the config check refuses a table that would not."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tests import tiny_run
+from transformer import config as config_lib
+from transformer.data import batching as batching_lib
+from transformer.data import pipeline
+from transformer.evaluation import translate
+from transformer.model import decoding
+from transformer.training import loop
+
+MAX_LEN = 8  # with clipping, decoder-only rows of 2 * 8 tokens fill the top bucket
+
+
+@pytest.mark.parametrize("batching", ["tokens", "packed"])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
+def test_decoder_only_trains_and_decodes_as_the_uncached_model(small_corpus, tmp_path,
+                                                               positional, batching):
+  config = tiny_run.make_config(
+      small_corpus, num_train_steps=3, checkpoint_every_steps=3, max_len=MAX_LEN,
+      drop_long_examples=False, max_decode_extra_len=4, batching=batching,
+      eval_batch_size=16, **{"model.decoder_only": True, "model.positional": positional})
+  workdir = str(tmp_path / "run")
+  loop.train_and_evaluate(config, workdir)
+  losses = [r["loss"] for r in tiny_run.read_metrics(workdir)]
+  assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+
+  translator = translate.Translator(config, workdir,
+                                    settings=translate.SearchSettings("greedy"))
+  source = pipeline.make_eval_batches(config, translator.tokenizer, "test")[-1]["source"]
+  assert source.shape[1] == MAX_LEN  # prompts of 1 + 8 tokens and 8 + 4 outputs
+  cached = translator.generate(source)
+  prompts = decoding.translation_prompts(source, config.max_decode_extra_len, True)
+  uncached = decoding.decode(translator.model, translator.params, prompts, decoding.Greedy(),
+                             use_cache=False)
+  np.testing.assert_array_equal(cached, uncached.tokens_BxO)
+  assert np.all(np.isfinite(uncached.scores_B))
+
+
+def test_no_config_can_look_past_the_learned_position_table(monkeypatch):
+  """Every reader of the table fits, for any lengths; a table one row short of the
+  longest decoder-only row is refused in one line before anything is built."""
+  for decoder_only in (False, True):
+    for batching in ("tokens", "packed"):
+      for max_len in (2, 7, 16, 17, 64, 100):
+        for extra in (1, 5, 50):
+          config = config_lib.base_config()
+          config.model.positional, config.model.decoder_only = "learned", decoder_only
+          config.batching, config.max_len, config.max_decode_extra_len = (batching, max_len,
+                                                                          extra)
+          config_lib.validate(config)
+          table = config_lib.position_table_size(config)
+          used = config_lib.positions_used(config)
+          assert max(used.values()) <= table
+          # What the data pipeline builds: length buckets or packed rows, and evaluation
+          # batches padded geometrically, capped at the longest row.
+          row = (2 if decoder_only else 1) * max_len
+          built = (row if batching == "packed" else batching_lib.bucket_lengths(row)[-1])
+          assert built == used["training rows"]
+          assert batching_lib.geometric_length(row, row) == used["evaluation rows"]
+  # The size encoder-decoder runs have always had: too small for decoder-only rows.
+  monkeypatch.setattr(config_lib, "position_table_size",
+                      lambda c: c.max_len + c.max_decode_extra_len + 1)
+  config = config_lib.base_config()
+  config.model.positional, config.model.decoder_only = "learned", True
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.validate(config)
+  assert str(error.value).startswith("config.model.positional: the learned position table "
+                                     "has 115 rows but training rows need 128")
+
+
+def test_a_continuation_past_the_learned_table_is_refused_in_one_line():
+  config = config_lib.base_config()
+  config.model.positional, config.model.decoder_only = "learned", True
+  table = config_lib.position_table_size(config)  # 179 for max_len 64, extra 50
+  prompt = config.max_len + 1
+  translate.check_generation_length(config, prompt, table - prompt)
+  with pytest.raises(config_lib.ConfigError) as error:
+    translate.check_generation_length(config, prompt, table - prompt + 1)
+  assert str(error.value) == (f"max_new_tokens: {table - prompt + 1} after a prompt of up to "
+                              f"{prompt} tokens passes the {table} learned positions; use at "
+                              f"most {table - prompt}")
+  config.model.positional = "rope"  # no table: any length
+  translate.check_generation_length(config, prompt, 10 * table)

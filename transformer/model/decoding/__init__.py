@@ -1,0 +1,47 @@
+"""Generation: one entry point, `decode(model, params, prompts, search)`, for every search
+and every kind of model.
+
+  search.py       Prompts (the input), Generation (the output), the Search interface and
+                  the loop of the searches that add one token per hypothesis per step
+  cache.py        the decoder's state: prefill, feed, and rows repeated, reordered, grown
+  beam.py         BeamSearch, GNMT's length penalty (the paper's decoding)
+  sampling.py     Greedy, Sampling (temperature, top-k, top-p)
+  speculative.py  Speculative: a draft model's proposals checked by the target
+
+    prompts = decoding.translation_prompts(source_BxS, max_decode_extra_len, decoder_only)
+    out = decoding.decode(model, params, prompts, decoding.BeamSearch(beam_size=4, alpha=0.6))
+    out.tokens_BxO, out.scores_B
+
+An encoder-decoder model continues BOS, reading its source; a decoder-only model
+continues BOS + source, or any prompt (`continuation_prompts`). Either way the prompt
+is read in one prefill, and every search then decodes over the cache, which grows as it
+fills and keeps the cross-attention K/V once per sentence. Sampling searches take `rng`;
+`Speculative` takes the draft's parameters as `draft_params`. use_cache=False reruns the
+decoder over the whole prefix at every call instead (a reference, and what the cache
+saves). Shape letters: transformer/model/primitives.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+
+from transformer.model.decoding.beam import BeamSearch, length_penalty
+from transformer.model.decoding.cache import cache_segments
+from transformer.model.decoding.sampling import Greedy, Sampling, filter_logits
+from transformer.model.decoding.search import (Generation, Prompts, Search,
+                                               continuation_prompts, translation_prompts)
+from transformer.model.decoding.speculative import Speculative, reads_target_encoding
+
+__all__ = ["BeamSearch", "Generation", "Greedy", "Prompts", "Sampling", "Search",
+           "Speculative", "cache_segments", "continuation_prompts", "decode",
+           "filter_logits", "length_penalty", "reads_target_encoding", "translation_prompts"]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "search", "use_cache"))
+def decode(model, params, prompts: Prompts, search: Search, rng: Optional[jax.Array] = None,
+           draft_params: Any = None, *, use_cache: bool = True) -> Generation:
+  """Runs `search` on a batch of prompts, compiled once per model, search and shape."""
+  return search.run(model, params, prompts, rng, draft_params, use_cache)
