@@ -3,7 +3,7 @@
     python -m transformer.sweeps --sweep configs/sweeps/decoder_only_vs_encoder_decoder.py \
         --workdir workdirs/decoder_only_vs_encoder_decoder
     python -m transformer.sweeps --sweep configs/sweeps/decoder_only_vs_encoder_decoder.py \
-        --workdir workdirs/decoder_only_vs_encoder_decoder --collect --output_dir docs
+        --workdir workdirs/decoder_only_vs_encoder_decoder --collect --output_dir docs/results
 
 Both rows are `configs/default.py` (Tatoeba en-es, 8,000 shared BPE pieces, d_model 256,
 d_ff 1024, 4 heads, tied embeddings) at the CPU scale of BASE_OVERRIDES below (300 steps):

@@ -1,0 +1,381 @@
+"""The views `make docs` renders: each turns records of docs/results/ into Markdown.
+
+A view is named in a region of README, docs/ or a config's docstring
+(`<!-- results:NAME -->`, see render_docs.py). Each view reads its records, keeps the
+newest record of each fact, and ends with where the figures came from: the record
+file, the machine, the date, the commit and the command.
+"""
+
+from __future__ import annotations
+
+import statistics
+import textwrap
+from typing import Any, Callable, Iterable, Sequence
+
+from transformer.tools.render_docs import read_records, latest
+
+Record = dict[str, Any]
+
+
+# Formatting.
+
+
+def _thousands(value: float, digits: int = 0) -> str:
+  return f"{value:,.{digits}f}"
+
+
+def _percent(value: float) -> str:
+  return f"{100 * value:.1f}%"
+
+
+def _minutes(seconds: float) -> str:
+  return f"{int(seconds // 60)}m{int(round(seconds % 60)):02d}s"
+
+
+def _runs(values: Sequence[float], fmt: Callable[[float], str], unit: str = "") -> str:
+  """'median (run, run, run) unit'."""
+  runs = ", ".join(fmt(v) for v in values)
+  return f"{fmt(statistics.median(values))} ({runs}){' ' + unit if unit else ''}"
+
+
+def _scientific(value: float) -> str:
+  """4.06e8, as the paper writes FLOPs."""
+  mantissa, exponent = f"{value:.2e}".split("e")
+  return f"{mantissa}e{int(exponent)}"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def source(name: str, records: Sequence[Record]) -> str:
+  """One line: the record file, and each distinct machine, date, commit and command."""
+
+  def distinct(key: str) -> list[str]:
+    return list(dict.fromkeys(str(r[key]) for r in records))
+
+  machines, dates, commits = distinct("machine"), distinct("date"), distinct("commit")
+  commands = distinct("command")
+  parts = [f"`docs/results/{name}.jsonl`", "; ".join(machines),
+           ", ".join(dates), "commit " + ", ".join(commits)]
+  if len(commands) == 1:
+    parts.append(f"`{commands[0]}`")
+  else:
+    parts.append("each row's command is in its record")
+  if any("source" in r for r in records):
+    parts.append("figures first quoted in " + "; ".join(
+        dict.fromkeys(r["source"].split(" (")[0] for r in records if "source" in r)))
+  return "<sub>Records: " + "; ".join(parts) + ".</sub>"
+
+
+# README and configs/default.py: what `make train` and `make test` reach.
+
+
+def _make_train() -> Record:
+  return read_records("make_train")[-1]
+
+
+def make_train() -> str:
+  r = _make_train()
+  low, high = r["tokens_per_sec_windows"]
+  rows = [
+      ("wall time of `make train` (install done, vocabulary cached)", _minutes(r["wall_time_s"])),
+      (f"training: {r['num_train_steps']:,} steps of about 1,000 real target tokens",
+       _minutes(r["train_time_s"])),
+      ("training throughput (median logged window)",
+       f"{_thousands(r['tokens_per_sec'])} target tokens/s ({_thousands(low)} to "
+       f"{_thousands(high)}), MFU {_percent(r['mfu'])}, HFU {_percent(r['hfu'])}"),
+      ("final validation perplexity (unsmoothed)", f"{r['validation_ppl']:.2f}"),
+      (f"{r['split']} split ({r['num_sentences']:,} sentences), beam {r['beam_size']}, "
+       f"alpha {r['alpha']}",
+       f"**sacreBLEU {r['bleu']:.2f}**, tokenized BLEU {r['bleu_tok']:.2f}, "
+       f"chrF {r['chrf']:.2f}"),
+      ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s"),
+  ]
+  return table(("`make train`", "result"), rows) + "\n\n" + source("make_train", [r])
+
+
+def make_train_expected() -> str:
+  r = _make_train()
+  return textwrap.fill(
+      f"Expected: sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
+      f"{r['num_sentences']:,}-sentence test split, validation perplexity "
+      f"{r['validation_ppl']:.2f}; {r['num_train_steps']:,} steps in "
+      f"{_minutes(r['train_time_s'])} on a {r['machine']} ({r['date']}, commit "
+      f"{r['commit']}; docs/results/make_train.jsonl).", width=88)
+
+
+def make_test() -> str:
+  r = read_records("make_test")[-1]
+  low, high = r["wall_time_min_range"]
+  return (f"`make test` ran {r['tests']} tests in {low} to {high} minutes, install included, "
+          f"on a {r['machine']} ({r['date']}, commit {r['commit']}).")
+
+
+# docs/performance.md.
+
+
+def _by_label(name: str, kind: str) -> dict[str, Record]:
+  records = [r for r in read_records(name) if r["name"] == kind]
+  return {r["label"]: r for r in latest(records, key=lambda r: r["label"])}
+
+
+_CPU_STEP_ROWS = (
+    ("base", "wmt14 base, scanned layers (`configs/wmt14.py`)"),
+    ("base-unscanned", "wmt14 base, `model.scan_layers=false`"),
+    ("base-unscanned-unsafe_rbg", "... and `dropout_rng_impl=unsafe_rbg`"),
+    ("base-unscanned-attention_xla", "... and `model.attention_kernel=xla`"),
+    ("base-unscanned-remat_full", "... and `model.remat=full`"),
+    ("big", "wmt14 big, 4 x 64 tokens"),
+    ("default", "default (Tatoeba), 16 x 64 tokens"),
+)
+
+
+def cpu_train_step() -> str:
+  by_label = _by_label("cpu", "train_step")
+  chosen = [by_label[label] for label, _ in _CPU_STEP_ROWS]
+  rows = [(what, f"{r['compile_s']:.1f} s", f"{_thousands(1e3 * r['step_time_s'])} ms",
+           _thousands(r["tokens_per_sec"]), _percent(r["mfu"]),
+           f"{r['peak_flops_per_sec'] / 1e9:.1f} GFLOP/s",
+           "kept" if r["host_memory_retained"] else "returned")
+          for (_, what), r in zip(_CPU_STEP_ROWS, chosen)]
+  return table(("run", "compile", "step (median)", "target tokens/s", "MFU",
+                "peak in that run", "freed host memory"), rows) + "\n\n" + source("cpu", chosen)
+
+
+def cpu_default_decode_and_input() -> str:
+  beam = _by_label("cpu", "beam_search")["default"]
+  pipeline = _by_label("cpu", "input_pipeline")["default"]
+  step = _by_label("cpu", "train_step")["default"]
+  return (f"Beam search on the default model (beam {beam['beam_size']}, {beam['sentences']} "
+          f"sentences, {beam['decode_steps']} output tokens each, with the cache): "
+          f"{1e3 * beam['step_time_s']:.0f} ms per step, {_thousands(beam['tokens_per_sec'])} "
+          f"output tokens/s, {beam['sentences_per_sec']:.1f} sentences/s. Its input pipeline "
+          f"delivered {_thousands(pipeline['tokens_per_sec'])} tokens/s in the same run, "
+          f"{pipeline['tokens_per_sec'] / (2 * step['tokens_per_sec']):.0f} times the source "
+          f"and target tokens its training step consumes.\n\n"
+          + source("cpu", [beam, pipeline]))
+
+
+def compile_depth() -> str:
+  by_label = _by_label("cpu", "train_step")
+  rows, used = [], []
+  for layers in (2, 12):
+    unrolled = by_label[f"compile-N{layers}-scan_false"]
+    scanned = by_label[f"compile-N{layers}-scan_true"]
+    used += [unrolled, scanned]
+    rows.append((f"N = {layers}", f"{unrolled['compile_s']:.1f} s", f"{scanned['compile_s']:.1f} s"))
+  deep_unrolled, deep_scanned = by_label["compile-N12-scan_false"], by_label["compile-N12-scan_true"]
+  return (table(("layers per stack", "compile, unrolled layers", "compile, `scan_layers=true`"),
+                rows)
+          + f"\n\nAt N = 12 the scanned step also ran faster: "
+          f"{_thousands(1e3 * deep_scanned['step_time_s'])} ms against "
+          f"{_thousands(1e3 * deep_unrolled['step_time_s'])} ms.\n\n" + source("cpu", used))
+
+
+def host_memory() -> str:
+  steps = _by_label("host_memory", "train_step")
+  kept, returned = steps["base-retain_freed_memory"], steps["base-glibc_default"]
+
+  def row(what: str, r: Record) -> tuple:
+    low, high = r["host_kernel_s_per_step"]
+    kernel = f"{low:.2f} s" if low == high else f"{low:.2f} to {high:.2f} s"
+    return (what, _runs(r["step_time_s_runs"], lambda s: _thousands(1e3 * s), "ms"),
+            _runs(r["tokens_per_sec_runs"], _thousands),
+            _thousands(r["host_page_faults_per_step"]), kernel,
+            f"{r['peak_rss_bytes'] / 1e9:.2f} GB")
+
+  gain = 1 - (statistics.median(kept["step_time_s_runs"]) /
+              statistics.median(returned["step_time_s_runs"]))
+  return (table(("freed memory", "step: median (each run)", "target tokens/s",
+                 "host page faults per step", "kernel time per step", "peak resident memory"),
+                [row("kept (the default on CPU)", kept),
+                 row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned)])
+          + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
+          f"{100 * (kept['peak_rss_bytes'] / returned['peak_rss_bytes'] - 1):.0f}% more peak "
+          "resident memory.\n\n" + source("host_memory", [kept, returned]))
+
+
+def host_memory_input_pipeline() -> str:
+  pipelines = _by_label("host_memory", "input_pipeline")
+  kept, returned = pipelines["default-retain_freed_memory"], pipelines["default-glibc_default"]
+  kept_median = statistics.median(kept["tokens_per_sec_runs"])
+  returned_median = statistics.median(returned["tokens_per_sec_runs"])
+  return (f"The default's input pipeline delivered {_runs(kept['tokens_per_sec_runs'], _thousands)}"
+          f" tokens/s with the options and {_runs(returned['tokens_per_sec_runs'], _thousands)} "
+          f"without: {100 * (1 - kept_median / returned_median):.0f}% less with the single "
+          "arena.\n\n" + source("host_memory", [kept, returned]))
+
+
+def train_loop() -> str:
+  records = [r for r in read_records("host_memory") if r["name"] == "train_loop"]
+  rows = []
+  for label, what in (("default-train_loop", "kept (the default on CPU)"),
+                      ("default-train_loop-glibc_default",
+                       "returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)")):
+    runs = [r for r in records if r["label"] == label]
+    ratios = sorted(r["efficiency"] for r in runs)
+    rows.append((what, len(runs),
+                 f"{statistics.median(r['loop_steps_per_sec'] for r in runs):.2f}",
+                 f"{statistics.median(r['bare_steps_per_sec'] for r in runs):.2f}",
+                 f"{100 * statistics.median(ratios):.0f}% ({100 * ratios[0]:.0f}% to "
+                 f"{100 * ratios[-1]:.0f}%)"))
+  return (table(("freed host memory", "runs", "loop, steps/s (median)",
+                 "bare step, steps/s (median)", "loop / bare: median (range)"), rows)
+          + "\n\n" + source("host_memory", records))
+
+
+def memory_per_mesh() -> str:
+  records = latest(read_records("memory"), key=lambda r: (r["data"], r["fsdp"], r["tensor"]))
+  mib = lambda n: f"{n / 2**20:,.1f}"
+  rows = [(r["data"], r["fsdp"], r["tensor"], mib(r["state"]), mib(r["argument"]),
+           mib(r["output"]), mib(r["temp"]), mib(r["temp_propagated"])) for r in records]
+  first = records[0]
+  return (f"{first['rows']} x {first['seq_len']} source and target tokens per step; MiB per "
+          "device:\n\n"
+          + table(("data", "fsdp", "tensor", "state", "argument", "output", "temp",
+                   "temp, propagation only"), rows) + "\n\n" + source("memory", records))
+
+
+def _side_by_side(kind: str) -> str:
+  records = [r for r in read_records("flax_side_by_side") if r["kind"] == kind]
+  newest = max(r["sitting"] for r in records)
+  chosen = [r for r in records if r["sitting"] == newest]
+  fmt = _thousands if kind == "train_step" else (lambda v: f"{v:.2f}")
+  rows = []
+  for r in chosen:
+    ours, flax = statistics.median(r["project_runs"]), statistics.median(r["flax_runs"])
+    row = [f"{r['layers']}", _runs(r["project_runs"], fmt), _runs(r["flax_runs"], fmt),
+           f"**{ours / flax:.2f}x**"]
+    if "flax_same_glibc_runs" in r:
+      same = statistics.median(r["flax_same_glibc_runs"])
+      row += [_runs(r["flax_same_glibc_runs"], fmt), f"{ours / same:.2f}x"]
+    rows.append(row)
+  unit = chosen[0]["unit"]
+  headers = ["layers", f"this project, {unit}", "Flax example", "ratio"]
+  if len(rows[0]) > len(headers):
+    headers += ["Flax example, same glibc options", "ratio"]
+  return table(headers, rows) + "\n\n" + source("flax_side_by_side", chosen)
+
+
+def flax_train_step() -> str:
+  return _side_by_side("train_step")
+
+
+def flax_beam_search() -> str:
+  return _side_by_side("beam_search")
+
+
+# docs/reproduce.md.
+
+
+def _paper(value: float | None, digits: int) -> str:
+  return "" if value is None else f"{value:.{digits}f}"
+
+
+def _overrides(overrides: dict) -> str:
+  return " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)"
+
+
+def _training_flops(record: Record, tokens_per_step: float = 25_000) -> float:
+  steps = record["overrides"].get("num_train_steps", 100_000)
+  return record["flops_per_token"] * tokens_per_step * steps
+
+
+def table3() -> str:
+  from transformer.sweeps.spec import load_sweep
+  paper = {row.name: row for row in load_sweep("configs/sweeps/table3.py").rows}
+  records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
+  rows = [(r["name"], f"`{_overrides(r['overrides'])}`", _paper(paper[r["name"]].paper_ppl, 2),
+           _paper(paper[r["name"]].paper_bleu, 1),
+           "" if r["paper_params_m"] is None else f"{r['paper_params_m']}M",
+           f"{r['num_params'] / 1e6:.1f}M", _scientific(r["flops_per_token"])) for r in records]
+  return (table(("row", "train.py overrides of `configs/wmt14.py:base`", "paper PPL",
+                 "paper BLEU", "paper params", "our params", "FLOPs / target token"), rows)
+          + "\n\n" + source("table3_dry_run", records))
+
+
+def table3_cost() -> str:
+  """Parameter counts against the paper's, and training FLOPs, from the dry run."""
+  records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
+  by_name = {r["name"]: r for r in records}
+  compared = [(r["num_params"] / (r["paper_params_m"] * 1e6) - 1, r["name"]) for r in records
+              if r["paper_params_m"]]
+  furthest, furthest_name = max(compared, key=lambda c: abs(c[0]))
+  hundred_k = [r for r in records if "num_train_steps" not in r["overrides"]]
+  cheapest = min(hundred_k, key=_training_flops)
+  dearest = max(hundred_k, key=_training_flops)
+  total = sum(_training_flops(r) for r in records)
+  # 8 A100s at an assumed 40% of their dense bf16 peak (312 TFLOP/s each).
+  sustained = 8 * 312e12 * 0.4
+  return (f"Every row's parameter count is within {100 * abs(furthest):.0f}% of the paper's "
+          f"({furthest_name} is the furthest, {100 * furthest:+.1f}%). By our FLOP count a "
+          f"100K-step row at 25,000 target tokens per step is about "
+          f"{_scientific(_training_flops(by_name['base']))} FLOPs (base; from "
+          f"{_scientific(_training_flops(cheapest))} for {cheapest['name']} to "
+          f"{_scientific(_training_flops(dearest))} for {dearest['name']}), big about "
+          f"{_scientific(_training_flops(by_name['big']))}, and the whole table about "
+          f"{_scientific(total)}. At an assumed 40% of bf16 peak "
+          f"(`--config.model.dtype=bfloat16`), one machine with 8 A100s would need about "
+          f"{_training_flops(by_name['base']) / sustained / 60:.0f} minutes per 100K-step base "
+          f"row and about {total / sustained / 3600:.0f} hours for the table: estimates from "
+          "FLOPs, not measurements.\n\n" + source("table3_dry_run", records))
+
+
+def table3_small() -> str:
+  from transformer.sweeps.spec import load_sweep
+  paper = {row.name: row for row in load_sweep("configs/sweeps/table3_small.py").rows}
+  records = latest(read_records("table3_small"), key=lambda r: r["row"])
+  base = next(r for r in records if r["row"] == "base")
+  paper_base = paper["base"].paper_ppl
+
+  def change(value: float | None, reference: float | None) -> str:
+    return "" if value is None or reference is None else f"{100 * (value / reference - 1):+.0f}%"
+
+  rows = [(r["row"], r["changed"], f"{r['num_params'] / 1e6:.1f}", f"{r['ppl']:.2f}",
+           change(r["ppl"], base["ppl"]), f"{r['bleu']:.2f}",
+           _paper(paper[r["row"]].paper_ppl, 2), change(paper[r["row"]].paper_ppl, paper_base),
+           _paper(paper[r["row"]].paper_bleu, 1)) for r in records]
+  return (table(("row", "changed values", "params (M)", "validation ppl", "ppl vs base",
+                 f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
+                 "paper ppl", "paper ppl vs base", "paper BLEU"), rows)
+          + "\n\n" + source("table3_small", records))
+
+
+def decoder_only_vs_encoder_decoder() -> str:
+  records = latest(read_records("decoder_only_vs_encoder_decoder"), key=lambda r: r["row"])
+  rows = [(r["row"], _thousands(r["num_params"]), f"{r['ppl']:.2f}", f"{r['bleu']:.2f}")
+          for r in records]
+  return (table(("row", "parameters", "validation ppl",
+                 f"BLEU (first {records[0]['bleu_sentences']} validation sentences)"), rows)
+          + "\n\n" + source("decoder_only_vs_encoder_decoder", records))
+
+
+# docs/data.md.
+
+
+def input_padding() -> str:
+  records = latest(read_records("input_pipeline"), key=lambda r: r["flags"])
+  rows = [(f"`{r['flags']}`" if r["flags"] else "(none)", r["batching"],
+           f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
+           f"{_thousands(r['source_tokens_per_batch'])} / "
+           f"{_thousands(r['target_tokens_per_batch'])}",
+           f"{_percent(r['source_padding_efficiency'])} / "
+           f"{_percent(r['target_padding_efficiency'])}",
+           f"{r['shapes_seen']} / {r['shapes_planned']}") for r in records]
+  return (table(("flags", "batching", "max_len / tokens_per_batch",
+                 "real tokens per batch (source / target)",
+                 "real share of slots (source / target)", "shapes seen / planned"), rows)
+          + "\n\n" + source("input_pipeline", records))
+
+
+def views() -> dict[str, Callable[[], str]]:
+  """Every view, by the name regions use."""
+  return {view.__name__: view for view in (
+      make_train, make_train_expected, make_test, cpu_train_step,
+      cpu_default_decode_and_input, compile_depth, host_memory, host_memory_input_pipeline,
+      train_loop, memory_per_mesh, flax_train_step, flax_beam_search, table3, table3_cost,
+      table3_small,
+      decoder_only_vs_encoder_decoder, input_padding)}

@@ -1,0 +1,257 @@
+"""The figures of README, docs/ and the configs' docstrings, rendered from result records.
+
+    make docs                                          # render every region
+    python -m transformer.tools.render_docs --check    # exit 1 if a region is stale
+    python -m transformer.tools.render_docs --record docs/results/cpu.jsonl -- \\
+        python -m transformer.tools.bench --config configs/default.py --json --label default
+    python -m transformer.tools.render_docs --record docs/results/make_train.jsonl \\
+        --from_json workdirs/default/eval/test-1000.json --command "make train"
+
+A record is one JSON object per line of `docs/results/NAME.jsonl`: what one of the
+project's commands printed or wrote (`bench --json`, `memory --json`, `sweeps --dry_run
+--json`, eval.py's `eval/<split>-<step>.json`), with where it came from:
+
+  machine   the hardware it ran on, in words
+  date      YYYY-MM-DD (UTC)
+  commit    the code that ran (`git rev-parse --short HEAD`, `-dirty` if it had changes)
+  command   the command line, as run
+  source    only on a figure that earlier docs quoted and that was turned into a record
+            afterwards: where it was quoted
+
+Records are appended, never edited: a newer record of the same fact replaces the older
+one in the docs, and the older one stays as history. `--record` runs the command (or
+reads `--from_json`), attaches the four fields and appends what it printed.
+
+A rendered region is everything between a start marker naming a view and the end
+marker, in a Markdown file or a Python docstring:
+
+    <!-- results:VIEW -->
+    (replaced by `make docs`)
+    <!-- /results -->
+
+VIEW names a function of `transformer/tools/doc_views.py`, which turns records into
+Markdown. Rendering is deterministic, so `--check` (and a test) fail when a region no
+longer matches its records.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Callable, Iterable
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS_DIR = os.path.join(REPO_ROOT, "docs", "results")
+PROVENANCE_KEYS = ("machine", "date", "commit", "command")
+
+# The files that hold rendered regions: README, every page of docs/ (not the history
+# under docs/notes/), and the configs' docstrings.
+RENDERED_GLOBS = ("README.md", "docs/*.md", "configs/*.py", "configs/sweeps/*.py")
+
+REGION = re.compile(
+    r"(?P<start><!-- results:(?P<view>[\w.-]+) -->\n)(?P<body>.*?)(?P<end>^[ \t]*<!-- /results -->)",
+    re.DOTALL | re.MULTILINE)
+
+
+class RecordError(ValueError):
+  """A record file, record or region that cannot be rendered; the message names it."""
+
+
+def read_records(name: str, results_dir: str = RESULTS_DIR) -> list[dict[str, Any]]:
+  """The records of docs/results/NAME.jsonl, in file order, each checked for provenance."""
+  path = os.path.join(results_dir, f"{name}.jsonl")
+  if not os.path.exists(path):
+    raise RecordError(f"no record file {os.path.relpath(path, REPO_ROOT)}")
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{os.path.relpath(path, REPO_ROOT)}:{number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise RecordError(f"{where}: not JSON ({e})") from None
+      missing = [key for key in PROVENANCE_KEYS if not record.get(key)]
+      if missing:
+        raise RecordError(f"{where}: the record has no {', '.join(missing)}")
+      records.append(record)
+  return records
+
+
+def latest(records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list:
+  """The newest record of each fact (records with equal key(record)), in the order the
+  facts first appear."""
+  by_key: dict[Any, dict[str, Any]] = {}
+  for record in records:
+    by_key[key(record)] = record  # a dict keeps the key's first position
+  return list(by_key.values())
+
+
+def render_text(text: str, views: dict[str, Callable[[], str]], where: str = "") -> str:
+  """text with every region's body replaced by its view's Markdown (indent kept)."""
+
+  def replace(match: re.Match) -> str:
+    name = match.group("view")
+    if name not in views:
+      raise RecordError(f"{where}: unknown view {name!r} in a results region; the views are "
+                        f"{', '.join(sorted(views))}")
+    indent = re.match(r"[ \t]*", match.group("end")).group(0)
+    body = views[name]().rstrip("\n")
+    body = "\n".join(indent + line if line else "" for line in body.split("\n"))
+    return match.group("start") + body + "\n" + match.group("end")
+
+  return REGION.sub(replace, text)
+
+
+def rendered_files(root: str = REPO_ROOT) -> list[str]:
+  """Every file that may hold a region, relative to root."""
+  import glob
+  found = []
+  for pattern in RENDERED_GLOBS:
+    found += sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
+  return found
+
+
+def render(root: str = REPO_ROOT, check: bool = False,
+           views: dict[str, Callable[[], str]] | None = None) -> list[str]:
+  """Renders every region under root; returns the files that changed (or would, if check)."""
+  if views is None:
+    from transformer.tools import doc_views
+    views = doc_views.views()
+  changed = []
+  for relative in rendered_files(root):
+    path = os.path.join(root, relative)
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    new_text = render_text(text, views, where=relative)
+    if new_text != text:
+      changed.append(relative)
+      if not check:
+        with open(path, "w", encoding="utf-8") as f:
+          f.write(new_text)
+  return changed
+
+
+# Making records.
+
+
+def provenance(command: str, machine: str | None = None) -> dict[str, str]:
+  """machine, date, commit and command for a record made now, from this checkout."""
+
+  def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+  commit = git("rev-parse", "--short", "HEAD")
+  if git("status", "--porcelain", "--untracked-files=no"):
+    commit += "-dirty"
+  return {"machine": machine or describe_machine(),
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+          "commit": commit, "command": command}
+
+
+def describe_machine() -> str:
+  """e.g. '2-core AMD EPYC CPU' (accelerators are named with --machine)."""
+  model = "CPU"
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      names = re.findall(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)
+    if names:
+      model = names[0].strip() + " CPU"
+  except OSError:
+    pass
+  return f"{os.cpu_count()}-core {model}"
+
+
+def append_records(path: str, records: list[dict[str, Any]], where: dict[str, str]) -> None:
+  """Appends records to a .jsonl file, each with the provenance in `where`."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a", encoding="utf-8") as f:
+    for record in records:
+      f.write(json.dumps({**record, **where}) + "\n")
+
+
+def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
+  """The lines that are JSON objects (a command's other output is left out)."""
+  found = []
+  for line in lines:
+    line = line.strip()
+    if line.startswith("{"):
+      try:
+        value = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(value, dict):
+        found.append(value)
+  return found
+
+
+def main(argv: list[str]) -> int:
+  import argparse
+  command = []
+  if "--" in argv:
+    command = argv[argv.index("--") + 1:]
+    argv = argv[:argv.index("--")]
+  parser = argparse.ArgumentParser(
+      prog="python -m transformer.tools.render_docs",
+      description="Render the results regions of README, docs/ and the configs from "
+      "docs/results/*.jsonl, or append records to one of those files.")
+  parser.add_argument("--check", action="store_true",
+                      help="Change nothing; exit 1 if a region differs from its records.")
+  parser.add_argument("--record", metavar="FILE.jsonl",
+                      help="Append records to this file: the JSON lines the command after "
+                      "-- prints, or the object in --from_json.")
+  parser.add_argument("--from_json", metavar="FILE.json",
+                      help="With --record: a JSON file a command wrote (e.g. eval.py's "
+                      "eval/<split>-<step>.json).")
+  parser.add_argument("--command", help="With --from_json: the command that wrote it.")
+  parser.add_argument("--machine", help="With --record: the hardware, in words (default: "
+                      "the CPU's model and core count).")
+  args = parser.parse_args(argv)
+
+  if args.record:
+    if bool(command) == bool(args.from_json):
+      parser.error("--record takes either a command after -- or --from_json")
+    if args.from_json:
+      if not args.command:
+        parser.error("--from_json needs --command: the command that wrote the file")
+      with open(args.from_json, encoding="utf-8") as f:
+        records = [json.load(f)]
+      where = provenance(args.command, args.machine)
+    else:
+      where = provenance(" ".join(command), args.machine)
+      process = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+      sys.stdout.write(process.stdout)
+      if process.returncode != 0:
+        print(f"error: the command exited with code {process.returncode}; nothing recorded",
+              file=sys.stderr)
+        return 1
+      records = json_objects(process.stdout.splitlines())
+      if not records:
+        print("error: the command printed no JSON object; nothing recorded", file=sys.stderr)
+        return 1
+    append_records(args.record, records, where)
+    print(f"appended {len(records)} record(s) to {args.record}; run `make docs` to render them")
+    return 0
+
+  try:
+    changed = render(check=args.check)
+  except RecordError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  if args.check:
+    for relative in changed:
+      print(f"stale: {relative} (run `make docs`)")
+    return 1 if changed else 0
+  for relative in changed:
+    print(f"rendered {relative}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
