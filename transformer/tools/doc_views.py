@@ -64,9 +64,16 @@ def source(name: str, records: Sequence[Record]) -> str:
     parts.append(f"`{commands[0]}`")
   else:
     parts.append("each row's command is in its record")
-  if any("source" in r for r in records):
+  quoted: dict[str, list[str]] = {}  # "docs/x.md at COMMIT (...)": where a figure was quoted
+  for r in records:
+    if "source" in r:
+      where, _, commit = r["source"].split(" (")[0].partition(" at ")
+      quoted.setdefault(where, [])
+      if commit not in quoted[where]:
+        quoted[where].append(commit)
+  if quoted:
     parts.append("figures first quoted in " + "; ".join(
-        dict.fromkeys(r["source"].split(" (")[0] for r in records if "source" in r)))
+        f"{where} at {', '.join(commits)}" for where, commits in quoted.items()))
   return "<sub>Records: " + "; ".join(parts) + ".</sub>"
 
 
@@ -123,7 +130,8 @@ def _by_label(name: str, kind: str) -> dict[str, Record]:
 
 
 _CPU_STEP_ROWS = (
-    ("base", "wmt14 base, scanned layers (`configs/wmt14.py`)"),
+    ("base", "wmt14 base (`configs/wmt14.py`, scanned layers)"),
+    ("base-glibc_default", "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`"),
     ("base-unscanned", "wmt14 base, `model.scan_layers=false`"),
     ("base-unscanned-unsafe_rbg", "... and `dropout_rng_impl=unsafe_rbg`"),
     ("base-unscanned-attention_xla", "... and `model.attention_kernel=xla`"),
@@ -133,15 +141,28 @@ _CPU_STEP_ROWS = (
 )
 
 
+def _median_of(record: Record, key: str) -> float | None:
+  """A record's figure, or the median of its runs (`KEY_runs`), or None."""
+  if record.get(key) is not None:
+    return record[key]
+  runs = record.get(key + "_runs")
+  return statistics.median(runs) if runs else None
+
+
 def cpu_train_step() -> str:
   by_label = _by_label("cpu", "train_step")
   chosen = [by_label[label] for label, _ in _CPU_STEP_ROWS]
-  rows = [(what, f"{r['compile_s']:.1f} s", f"{_thousands(1e3 * r['step_time_s'])} ms",
-           _thousands(r["tokens_per_sec"]), _percent(r["mfu"]),
-           f"{r['peak_flops_per_sec'] / 1e9:.1f} GFLOP/s",
+
+  def cell(value: float | None, fmt: Callable[[float], str]) -> str:
+    return "" if value is None else fmt(value)
+
+  rows = [(what, f"{r['date']}, {r['commit']}", cell(r.get("compile_s"), lambda v: f"{v:.1f} s"),
+           cell(_median_of(r, "step_time_s"), lambda v: f"{_thousands(1e3 * v)} ms"),
+           cell(_median_of(r, "tokens_per_sec"), _thousands), cell(r.get("mfu"), _percent),
+           cell(r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"),
            "kept" if r["host_memory_retained"] else "returned")
           for (_, what), r in zip(_CPU_STEP_ROWS, chosen)]
-  return table(("run", "compile", "step (median)", "target tokens/s", "MFU",
+  return table(("run", "measured", "compile", "step (median)", "target tokens/s", "MFU",
                 "peak in that run", "freed host memory"), rows) + "\n\n" + source("cpu", chosen)
 
 
@@ -176,8 +197,8 @@ def compile_depth() -> str:
 
 
 def host_memory() -> str:
-  steps = _by_label("host_memory", "train_step")
-  kept, returned = steps["base-retain_freed_memory"], steps["base-glibc_default"]
+  steps = _by_label("cpu", "train_step")
+  kept, returned = steps["base"], steps["base-glibc_default"]
 
   def row(what: str, r: Record) -> tuple:
     low, high = r["host_kernel_s_per_step"]
@@ -195,7 +216,7 @@ def host_memory() -> str:
                  row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned)])
           + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
           f"{100 * (kept['peak_rss_bytes'] / returned['peak_rss_bytes'] - 1):.0f}% more peak "
-          "resident memory.\n\n" + source("host_memory", [kept, returned]))
+          "resident memory.\n\n" + source("cpu", [kept, returned]))
 
 
 def host_memory_input_pipeline() -> str:
