@@ -369,6 +369,24 @@ def decoder_only_vs_encoder_decoder() -> str:
           + "\n\n" + source("decoder_only_vs_encoder_decoder", records))
 
 
+def _sweep_expected(name: str) -> str:
+  records = latest(read_records(name), key=lambda r: r["row"])
+  rows = "; ".join(f"{r['row']} {r['ppl']:.2f} and {r['bleu']:.2f}" for r in records)
+  first = records[0]
+  return textwrap.fill(
+      f"Expected, as validation perplexity and BLEU (first {first['bleu_sentences']} "
+      f"validation sentences) at the last step: {rows} ({first['date']}, commit "
+      f"{first['commit']}; docs/results/{name}.jsonl).", width=88)
+
+
+def table3_small_expected() -> str:
+  return _sweep_expected("table3_small")
+
+
+def decoder_only_vs_encoder_decoder_expected() -> str:
+  return _sweep_expected("decoder_only_vs_encoder_decoder")
+
+
 # docs/data.md.
 
 
@@ -394,4 +412,5 @@ def views() -> dict[str, Callable[[], str]]:
       cpu_default_beam_search, compile_depth, host_memory, host_memory_input_pipeline,
       train_loop, memory_per_mesh, flax_train_step, flax_beam_search, table3, table3_cost,
       table3_small,
-      decoder_only_vs_encoder_decoder, input_padding)}
+      decoder_only_vs_encoder_decoder, table3_small_expected,
+      decoder_only_vs_encoder_decoder_expected, input_padding)}
