@@ -338,6 +338,11 @@ def _problems(relative: str, text: str) -> list[str]:
           config_lib.load_config(f"{path}:{arg}", {})
         except Exception as e:  # noqa: BLE001  (any failure is the finding)
           problems.append(f"config {path}:{arg} ({e})")
+  # README's sections, named as README ("Section").
+  readme_headings = set(re.findall(r"^#+ (.+)$", _read("README.md"), re.MULTILINE))
+  for section in re.findall(r"README \(\"([^\"]+)\"\)", text):
+    if section not in readme_headings:
+      problems.append(f"README section {section}")
   # make targets.
   targets = set(re.findall(r"^([\w-]+):", _read("Makefile"), re.MULTILINE))
   for span in code:
@@ -362,7 +367,7 @@ make no_such_target
 ```
 `speed.py` in `transformer/data/`; `tied_projection` in `model.py`; `decoding.no_such_name`;
 `model.no_such_key`; [a link](docs/no_such_page.md); [a heading](docs/data.md#no-such-heading)
-The paper's values (PAPER.md).
+The paper's values (PAPER.md). Started as README ("No such section") says.
 """
   found = "\n".join(_problems("README.md", text))
   for expected in ("file speed.py", "file model.py", "flag --no_such_flag",
@@ -370,5 +375,6 @@ The paper's values (PAPER.md).
                    "module or name transformer.tools.no_such_tool",
                    "module or name decoding.no_such_name", "config key model.no_such_key",
                    "make no_such_target", "link docs/no_such_page.md", "file PAPER.md",
+                   "README section No such section",
                    "link docs/data.md#no-such-heading"):
     assert expected in found
