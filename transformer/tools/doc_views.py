@@ -101,7 +101,9 @@ def make_train() -> str:
        f"chrF {r['chrf']:.2f}"),
       ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s"),
   ]
-  return table(("`make train`", "result"), rows) + "\n\n" + source("make_train", [r])
+  last_line = f"sacreBLEU {r['bleu']:.2f}  {r['bleu_signature']}"
+  return (table(("`make train`", "result"), rows) + f"\n\nIts last line: `{last_line}`\n\n"
+          + source("make_train", [r]))
 
 
 def make_train_expected() -> str:
