@@ -135,8 +135,8 @@ def _resolves(dotted: str) -> bool:
 
 _DEFINE = re.compile(r"DEFINE_\w+\(\s*\"(\w+)\"")
 _ARGPARSE = re.compile(r"add_argument\(\s*\"--(\w+)\"")
-_IMPORT = re.compile(r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))",
-                     re.MULTILINE)
+_IMPORT = re.compile(
+    r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))", re.MULTILINE)
 
 
 @functools.cache

@@ -163,7 +163,7 @@ def cpu_train_step() -> str:
            cell(_median_of(r, "tokens_per_sec"), _thousands), cell(r.get("mfu"), _percent),
            cell(r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"),
            "kept" if r["host_memory_retained"] else "returned")
-          for (_, what), r in zip(_CPU_STEP_ROWS, chosen)]
+          for (_, what), r in zip(_CPU_STEP_ROWS, chosen, strict=True)]
   return table(("run", "measured", "compile", "step (median)", "target tokens/s", "MFU",
                 "peak in that run", "freed host memory"), rows) + "\n\n" + source("cpu", chosen)
 
@@ -184,8 +184,10 @@ def compile_depth() -> str:
     unrolled = by_label[f"compile-N{layers}-scan_false"]
     scanned = by_label[f"compile-N{layers}-scan_true"]
     used += [unrolled, scanned]
-    rows.append((f"N = {layers}", f"{unrolled['compile_s']:.1f} s", f"{scanned['compile_s']:.1f} s"))
-  deep_unrolled, deep_scanned = by_label["compile-N12-scan_false"], by_label["compile-N12-scan_true"]
+    rows.append((f"N = {layers}", f"{unrolled['compile_s']:.1f} s",
+                 f"{scanned['compile_s']:.1f} s"))
+  deep_unrolled = by_label["compile-N12-scan_false"]
+  deep_scanned = by_label["compile-N12-scan_true"]
   return (table(("layers per stack", "compile, unrolled layers", "compile, `scan_layers=true`"),
                 rows)
           + f"\n\nAt N = 12 the scanned step also ran faster: "
@@ -247,7 +249,10 @@ def train_loop() -> str:
 
 def memory_per_mesh() -> str:
   records = latest(read_records("memory"), key=lambda r: (r["data"], r["fsdp"], r["tensor"]))
-  mib = lambda n: f"{n / 2**20:,.1f}"
+
+  def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
   rows = [(r["data"], r["fsdp"], r["tensor"], mib(r["state"]), mib(r["argument"]),
            mib(r["output"]), mib(r["temp"]), mib(r["temp_propagated"])) for r in records]
   first = records[0]

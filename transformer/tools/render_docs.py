@@ -52,9 +52,8 @@ PROVENANCE_KEYS = ("machine", "date", "commit", "command")
 # under docs/notes/), and the configs' docstrings.
 RENDERED_GLOBS = ("README.md", "docs/*.md", "configs/*.py", "configs/sweeps/*.py")
 
-REGION = re.compile(
-    r"(?P<start><!-- results:(?P<view>[\w.-]+) -->\n)(?P<body>.*?)(?P<end>^[ \t]*<!-- /results -->)",
-    re.DOTALL | re.MULTILINE)
+REGION = re.compile(r"(?P<start><!-- results:(?P<view>[\w.-]+) -->\n)(?P<body>.*?)"
+                    r"(?P<end>^[ \t]*<!-- /results -->)", re.DOTALL | re.MULTILINE)
 
 
 class RecordError(ValueError):
@@ -100,7 +99,8 @@ def render_text(text: str, views: dict[str, Callable[[], str]], where: str = "")
     if name not in views:
       raise RecordError(f"{where}: unknown view {name!r} in a results region; the views are "
                         f"{', '.join(sorted(views))}")
-    indent = re.match(r"[ \t]*", match.group("end")).group(0)
+    end = match.group("end")
+    indent = end[:len(end) - len(end.lstrip(" \t"))]
     body = views[name]().rstrip("\n")
     body = "\n".join(indent + line if line else "" for line in body.split("\n"))
     return match.group("start") + body + "\n" + match.group("end")
