@@ -8,10 +8,12 @@
 vocabulary), 1,000 steps of about 1,000 real target tokens. The corpus ships in data/
 (CC-BY 2.0 FR, tatoeba.org; see data/README.md), so this runs with no network.
 
+Expected result:
+
 <!-- results:make_train_expected -->
-Expected: sacreBLEU 28.06 (tokenized BLEU 28.48) on the 1,992-sentence test split,
-validation perplexity 9.78; 1,000 steps in 8m59s on a 2-core AMD EPYC CPU, no
-accelerator, otherwise idle (2026-12-01, commit 8c23d83; docs/results/make_train.jsonl).
+sacreBLEU 28.06 (tokenized BLEU 28.48) on the 1,992-sentence test split, validation
+perplexity 9.78; 1,000 steps in 8m59s on a 2-core AMD EPYC CPU, no accelerator,
+otherwise idle (2026-12-01, commit 8c23d83; docs/results/make_train.jsonl).
 <!-- /results -->
 
 `configs/default.py:draft` is the same model with one encoder and one decoder layer: a

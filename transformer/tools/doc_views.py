@@ -109,7 +109,7 @@ def make_train() -> str:
 def make_train_expected() -> str:
   r = _make_train()
   return textwrap.fill(
-      f"Expected: sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
+      f"sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
       f"{r['num_sentences']:,}-sentence test split, validation perplexity "
       f"{r['validation_ppl']:.2f}; {r['num_train_steps']:,} steps in "
       f"{_minutes(r['train_time_s'])} on a {r['machine']} ({r['date']}, commit "
