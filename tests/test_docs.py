@@ -22,6 +22,8 @@ ROOT = config_lib.REPO_ROOT
 TOP_LEVEL = ("transformer/", "configs/", "docs/", "tests/", "bench/", "data/")
 FILE_SUFFIXES = ("py", "md", "sh", "toml", "jsonl", "json", "png", "csv", "gz", "tsv")
 CONFIG_PREFIXES = ("model.", "mesh.")
+# Written by the commands, not kept in the repository (.gitignore).
+GENERATED = ("bench/results/", "workdirs/")
 
 # Entry points and the file that defines their flags.
 COMMANDS = {"train.py": "train.py", "eval.py": "eval.py"}
@@ -268,7 +270,8 @@ def _problems(relative: str, text: str) -> list[str]:
   # Files.
   for span in code + [text]:
     for path in _PATH.findall(span):
-      if _PLACEHOLDER.search(path) and not path.endswith(".md"):  # README.md is no placeholder
+      if (_PLACEHOLDER.search(path) and not path.endswith(".md")  # README.md is no placeholder
+          or path.startswith(GENERATED)):
         continue
       if path.startswith(TOP_LEVEL) or path in ("train.py", "eval.py", "README.md",
                                                  "pyproject.toml"):

@@ -88,3 +88,14 @@ def test_record_appends_what_a_command_prints_with_its_provenance(tmp_path):
   assert record["machine"] == "a test machine"
   assert record["command"] == f"{sys.executable} -c {program}"
   assert len(record["date"]) == 10 and record["commit"]
+
+
+def test_record_from_json_lines_a_script_wrote(tmp_path):
+  written = tmp_path / "cpu.jsonl"
+  written.write_text('{"name": "peak"}\n{"name": "train_step", "label": "base"}\n')
+  out = tmp_path / "records.jsonl"
+  assert render_docs.main(["--record", str(out), "--from_json", str(written),
+                           "--command", "bash bench/cpu.sh", "--machine", "m"]) == 0
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["name"] for r in records] == ["peak", "train_step"]
+  assert {r["command"] for r in records} == {"bash bench/cpu.sh"}

@@ -6,6 +6,8 @@
         python -m transformer.tools.bench --config configs/default.py --json --label default
     python -m transformer.tools.render_docs --record docs/results/make_train.jsonl \\
         --from_json workdirs/default/eval/test-1000.json --command "make train"
+    python -m transformer.tools.render_docs --record docs/results/cpu.jsonl \\
+        --from_json bench/results/cpu.jsonl --command "bash bench/cpu.sh"
 
 A record is one JSON object per line of `docs/results/NAME.jsonl`: what one of the
 project's commands printed or wrote (`bench --json`, `memory --json`, `sweeps --dry_run
@@ -206,9 +208,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--record", metavar="FILE.jsonl",
                       help="Append records to this file: the JSON lines the command after "
                       "-- prints, or the object in --from_json.")
-  parser.add_argument("--from_json", metavar="FILE.json",
+  parser.add_argument("--from_json", metavar="FILE",
                       help="With --record: a JSON file a command wrote (e.g. eval.py's "
-                      "eval/<split>-<step>.json).")
+                      "eval/<split>-<step>.json), or JSON lines (bench/results/cpu.jsonl).")
   parser.add_argument("--command", help="With --from_json: the command that wrote it.")
   parser.add_argument("--machine", help="With --record: the hardware, in words (default: "
                       "the CPU's model and core count).")
@@ -221,7 +223,11 @@ def main(argv: list[str]) -> int:
       if not args.command:
         parser.error("--from_json needs --command: the command that wrote the file")
       with open(args.from_json, encoding="utf-8") as f:
-        records = [json.load(f)]
+        text = f.read()
+      try:
+        records = [json.loads(text)]
+      except json.JSONDecodeError:
+        records = json_objects(text.splitlines())
       where = provenance(args.command, args.machine)
     else:
       where = provenance(" ".join(command), args.machine)
