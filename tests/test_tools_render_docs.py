@@ -32,8 +32,8 @@ def _repo(tmp_path, records, page="Results:\n\n<!-- results:steps -->\nold\n<!--
   (tmp_path / "README.md").write_text(page)
 
   def steps():
-    newest = render_docs.latest(render_docs.read_records("steps", str(results)),
-                                key=lambda r: r["label"])
+    newest = doc_views.latest(doc_views.read_records("steps", str(results)),
+                              key=lambda r: r["label"])
     return doc_views.table(("label", "ms"), [(r["label"], r["ms"]) for r in newest])
 
   return {"steps": steps}
@@ -63,7 +63,7 @@ def test_a_region_in_an_indented_docstring_keeps_its_indent():
 
 
 def test_an_unknown_view_is_named():
-  with pytest.raises(render_docs.RecordError, match="README.md: unknown view 'nope'"):
+  with pytest.raises(doc_views.RecordError, match="README.md: unknown view 'nope'"):
     render_docs.render_text("<!-- results:nope -->\n<!-- /results -->\n", {}, "README.md")
 
 
@@ -71,8 +71,8 @@ def test_a_record_without_provenance_is_named_with_its_line(tmp_path):
   record = dict(PROVENANCE)
   del record["commit"]
   (tmp_path / "steps.jsonl").write_text(json.dumps(PROVENANCE) + "\n" + json.dumps(record) + "\n")
-  with pytest.raises(render_docs.RecordError, match=r"steps.jsonl:2: the record has no commit"):
-    render_docs.read_records("steps", str(tmp_path))
+  with pytest.raises(doc_views.RecordError, match=r"steps.jsonl:2: the record has no commit"):
+    doc_views.read_records("steps", str(tmp_path))
 
 
 def test_record_appends_what_a_command_prints_with_its_provenance(tmp_path):

@@ -1,4 +1,4 @@
-"""The views `make docs` renders: each turns records of docs/results/ into Markdown.
+"""The result records of docs/results/, and the views `make docs` renders from them.
 
 A view is named in a region of README, docs/ or a config's docstring
 (`<!-- results:NAME -->`, see render_docs.py). Each view reads its records, keeps the
@@ -8,13 +8,52 @@ file, the machine, the date, the commit and the command.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import textwrap
 from typing import Any, Callable, Iterable, Sequence
 
-from transformer.tools.render_docs import read_records, latest
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS_DIR = os.path.join(REPO_ROOT, "docs", "results")
+PROVENANCE_KEYS = ("machine", "date", "commit", "command")
 
 Record = dict[str, Any]
+
+
+class RecordError(ValueError):
+  """A record file, record or region that cannot be rendered; the message names it."""
+
+
+def read_records(name: str, results_dir: str = RESULTS_DIR) -> list[dict[str, Any]]:
+  """The records of docs/results/NAME.jsonl, in file order, each checked for provenance."""
+  path = os.path.join(results_dir, f"{name}.jsonl")
+  if not os.path.exists(path):
+    raise RecordError(f"no record file {os.path.relpath(path, REPO_ROOT)}")
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{os.path.relpath(path, REPO_ROOT)}:{number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise RecordError(f"{where}: not JSON ({e})") from None
+      missing = [key for key in PROVENANCE_KEYS if not record.get(key)]
+      if missing:
+        raise RecordError(f"{where}: the record has no {', '.join(missing)}")
+      records.append(record)
+  return records
+
+
+def latest(records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list:
+  """The newest record of each fact (records with equal key(record)), in the order the
+  facts first appear."""
+  by_key: dict[Any, dict[str, Any]] = {}
+  for record in records:
+    by_key[key(record)] = record  # a dict keeps the key's first position
+  return list(by_key.values())
 
 
 # Formatting.

@@ -31,7 +31,7 @@ marker, in a Markdown file or a Python docstring:
     (replaced by `make docs`)
     <!-- /results -->
 
-VIEW names a function of `transformer/tools/doc_views.py`, which turns records into
+VIEW names a function of `transformer/tools/doc_views.py`, which reads the records and turns them into
 Markdown. Rendering is deterministic, so `--check` (and a test) fail when a region no
 longer matches its records.
 """
@@ -46,9 +46,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Iterable
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS_DIR = os.path.join(REPO_ROOT, "docs", "results")
-PROVENANCE_KEYS = ("machine", "date", "commit", "command")
+from transformer.tools.doc_views import REPO_ROOT, RecordError, views as all_views
 
 # The files that hold rendered regions: README, every page of docs/ (not the history
 # under docs/notes/), and the configs' docstrings.
@@ -56,41 +54,6 @@ RENDERED_GLOBS = ("README.md", "docs/*.md", "configs/*.py", "configs/sweeps/*.py
 
 REGION = re.compile(r"(?P<start><!-- results:(?P<view>[\w.-]+) -->\n)(?P<body>.*?)"
                     r"(?P<end>^[ \t]*<!-- /results -->)", re.DOTALL | re.MULTILINE)
-
-
-class RecordError(ValueError):
-  """A record file, record or region that cannot be rendered; the message names it."""
-
-
-def read_records(name: str, results_dir: str = RESULTS_DIR) -> list[dict[str, Any]]:
-  """The records of docs/results/NAME.jsonl, in file order, each checked for provenance."""
-  path = os.path.join(results_dir, f"{name}.jsonl")
-  if not os.path.exists(path):
-    raise RecordError(f"no record file {os.path.relpath(path, REPO_ROOT)}")
-  records = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{os.path.relpath(path, REPO_ROOT)}:{number}"
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise RecordError(f"{where}: not JSON ({e})") from None
-      missing = [key for key in PROVENANCE_KEYS if not record.get(key)]
-      if missing:
-        raise RecordError(f"{where}: the record has no {', '.join(missing)}")
-      records.append(record)
-  return records
-
-
-def latest(records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list:
-  """The newest record of each fact (records with equal key(record)), in the order the
-  facts first appear."""
-  by_key: dict[Any, dict[str, Any]] = {}
-  for record in records:
-    by_key[key(record)] = record  # a dict keeps the key's first position
-  return list(by_key.values())
 
 
 def render_text(text: str, views: dict[str, Callable[[], str]], where: str = "") -> str:
@@ -123,8 +86,7 @@ def render(root: str = REPO_ROOT, check: bool = False,
            views: dict[str, Callable[[], str]] | None = None) -> list[str]:
   """Renders every region under root; returns the files that changed (or would, if check)."""
   if views is None:
-    from transformer.tools import doc_views
-    views = doc_views.views()
+    views = all_views()
   changed = []
   for relative in rendered_files(root):
     path = os.path.join(root, relative)
