@@ -31,9 +31,9 @@ marker, in a Markdown file or a Python docstring:
     (replaced by `make docs`)
     <!-- /results -->
 
-VIEW names a function of `transformer/tools/doc_views.py`, which reads the records and turns them into
-Markdown. Rendering is deterministic, so `--check` (and a test) fail when a region no
-longer matches its records.
+VIEW names a function of `transformer/tools/doc_views.py`, which reads the records and
+turns them into Markdown. Rendering is deterministic, so `--check` (and a test) fail when a
+region no longer matches its records.
 """
 
 from __future__ import annotations
