@@ -99,3 +99,26 @@ def test_record_from_json_lines_a_script_wrote(tmp_path):
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["name"] for r in records] == ["peak", "train_step"]
   assert {r["command"] for r in records} == {"bash bench/cpu.sh"}
+
+
+def test_a_make_train_workdir_becomes_the_record_readme_renders(tmp_path, monkeypatch):
+  workdir = tmp_path / "run"
+  (workdir / "eval").mkdir(parents=True)
+  window = {"kind": "train", "steps_per_sec": 2.0, "mfu": 0.5, "hfu": 0.55,
+            "padding_efficiency": 0.9}
+  (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+      {**window, "step": 1, "tokens_per_sec": 1000.0, "elapsed_s": 30.0},
+      {**window, "step": 2, "tokens_per_sec": 3000.0, "elapsed_s": 61.0},
+      {"kind": "validation", "step": 2, "ppl": 12.5})))
+  (workdir / "eval" / "test-2.json").write_text(json.dumps(
+      {"split": "test", "step": 2, "num_sentences": 40, "beam_size": 4, "alpha": 0.6,
+       "bleu": 12.3, "bleu_tok": 12.9, "chrf": 40.0, "bleu_signature": "nrefs:1|tok:13a",
+       "sentences_per_sec": 8.0, "ppl": 13.0}))
+  monkeypatch.setattr(doc_views, "RESULTS_DIR", str(tmp_path))
+  assert render_docs.main(["--record", str(tmp_path / "make_train.jsonl"), "--from_workdir",
+                           str(workdir), "--wall_time_s", "100", "--command", "make train"]) == 0
+  text = doc_views.make_train()
+  for expected in ("1m40s, of which training 1m01s (2 steps of about 1,000 real",
+                   "2,000 target tokens/s (1,000 to 3,000), MFU 50.0%", "| 12.50 |", "**sacreBLEU 12.30**, tokenized BLEU 12.90",
+                   "8.0 sentences/s", "`sacreBLEU 12.30  nrefs:1|tok:13a`", "`make train`"):
+    assert expected in text

@@ -25,9 +25,9 @@ class RecordError(ValueError):
   """A record file, record or region that cannot be rendered; the message names it."""
 
 
-def read_records(name: str, results_dir: str = RESULTS_DIR) -> list[dict[str, Any]]:
+def read_records(name: str, results_dir: str | None = None) -> list[dict[str, Any]]:
   """The records of docs/results/NAME.jsonl, in file order, each checked for provenance."""
-  path = os.path.join(results_dir, f"{name}.jsonl")
+  path = os.path.join(results_dir or RESULTS_DIR, f"{name}.jsonl")
   if not os.path.exists(path):
     raise RecordError(f"no record file {os.path.relpath(path, REPO_ROOT)}")
   records = []
@@ -129,7 +129,8 @@ def make_train() -> str:
   rows = [
       ("time (install done, vocabulary cached)",
        f"{_minutes(r['wall_time_s'])}, of which training {_minutes(r['train_time_s'])} "
-       f"({r['num_train_steps']:,} steps of about 1,000 real target tokens)"),
+       f"({r['num_train_steps']:,} steps of about "
+       f"{_thousands(round(r['tokens_per_sec'] / r['steps_per_sec'], -2))} real target tokens)"),
       ("training throughput (median logged window)",
        f"{_thousands(r['tokens_per_sec'])} target tokens/s ({_thousands(low)} to "
        f"{_thousands(high)}), MFU {_percent(r['mfu'])}, HFU {_percent(r['hfu'])}"),

@@ -5,7 +5,7 @@
     python -m transformer.tools.render_docs --record docs/results/cpu.jsonl -- \\
         python -m transformer.tools.bench --config configs/default.py --json --label default
     python -m transformer.tools.render_docs --record docs/results/make_train.jsonl \\
-        --from_json workdirs/default/eval/test-1000.json --command "make train"
+        --from_workdir workdirs/default --wall_time_s 658 --command "make train"
     python -m transformer.tools.render_docs --record docs/results/cpu.jsonl \\
         --from_json bench/results/cpu.jsonl --command "bash bench/cpu.sh"
 
@@ -140,6 +140,38 @@ def append_records(path: str, records: list[dict[str, Any]], where: dict[str, st
       f.write(json.dumps({**record, **where}) + "\n")
 
 
+def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
+  """What `make train` reached, from its workdir: the training run's metrics.jsonl (the
+  logged windows, the last validation) and eval.py's JSON of the test split at the last
+  step. wall_time_s is the command's own time, measured outside it."""
+  import statistics
+  from transformer import storage
+  records = [json.loads(line) for line in
+             storage.read_text(storage.join(workdir, "metrics.jsonl")).splitlines()]
+  windows = [r for r in records if r["kind"] == "train"]
+  validations = [r for r in records if r["kind"] == "validation"]
+  if not windows or not validations:
+    raise RecordError(f"{workdir}: metrics.jsonl has no logged steps or no validation")
+  step = windows[-1]["step"]
+  scores = storage.read_json(storage.join(workdir, "eval", f"test-{step}.json"))
+
+  def median(key: str) -> float | None:
+    values = [r[key] for r in windows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+  tokens_per_sec = [r["tokens_per_sec"] for r in windows]
+  return {"name": "make_train", "workdir": workdir, "num_train_steps": step,
+          "wall_time_s": round(wall_time_s), "train_time_s": round(windows[-1]["elapsed_s"]),
+          "tokens_per_sec": median("tokens_per_sec"), "steps_per_sec": median("steps_per_sec"),
+          "tokens_per_sec_windows": [min(tokens_per_sec), max(tokens_per_sec)],
+          "mfu": median("mfu"), "hfu": median("hfu"),
+          "padding_efficiency": median("padding_efficiency"),
+          "validation_ppl": validations[-1]["ppl"],
+          **{key: scores[key] for key in ("split", "num_sentences", "beam_size", "alpha", "bleu",
+                                          "bleu_tok", "chrf", "bleu_signature",
+                                          "sentences_per_sec") if key in scores}}
+
+
 def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
   """The lines that are JSON objects (a command's other output is left out)."""
   found = []
@@ -173,17 +205,32 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--from_json", metavar="FILE",
                       help="With --record: a JSON file a command wrote (e.g. eval.py's "
                       "eval/<split>-<step>.json), or JSON lines (bench/results/cpu.jsonl).")
-  parser.add_argument("--command", help="With --from_json: the command that wrote it.")
+  parser.add_argument("--from_workdir", metavar="WORKDIR",
+                      help="With --record: the make_train record of this `make train` run "
+                      "(metrics.jsonl and eval/test-<step>.json); needs --wall_time_s.")
+  parser.add_argument("--wall_time_s", type=float,
+                      help="With --from_workdir: how long `make train` took, in seconds.")
+  parser.add_argument("--command", help="With --from_json or --from_workdir: the command "
+                      "that wrote the file(s).")
   parser.add_argument("--machine", help="With --record: the hardware, in words (default: "
                       "the CPU's model and core count).")
   args = parser.parse_args(argv)
 
   if args.record:
-    if bool(command) == bool(args.from_json):
-      parser.error("--record takes either a command after -- or --from_json")
-    if args.from_json:
-      if not args.command:
-        parser.error("--from_json needs --command: the command that wrote the file")
+    if sum(map(bool, (command, args.from_json, args.from_workdir))) != 1:
+      parser.error("--record takes one of: a command after --, --from_json, --from_workdir")
+    if (args.from_json or args.from_workdir) and not args.command:
+      parser.error("--from_json and --from_workdir need --command: the command that ran")
+    if args.from_workdir:
+      if args.wall_time_s is None:
+        parser.error("--from_workdir needs --wall_time_s: how long the command took")
+      try:
+        records = [make_train_record(args.from_workdir, args.wall_time_s)]
+      except (RecordError, OSError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+      where = provenance(args.command, args.machine)
+    elif args.from_json:
       with open(args.from_json, encoding="utf-8") as f:
         text = f.read()
       try:
