@@ -159,8 +159,8 @@ def make_train_expected() -> str:
 def make_test() -> str:
   r = read_records("make_test")[-1]
   low, high = r["wall_time_min_range"]
-  return (f"`make test` ran {r['tests']} tests in {low} to {high} minutes, install included, "
-          f"on a {r['machine']} ({r['date']}, commit {r['commit']}).")
+  return (f"It ran {r['tests']} tests in {low} to {high} minutes, install included, on a "
+          f"{r['machine']} ({r['date']}, commit {r['commit']}; `docs/results/make_test.jsonl`).")
 
 
 # docs/performance.md.
