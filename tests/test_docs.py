@@ -258,6 +258,16 @@ def _file_exists(path: str, relative: str) -> bool:
       ROOT, os.path.join(ROOT, "transformer"), os.path.join(ROOT, os.path.dirname(relative))))
 
 
+@functools.cache
+def _repository_basenames() -> frozenset:
+  """The names of the repository's files (not those the commands write)."""
+  names = set()
+  for top in ("transformer", "configs", "tests", "bench", "docs", "data"):
+    names |= {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, top, "**", "*"),
+                                                     recursive=True)}
+  return frozenset(names | {"train.py", "eval.py"})
+
+
 def _problems(relative: str, text: str) -> list[str]:
   problems = []
   # Rendered regions quote each record's command as it ran, then; they are checked
@@ -265,8 +275,7 @@ def _problems(relative: str, text: str) -> list[str]:
   text = render_docs.REGION.sub("", text)
   is_markdown = relative.endswith(".md")
   code = _code(text, is_markdown)
-  basenames = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "**", "*"),
-                                                      recursive=True)}
+  basenames = _repository_basenames()
   # Files.
   for span in code + [text]:
     for path in _PATH.findall(span):
