@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
 CONFIG ?= configs/default.py
 
-.PHONY: install train test clean
+.PHONY: install train test docs clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ train: install
 # default xdist hands out the files with the most tests first instead).
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+
+# Renders the figures of README, docs/ and the configs' docstrings from the records in
+# docs/results/ (transformer/tools/render_docs.py).
+docs: install
+	$(PY) -m transformer.tools.render_docs
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache

@@ -3,7 +3,7 @@
 Config overrides go after the config, e.g. `--config.model.num_layers=4`. Rerunning
 the same command resumes from the newest checkpoint in DIR. `--dry_run` prints the
 model's size and cost as one JSON line and exits without touching data or devices'
-memory. For several hosts see README ("Multi-host").
+memory. For several hosts see README ("Pods and clusters").
 """
 
 import json

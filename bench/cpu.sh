@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The CPU measurements of docs/performance.md, one after another (about 30 minutes on
-# 2 cores; run it on an otherwise idle machine).
+# The CPU measurements of docs/performance.md, one after another; it prints how long it
+# took at the end. Run it on an otherwise idle machine.
 #
 #   bash bench/cpu.sh                 # writes bench/results/cpu.jsonl and prints a table
 #
@@ -92,3 +92,4 @@ for line in open(sys.argv[1]):
                    f"{r['bare_steps_per_sec']:.2f} steps/s ({100 * r['efficiency']:.0f}%)")
     print(f"{r['label']:>22}  " + ", ".join(parts))
 PY
+echo "bench/cpu.sh took $((SECONDS / 60))m$((SECONDS % 60))s" >&2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU measurement of docs/performance.md in one call, about 7 minutes on one H200.
+# Every GPU measurement of docs/performance.md in one call; it prints how long it took.
 #
 #   pip install -e '.[cuda]' && bash bench/gpu.sh          # writes bench/results/gpu.jsonl
 #   SMOKE=1 bash bench/gpu.sh                              # tiny sizes: checks the script on CPU
@@ -59,3 +59,4 @@ for line in open(sys.argv[1]):
     tokens = f"{r['tokens_per_sec']:,.0f} tokens/s" if r.get("tokens_per_sec") else ""
     print(f"{r['label']:>16}  {r['name']:<14} {step:>11} {tokens:>18}  {mfu}")
 PY
+echo "bench/gpu.sh took $((SECONDS / 60))m$((SECONDS % 60))s" >&2

@@ -6,10 +6,13 @@ ARG is `base` or `big`, optionally with `,en-de` (default) or `,en-fr`:
     python eval.py  --config configs/wmt14.py:base,en-de --workdir gs://BUCKET/base-ende \
         --split test --average_last 5
 
-Hyperparameters are the paper's (PAPER.md): Adam(0.9, 0.98, 1e-9), warmup 4000,
-label smoothing 0.1, about 25,000 source and 25,000 target tokens per step, beam 4,
-alpha 0.6. Expected newstest2014 BLEU (tokenized, compound-split, the paper's
-protocol): base 27.3 / 38.1, big 28.4 / 41.8 (En-De / En-Fr).
+Hyperparameters are the paper's (Vaswani et al. 2017, "Attention Is All You Need",
+arXiv:1706.03762, sections 5 and 6): Adam(0.9, 0.98, 1e-9), warmup 4000, label smoothing
+0.1, about 25,000 source and 25,000 target tokens per step, beam 4, alpha 0.6; base trains
+100K steps, big 300K. Expected newstest2014 BLEU after averaging the last 5 (base) or 20
+(big) checkpoints, the paper's Table 2 (tokenized, compound-split, the paper's protocol):
+base 27.3 / 38.1, big 28.4 / 41.8 (En-De / En-Fr). This project has not trained them yet;
+docs/reproduce.md has the commands, the protocol and the cost.
 """
 
 from transformer import config as config_lib
@@ -46,8 +49,8 @@ def get_config(arg="base,en-de"):
   m = c.model
   m.num_layers, m.d_model, m.d_ff, m.num_heads, m.d_k, m.d_v = 6, 512, 2048, 8, 64, 64
   m.dropout_rate = 0.1
-  # One compiled layer per stack: compile time flat in N (docs/performance.md); on a
-  # 2-core CPU the unscanned step is 7-14% faster. Parameters carry a leading
+  # One compiled layer per stack: compile time stays flat in N, though on a 2-core CPU
+  # the unscanned step is faster (docs/performance.md). Parameters carry a leading
   # `layers` axis.
   m.scan_layers = True
   if size == "big":

@@ -21,7 +21,7 @@ ALLOWED = {
     "sweeps": {"config", "messages", "storage", "cli", "model", "data", "training",
                "evaluation"},
     "tools": {"config", "messages", "storage", "cli", "host_memory", "model", "data", "training",
-              "evaluation"},
+              "evaluation", "sweeps"},
 }
 
 

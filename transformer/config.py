@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 
 
 def model_config() -> ml_collections.ConfigDict:
-  """The architecture: Transformer-base's values (PAPER.md, "base")."""
+  """The architecture: Transformer-base's values (the paper's Table 3, row "base")."""
   m = ml_collections.ConfigDict()
   m.num_layers = 6  # N, for the encoder and the decoder alike
   m.d_model = 512

@@ -1,7 +1,7 @@
 """Scripts that run a sweep's rows on a SLURM cluster or a TPU pod (`sweep --launch`).
 
 Only command generation: each row's script runs the same `train.py` and `eval.py`
-commands as a local sweep, started the way README ("Multi-host") starts any multi-host
+commands as a local sweep, started the way README ("Pods and clusters") starts any multi-host
 run. JAX reads the SLURM environment or the TPU runtime to connect the processes, and
 a rerun of a script resumes the row from its newest checkpoint, so a preempted or
 requeued job loses at most one checkpoint interval.

@@ -5,4 +5,5 @@
   input_speed          the input pipeline alone: examples/s and tokens/s
   average_checkpoints  the mean of a run's last k checkpoints, written as a new run
   memory               per-device memory of the compiled training step, mesh by mesh
+  render_docs          `make docs`: README's and docs/' figures, from docs/results/*.jsonl
 """

@@ -1,0 +1,392 @@
+"""Every file, module, flag, config and make target that README, docs/ and the docstrings
+name exists; links point at files and headings that exist.
+
+Nothing is imported but transformer.config (for the config keys and the configs'
+arguments): modules and flags are found by reading the sources, so the test takes
+about a second. docs/notes/ is history and may name code as it was, and so may the
+commands that rendered regions quote from their records: neither is checked.
+"""
+
+import ast
+import functools
+import glob
+import os
+import re
+
+import pytest
+
+from transformer import config as config_lib
+from transformer.tools import render_docs
+
+ROOT = config_lib.REPO_ROOT
+TOP_LEVEL = ("transformer/", "configs/", "docs/", "tests/", "bench/", "data/")
+FILE_SUFFIXES = ("py", "md", "sh", "toml", "jsonl", "json", "png", "csv", "gz", "tsv")
+CONFIG_PREFIXES = ("model.", "mesh.")
+# Written by the commands, not kept in the repository (.gitignore).
+GENERATED = ("bench/results/", "workdirs/")
+
+# Entry points and the file that defines their flags.
+COMMANDS = {"train.py": "train.py", "eval.py": "eval.py"}
+
+
+def _read(relative: str) -> str:
+  with open(os.path.join(ROOT, relative), encoding="utf-8") as f:
+    return f.read()
+
+
+def _markdown_files() -> list[str]:
+  return ["README.md"] + sorted(
+      os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def _python_files() -> list[str]:
+  found = ["train.py", "eval.py"]
+  for pattern in ("configs/**/*.py", "transformer/**/*.py"):
+    found += sorted(os.path.relpath(p, ROOT)
+                    for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+  return found
+
+
+def _docstrings(relative: str) -> str:
+  tree = ast.parse(_read(relative))
+  texts = []
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      text = ast.get_docstring(node, clean=False)
+      if text:
+        texts.append(text)
+  return "\n".join(texts)
+
+
+def _texts() -> list[tuple[str, str]]:
+  """(file, text) for every Markdown page and every Python file's docstrings."""
+  return ([(f, _read(f)) for f in _markdown_files()] +
+          [(f, _docstrings(f)) for f in _python_files()])
+
+
+# Modules, by reading the sources.
+
+
+@functools.cache
+def _module_path(dotted: str) -> str | None:
+  """transformer.a.b -> its .py file (or package __init__.py), or None."""
+  base = os.path.join(ROOT, *dotted.split("."))
+  for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+    if os.path.exists(candidate):
+      return candidate
+  return None
+
+
+@functools.cache
+def _names_in(path: str) -> dict[str, ast.AST]:
+  """Top-level names a module defines or imports."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  names: dict[str, ast.AST] = {}
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names[node.name] = node
+    elif isinstance(node, ast.Assign):
+      for target in node.targets:
+        if isinstance(target, ast.Name):
+          names[target.id] = node
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      names[node.target.id] = node
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      for alias in node.names:
+        names[(alias.asname or alias.name).split(".")[0]] = node
+  return names
+
+
+@functools.cache
+def _modules_by_basename() -> dict[str, list[str]]:
+  """'decoding' -> ['transformer.model.decoding'], for every module and package."""
+  found: dict[str, list[str]] = {}
+  for path in glob.glob(os.path.join(ROOT, "transformer", "**", "*.py"), recursive=True):
+    relative = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    if relative.endswith(".__init__"):
+      relative = relative[:-len(".__init__")]
+    found.setdefault(relative.split(".")[-1], []).append(relative)
+  return found
+
+
+def _resolves(dotted: str) -> bool:
+  """transformer.a.b.name[.attr]: a module, or a name in one (a class's member too)."""
+  parts = dotted.split(".")
+  for split in range(len(parts), 0, -1):
+    path = _module_path(".".join(parts[:split]))
+    if path is None:
+      continue
+    rest = parts[split:]
+    if not rest:
+      return True
+    names = _names_in(path)
+    if rest[0] not in names:
+      return False
+    node = names[rest[0]]
+    if len(rest) > 1 and isinstance(node, ast.ClassDef):
+      members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+      members |= {t.id for n in node.body if isinstance(n, ast.AnnAssign)
+                  for t in [n.target] if isinstance(t, ast.Name)}
+      return rest[1] in members
+    return True
+  return False
+
+
+# Flags, by reading the sources.
+
+_DEFINE = re.compile(r"DEFINE_\w+\(\s*\"(\w+)\"")
+_ARGPARSE = re.compile(r"add_argument\(\s*\"--(\w+)\"")
+_IMPORT = re.compile(
+    r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))", re.MULTILINE)
+
+
+@functools.cache
+def _absl_builtin_flags() -> frozenset:
+  from absl import app, flags, logging  # noqa: F401  (each defines its own flags)
+  return frozenset(flags.FLAGS)
+
+
+@functools.cache
+def _flags_of(entry: str) -> frozenset:
+  """The flags of an entry file: its own and those of every transformer module it imports."""
+  seen, pending, names = set(), [os.path.join(ROOT, entry)], set(_absl_builtin_flags())
+  while pending:
+    path = pending.pop()
+    if path in seen:
+      continue
+    seen.add(path)
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    names |= set(_DEFINE.findall(text)) | set(_ARGPARSE.findall(text))
+    for package, imported, module in _IMPORT.findall(text):
+      candidates = [module] if module else [package] + [
+          f"{package}.{name.strip()}" for name in imported.split(",")]
+      for candidate in candidates:
+        found = _module_path(candidate)
+        if found:
+          pending.append(found)
+  return frozenset(names)
+
+
+def _entry_at(words: list[str], i: int) -> str | None:
+  """The file whose flags follow words[i], if words[i] starts a command: train.py,
+  eval.py or `-m transformer.X`."""
+  word = words[i]
+  if os.path.basename(word) in COMMANDS:
+    return COMMANDS[os.path.basename(word)]
+  if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("transformer"):
+    path = _module_path(words[i + 1])
+    if path and path.endswith("__init__.py"):
+      path = os.path.join(os.path.dirname(path), "__main__.py")
+    return os.path.relpath(path, ROOT) if path else None
+  return None
+
+
+@functools.cache
+def _all_flags() -> frozenset:
+  entries = ["train.py", "eval.py"] + [
+      os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "transformer", "**",
+                                                               "*.py"), recursive=True)]
+  return frozenset().union(*(_flags_of(e) for e in entries))
+
+
+@functools.cache
+def _config_keys() -> frozenset:
+  return frozenset(_flatten(config_lib.base_config().to_dict()))
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[str]:
+  keys = []
+  for key, value in tree.items():
+    keys.append(prefix + key)
+    if isinstance(value, dict):
+      keys += _flatten(value, prefix + key + ".")
+  return keys
+
+
+def _config_key_exists(key: str) -> bool:
+  if key.endswith("*"):
+    return any(k.startswith(key[:-1]) for k in _config_keys())
+  return key in _config_keys()
+
+
+def _flag_problem(flag: str, known: frozenset) -> str | None:
+  name = flag.split("=")[0]
+  if name.startswith("config."):
+    key = name[len("config."):]
+    return None if _config_key_exists(key) else f"--{name}: no config key {key}"
+  if name in known or (name.startswith("no") and name[2:] in known):
+    return None
+  return f"--{name}"
+
+
+# What the texts name.
+
+_CODE_BLOCK = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_BACKTICKS = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_PATH = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)*[\w.-]*\w\.(?:" + "|".join(FILE_SUFFIXES) +
+                   r"))(?![\w/-]|\.\w)")
+_DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\*?)")
+_FLAG = re.compile(r"^--([a-z][\w.]*)")
+_PLACEHOLDER = re.compile(r"\b[A-Z]{2,}\b")  # NAME, ARG, FILE: stands for any value
+# Quoted error messages name what is wrong on purpose.
+_ERROR_QUOTE = re.compile(r"error:|did you mean|unknown key", re.IGNORECASE)
+_CONFIG_ARG = re.compile(r"(configs/[\w/]+\.py):([\w,|-]+)")
+_MAKE = re.compile(r"\bmake ([a-z][\w-]*)")
+
+
+def _code(text: str, is_markdown: bool) -> list[str]:
+  """Code: fenced blocks (line by line, continuations joined) and backticked spans; in
+  docstrings, backticked spans and the lines that run a command."""
+  spans = []
+  if is_markdown:
+    for block in _CODE_BLOCK.findall(text):
+      spans += block.replace("\\\n", " ").splitlines()
+    text = _CODE_BLOCK.sub("", text)
+  else:
+    spans += [line for line in text.replace("\\\n", " ").splitlines()
+              if re.match(r"\s*(python|make|bash|XLA_FLAGS|TRANSFORMER_)", line)]
+  spans += _BACKTICKS.findall(text)
+  return [span for span in spans if not _ERROR_QUOTE.search(span)]
+
+
+def _file_exists(path: str, relative: str) -> bool:
+  """A repository path, or one relative to the package or to the naming file's folder."""
+  return any(os.path.exists(os.path.join(base, path)) for base in (
+      ROOT, os.path.join(ROOT, "transformer"), os.path.join(ROOT, os.path.dirname(relative))))
+
+
+@functools.cache
+def _repository_basenames() -> frozenset:
+  """The names of the repository's files (not those the commands write)."""
+  names = set()
+  for top in ("transformer", "configs", "tests", "bench", "docs", "data"):
+    names |= {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, top, "**", "*"),
+                                                     recursive=True)}
+  return frozenset(names | {"train.py", "eval.py"})
+
+
+def _problems(relative: str, text: str) -> list[str]:
+  problems = []
+  # Rendered regions quote each record's command as it ran, then; they are checked
+  # against their records instead (test_tools_render_docs.py).
+  text = render_docs.REGION.sub("", text)
+  is_markdown = relative.endswith(".md")
+  code = _code(text, is_markdown)
+  basenames = _repository_basenames()
+  # Files.
+  for span in code + [text]:
+    for path in _PATH.findall(span):
+      if (_PLACEHOLDER.search(path) and not path.endswith(".md")  # README.md is no placeholder
+          or path.startswith(GENERATED)):
+        continue
+      if path.startswith(TOP_LEVEL) or path in ("train.py", "eval.py", "README.md",
+                                                 "pyproject.toml"):
+        if not _file_exists(path, relative):
+          problems.append(f"file {path}")
+      elif "/" not in path and path.endswith(".py") and path not in basenames:
+        problems.append(f"file {path}")
+      elif "/" not in path and path.endswith(".md") and not any(
+          os.path.exists(os.path.join(ROOT, base, path))
+          for base in ("", "docs", os.path.dirname(relative))):
+        problems.append(f"file {path}")
+  # Links.
+  if is_markdown:
+    for target in _LINK.findall(text):
+      if re.match(r"[a-z]+:", target):
+        continue
+      path, _, anchor = target.partition("#")
+      full = os.path.normpath(os.path.join(ROOT, os.path.dirname(relative), path)) if path else (
+          os.path.join(ROOT, relative))
+      if not os.path.exists(full):
+        problems.append(f"link {target}")
+      elif anchor and full.endswith(".md"):
+        with open(full, encoding="utf-8") as f:
+          headings = re.findall(r"^#+ (.+)$", f.read(), re.MULTILINE)
+        slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+        if anchor not in slugs:
+          problems.append(f"link {target}: no such heading")
+  # Modules and names in them.
+  for span in code:
+    for dotted in _DOTTED.findall(span):
+      if _PLACEHOLDER.search(dotted) or dotted.split(".")[-1] in FILE_SUFFIXES or dotted.endswith(
+          tuple("." + s for s in FILE_SUFFIXES)):
+        continue
+      first = dotted.split(".")[0]
+      if dotted.startswith(CONFIG_PREFIXES) or first == "config":
+        key = dotted[len("config."):] if first == "config" else dotted
+        if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
+          problems.append(f"config key {key}")
+      elif first == "transformer":
+        if not _resolves(dotted):
+          problems.append(f"module or name {dotted}")
+      elif first in _modules_by_basename():
+        if not any(_resolves(m + dotted[len(first):]) for m in _modules_by_basename()[first]):
+          problems.append(f"module or name {dotted}")
+  # Flags: checked against the command they follow, else against every command's flags.
+  for span in code:
+    words = span.split()
+    known = _all_flags() if span.startswith("--") else None
+    entry = None
+    for i, word in enumerate(words):
+      entry = _entry_at(words, i) or entry
+      if entry:
+        known = _flags_of(entry)
+      match = _FLAG.match(word)
+      if match and known is not None and not _PLACEHOLDER.search(word):
+        problem = _flag_problem(match.group(1), known)
+        if problem:
+          problems.append(f"flag {problem} ({entry or 'no command'})")
+  # Configs and their arguments.
+  for span in code + ([text] if not is_markdown else []):
+    for path, argument in _CONFIG_ARG.findall(span):
+      if _PLACEHOLDER.search(argument):
+        continue
+      for arg in argument.split("|"):
+        arg = arg.rstrip(",")
+        try:
+          config_lib.load_config(f"{path}:{arg}", {})
+        except Exception as e:  # noqa: BLE001  (any failure is the finding)
+          problems.append(f"config {path}:{arg} ({e})")
+  # README's sections, named as README ("Section").
+  readme_headings = set(re.findall(r"^#+ (.+)$", _read("README.md"), re.MULTILINE))
+  for section in re.findall(r"README \(\"([^\"]+)\"\)", text):
+    if section not in readme_headings:
+      problems.append(f"README section {section}")
+  # make targets.
+  targets = set(re.findall(r"^([\w-]+):", _read("Makefile"), re.MULTILINE))
+  for span in code:
+    for target in _MAKE.findall(span):
+      if target not in targets:
+        problems.append(f"make {target}")
+  return sorted(set(problems))
+
+
+@pytest.mark.parametrize("relative", _markdown_files() + _python_files())
+def test_everything_named_exists(relative):
+  text = _read(relative) if relative.endswith(".md") else _docstrings(relative)
+  assert _problems(relative, text) == []
+
+
+def test_the_check_finds_what_is_missing():
+  text = """
+```
+python train.py --config configs/default.py:nosuch --no_such_flag --config.model.no_key=1
+python -m transformer.tools.no_such_tool
+make no_such_target
+```
+`speed.py` in `transformer/data/`; `tied_projection` in `model.py`; `decoding.no_such_name`;
+`model.no_such_key`; [a link](docs/no_such_page.md); [a heading](docs/data.md#no-such-heading)
+The paper's values (PAPER.md). Started as README ("No such section") says.
+"""
+  found = "\n".join(_problems("README.md", text))
+  for expected in ("file speed.py", "file model.py", "flag --no_such_flag",
+                   "--config.model.no_key", "config configs/default.py:nosuch",
+                   "module or name transformer.tools.no_such_tool",
+                   "module or name decoding.no_such_name", "config key model.no_such_key",
+                   "make no_such_target", "link docs/no_such_page.md", "file PAPER.md",
+                   "README section No such section",
+                   "link docs/data.md#no-such-heading"):
+    assert expected in found

@@ -1,0 +1,475 @@
+"""The result records of docs/results/, and the views `make docs` renders from them.
+
+A view is named in a region of README, docs/ or a config's docstring
+(`<!-- results:NAME -->`, see render_docs.py). Each view reads its records, keeps the
+newest record of each fact, and ends with where the figures came from: the record
+file, the machine, the date, the commit and the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import textwrap
+from typing import Any, Callable, Iterable, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS_DIR = os.path.join(REPO_ROOT, "docs", "results")
+PROVENANCE_KEYS = ("machine", "date", "commit", "command")
+
+Record = dict[str, Any]
+
+
+class RecordError(ValueError):
+  """A record file, record or region that cannot be rendered; the message names it."""
+
+
+def read_records(name: str, results_dir: str | None = None) -> list[dict[str, Any]]:
+  """The records of docs/results/NAME.jsonl, in file order, each checked for provenance."""
+  path = os.path.join(results_dir or RESULTS_DIR, f"{name}.jsonl")
+  if not os.path.exists(path):
+    raise RecordError(f"no record file {os.path.relpath(path, REPO_ROOT)}")
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{os.path.relpath(path, REPO_ROOT)}:{number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise RecordError(f"{where}: not JSON ({e})") from None
+      missing = [key for key in PROVENANCE_KEYS if not record.get(key)]
+      if missing:
+        raise RecordError(f"{where}: the record has no {', '.join(missing)}")
+      records.append(record)
+  return records
+
+
+def latest(records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list:
+  """The newest record of each fact (records with equal key(record)), in the order the
+  facts first appear."""
+  by_key: dict[Any, dict[str, Any]] = {}
+  for record in records:
+    by_key[key(record)] = record  # a dict keeps the key's first position
+  return list(by_key.values())
+
+
+# Formatting.
+
+
+def _thousands(value: float, digits: int = 0) -> str:
+  return f"{value:,.{digits}f}"
+
+
+def _percent(value: float) -> str:
+  return f"{100 * value:.1f}%"
+
+
+def _minutes(seconds: float) -> str:
+  return f"{int(seconds // 60)}m{int(round(seconds % 60)):02d}s"
+
+
+def _runs(values: Sequence[float], fmt: Callable[[float], str], unit: str = "") -> str:
+  """'median (run, run, run) unit'."""
+  runs = ", ".join(fmt(v) for v in values)
+  return f"{fmt(statistics.median(values))} ({runs}){' ' + unit if unit else ''}"
+
+
+def _scientific(value: float) -> str:
+  """4.06e8, as the paper writes FLOPs."""
+  mantissa, exponent = f"{value:.2e}".split("e")
+  return f"{mantissa}e{int(exponent)}"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def source(name: str, records: Sequence[Record]) -> str:
+  """One line: the record file, and each distinct machine, date, commit and command."""
+
+  def distinct(key: str) -> list[str]:
+    return list(dict.fromkeys(str(r[key]) for r in records))
+
+  machines, dates, commits = distinct("machine"), distinct("date"), distinct("commit")
+  commands = distinct("command")
+  parts = [f"`docs/results/{name}.jsonl`", "; ".join(machines),
+           ", ".join(dates), "commit " + ", ".join(commits)]
+  if len(commands) == 1:
+    parts.append(f"`{commands[0]}`")
+  else:
+    parts.append("each row's command is in its record")
+  quoted: dict[str, list[str]] = {}  # "docs/x.md at COMMIT (...)": where a figure was quoted
+  for r in records:
+    if "source" in r:
+      where, _, commit = r["source"].split(" (")[0].partition(" at ")
+      quoted.setdefault(where, [])
+      if commit not in quoted[where]:
+        quoted[where].append(commit)
+  if quoted:
+    parts.append("figures first quoted in " + "; ".join(
+        f"{where} at {', '.join(commits)}" for where, commits in quoted.items()))
+  return "<sub>Records: " + "; ".join(parts) + ".</sub>"
+
+
+# README and configs/default.py: what `make train` and `make test` reach.
+
+
+def _make_train() -> Record:
+  return read_records("make_train")[-1]
+
+
+def make_train() -> str:
+  r = _make_train()
+  low, high = r["tokens_per_sec_windows"]
+  rows = [
+      ("time (install done, vocabulary cached)",
+       f"{_minutes(r['wall_time_s'])}, of which training {_minutes(r['train_time_s'])} "
+       f"({r['num_train_steps']:,} steps of about "
+       f"{_thousands(round(r['tokens_per_sec'] / r['steps_per_sec'], -2))} real target tokens)"),
+      ("training throughput (median logged window)",
+       f"{_thousands(r['tokens_per_sec'])} target tokens/s ({_thousands(low)} to "
+       f"{_thousands(high)}), MFU {_percent(r['mfu'])}, HFU {_percent(r['hfu'])}"),
+      ("final validation perplexity (unsmoothed)", f"{r['validation_ppl']:.2f}"),
+      (f"{r['split']} split ({r['num_sentences']:,} sentences), beam {r['beam_size']}, "
+       f"alpha {r['alpha']}",
+       f"**sacreBLEU {r['bleu']:.2f}**, tokenized BLEU {r['bleu_tok']:.2f}, "
+       f"chrF {r['chrf']:.2f}"),
+      ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s"),
+  ]
+  last_line = f"sacreBLEU {r['bleu']:.2f}  {r['bleu_signature']}"
+  return (table(("`make train`", "result"), rows) + f"\n\nIts last line: `{last_line}`\n\n"
+          + source("make_train", [r]))
+
+
+def make_train_expected() -> str:
+  r = _make_train()
+  return textwrap.fill(
+      f"sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
+      f"{r['num_sentences']:,}-sentence test split, validation perplexity "
+      f"{r['validation_ppl']:.2f}; {r['num_train_steps']:,} steps in "
+      f"{_minutes(r['train_time_s'])} on a {r['machine']} ({r['date']}, commit "
+      f"{r['commit']}; docs/results/make_train.jsonl).", width=88)
+
+
+def make_test() -> str:
+  r = read_records("make_test")[-1]
+  low, high = r["wall_time_min_range"]
+  return (f"It ran {r['tests']} tests in {low} to {high} minutes, install included, on a "
+          f"{r['machine']} ({r['date']}, commit {r['commit']}; `docs/results/make_test.jsonl`).")
+
+
+# docs/performance.md.
+
+
+def _by_label(name: str, kind: str) -> dict[str, Record]:
+  records = [r for r in read_records(name) if r["name"] == kind]
+  return {r["label"]: r for r in latest(records, key=lambda r: r["label"])}
+
+
+# (label, what the row is, the label whose record replaces it): the labels are
+# bench/cpu.sh's. Until cpu.sh ran with configs/wmt14.py scanning its layers, the option
+# rows were measured on the unscanned base; a record under today's label replaces them.
+_CPU_STEP_ROWS = (
+    ("base", "wmt14 base (`configs/wmt14.py`, scanned layers)", None),
+    ("base-glibc_default", "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`", None),
+    ("base-unscanned", "wmt14 base, `model.scan_layers=false`", None),
+    ("base-unsafe_rbg", "wmt14 base, `dropout_rng_impl=unsafe_rbg`", None),
+    ("base-attention_xla", "wmt14 base, `model.attention_kernel=xla`", None),
+    ("base-remat_full", "wmt14 base, `model.remat=full`", None),
+    ("base-unscanned-unsafe_rbg", "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
+     "base-unsafe_rbg"),
+    ("base-unscanned-attention_xla", "wmt14 base, unscanned, `model.attention_kernel=xla`",
+     "base-attention_xla"),
+    ("base-unscanned-remat_full", "wmt14 base, unscanned, `model.remat=full`",
+     "base-remat_full"),
+    ("big", "wmt14 big, 4 x 64 tokens", None),
+    ("default", "default (Tatoeba), 16 x 64 tokens", None),
+    ("default-train-shape", "default, 17 x 64 tokens: the step `make train` runs", None),
+)
+
+
+def _median_of(record: Record, key: str) -> float | None:
+  """A record's figure, or the median of its runs (`KEY_runs`), or None."""
+  if record.get(key) is not None:
+    return record[key]
+  runs = record.get(key + "_runs")
+  return statistics.median(runs) if runs else None
+
+
+def cpu_train_step() -> str:
+  by_label = _by_label("cpu", "train_step")
+  shown = [(what, by_label[label]) for label, what, replaced_by in _CPU_STEP_ROWS
+           if label in by_label and (replaced_by is None or replaced_by not in by_label)]
+  chosen = [r for _, r in shown]
+
+  def cell(value: float | None, fmt: Callable[[float], str]) -> str:
+    return "" if value is None else fmt(value)
+
+  rows = [(what, f"{r['date']}, {r['commit']}", cell(r.get("compile_s"), lambda v: f"{v:.1f} s"),
+           cell(_median_of(r, "step_time_s"), lambda v: f"{_thousands(1e3 * v)} ms"),
+           cell(_median_of(r, "tokens_per_sec"), _thousands), cell(r.get("mfu"), _percent),
+           cell(r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"),
+           "kept" if r["host_memory_retained"] else "returned")
+          for what, r in shown]
+  return table(("run", "measured", "compile", "step (median)", "target tokens/s", "MFU",
+                "peak in that run", "freed host memory"), rows) + "\n\n" + source("cpu", chosen)
+
+
+def cpu_default_beam_search() -> str:
+  beam = _by_label("cpu", "beam_search")["default"]
+  return (f"Beam search on the default model (beam {beam['beam_size']}, {beam['sentences']} "
+          f"sentences, {beam['decode_steps']} output tokens each, with the cache): "
+          f"{1e3 * beam['step_time_s']:.0f} ms per step, {_thousands(beam['tokens_per_sec'])} "
+          f"output tokens/s, {beam['sentences_per_sec']:.1f} sentences/s.\n\n"
+          + source("cpu", [beam]))
+
+
+def compile_depth() -> str:
+  by_label = _by_label("cpu", "train_step")
+  rows, used = [], []
+  for layers in (2, 12):
+    unrolled = by_label[f"compile-N{layers}-scan_false"]
+    scanned = by_label[f"compile-N{layers}-scan_true"]
+    used += [unrolled, scanned]
+    rows.append((f"N = {layers}", f"{unrolled['compile_s']:.1f} s",
+                 f"{scanned['compile_s']:.1f} s"))
+  deep_unrolled = by_label["compile-N12-scan_false"]
+  deep_scanned = by_label["compile-N12-scan_true"]
+  return (table(("layers per stack", "compile, unrolled layers", "compile, `scan_layers=true`"),
+                rows)
+          + f"\n\nAt N = 12 the scanned step also ran faster: "
+          f"{_thousands(1e3 * deep_scanned['step_time_s'])} ms against "
+          f"{_thousands(1e3 * deep_unrolled['step_time_s'])} ms.\n\n" + source("cpu", used))
+
+
+def host_memory() -> str:
+  steps = _by_label("cpu", "train_step")
+  kept, returned = steps["base"], steps["base-glibc_default"]
+
+  def row(what: str, r: Record) -> tuple:
+    low, high = r["host_kernel_s_per_step"]
+    kernel = f"{low:.2f} s" if low == high else f"{low:.2f} to {high:.2f} s"
+    return (what, _runs(r["step_time_s_runs"], lambda s: _thousands(1e3 * s), "ms"),
+            _runs(r["tokens_per_sec_runs"], _thousands),
+            _thousands(r["host_page_faults_per_step"]), kernel,
+            f"{r['peak_rss_bytes'] / 1e9:.2f} GB")
+
+  gain = 1 - (statistics.median(kept["step_time_s_runs"]) /
+              statistics.median(returned["step_time_s_runs"]))
+  return (table(("freed memory", "step: median (each run)", "target tokens/s",
+                 "host page faults per step", "kernel time per step", "peak resident memory"),
+                [row("kept (the default on CPU)", kept),
+                 row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned)])
+          + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
+          f"{100 * (kept['peak_rss_bytes'] / returned['peak_rss_bytes'] - 1):.0f}% more peak "
+          "resident memory.\n\n" + source("cpu", [kept, returned]))
+
+
+def host_memory_input_pipeline() -> str:
+  pipelines = _by_label("host_memory", "input_pipeline")
+  kept, returned = pipelines["default-retain_freed_memory"], pipelines["default-glibc_default"]
+  kept_median = statistics.median(kept["tokens_per_sec_runs"])
+  returned_median = statistics.median(returned["tokens_per_sec_runs"])
+  return (f"The default's input pipeline delivered {_runs(kept['tokens_per_sec_runs'], _thousands)}"
+          f" tokens/s with the options and {_runs(returned['tokens_per_sec_runs'], _thousands)} "
+          f"without: {100 * (1 - kept_median / returned_median):.0f}% less with the single "
+          "arena.\n\n" + source("host_memory", [kept, returned]))
+
+
+def train_loop() -> str:
+  records = [r for r in read_records("host_memory") if r["name"] == "train_loop"]
+  rows = []
+  for label, what in (("default-train_loop", "kept (the default on CPU)"),
+                      ("default-train_loop-glibc_default",
+                       "returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)")):
+    runs = [r for r in records if r["label"] == label]
+    ratios = sorted(r["efficiency"] for r in runs)
+    rows.append((what, len(runs),
+                 f"{statistics.median(r['loop_steps_per_sec'] for r in runs):.2f}",
+                 f"{statistics.median(r['bare_steps_per_sec'] for r in runs):.2f}",
+                 f"{100 * statistics.median(ratios):.0f}% ({100 * ratios[0]:.0f}% to "
+                 f"{100 * ratios[-1]:.0f}%)"))
+  return (table(("freed host memory", "runs", "loop, steps/s (median)",
+                 "bare step, steps/s (median)", "loop / bare: median (range)"), rows)
+          + "\n\n" + source("host_memory", records))
+
+
+def memory_per_mesh() -> str:
+  records = latest(read_records("memory"), key=lambda r: (r["data"], r["fsdp"], r["tensor"]))
+
+  def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+  rows = [(r["data"], r["fsdp"], r["tensor"], mib(r["state"]), mib(r["argument"]),
+           mib(r["output"]), mib(r["temp"]), mib(r["temp_propagated"])) for r in records]
+  first = records[0]
+  return (f"{first['rows']} x {first['seq_len']} source and target tokens per step; MiB per "
+          "device:\n\n"
+          + table(("data", "fsdp", "tensor", "state", "argument", "output", "temp",
+                   "temp, propagation only"), rows) + "\n\n" + source("memory", records))
+
+
+def _side_by_side(kind: str) -> str:
+  records = [r for r in read_records("flax_side_by_side") if r["kind"] == kind]
+  newest = max(r["sitting"] for r in records)
+  chosen = [r for r in records if r["sitting"] == newest]
+  fmt = _thousands if kind == "train_step" else (lambda v: f"{v:.2f}")
+  rows = []
+  for r in chosen:
+    ours, flax = statistics.median(r["project_runs"]), statistics.median(r["flax_runs"])
+    row = [f"{r['layers']}", _runs(r["project_runs"], fmt), _runs(r["flax_runs"], fmt),
+           f"**{ours / flax:.2f}x**"]
+    if "flax_same_glibc_runs" in r:
+      same = statistics.median(r["flax_same_glibc_runs"])
+      row += [_runs(r["flax_same_glibc_runs"], fmt), f"{ours / same:.2f}x"]
+    rows.append(row)
+  unit = chosen[0]["unit"]
+  headers = ["layers", f"this project, {unit}", "Flax example", "ratio"]
+  if len(rows[0]) > len(headers):
+    headers += ["Flax example, same glibc options", "ratio"]
+  return table(headers, rows) + "\n\n" + source("flax_side_by_side", chosen)
+
+
+def flax_train_step() -> str:
+  return _side_by_side("train_step")
+
+
+def flax_beam_search() -> str:
+  return _side_by_side("beam_search")
+
+
+# docs/reproduce.md.
+
+
+def _paper(value: float | None, digits: int) -> str:
+  return "" if value is None else f"{value:.{digits}f}"
+
+
+def _overrides(overrides: dict) -> str:
+  return " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)"
+
+
+def _training_flops(record: Record, tokens_per_step: float = 25_000) -> float:
+  steps = record["overrides"].get("num_train_steps", 100_000)
+  return record["flops_per_token"] * tokens_per_step * steps
+
+
+def table3() -> str:
+  from transformer.sweeps.spec import load_sweep
+  paper = {row.name: row for row in load_sweep("configs/sweeps/table3.py").rows}
+  records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
+  rows = [(r["name"], f"`{_overrides(r['overrides'])}`", _paper(paper[r["name"]].paper_ppl, 2),
+           _paper(paper[r["name"]].paper_bleu, 1),
+           "" if r["paper_params_m"] is None else f"{r['paper_params_m']}M",
+           f"{r['num_params'] / 1e6:.1f}M", _scientific(r["flops_per_token"])) for r in records]
+  return (table(("row", "train.py overrides of `configs/wmt14.py:base`", "paper PPL",
+                 "paper BLEU", "paper params", "our params", "FLOPs / target token"), rows)
+          + "\n\n" + source("table3_dry_run", records))
+
+
+def table3_cost() -> str:
+  """Parameter counts against the paper's, and training FLOPs, from the dry run."""
+  records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
+  by_name = {r["name"]: r for r in records}
+  compared = [(r["num_params"] / (r["paper_params_m"] * 1e6) - 1, r["name"]) for r in records
+              if r["paper_params_m"]]
+  furthest, furthest_name = max(compared, key=lambda c: abs(c[0]))
+  hundred_k = [r for r in records if "num_train_steps" not in r["overrides"]]
+  cheapest = min(hundred_k, key=_training_flops)
+  dearest = max(hundred_k, key=_training_flops)
+  total = sum(_training_flops(r) for r in records)
+  # 8 A100s at an assumed 40% of their dense bf16 peak (312 TFLOP/s each).
+  sustained = 8 * 312e12 * 0.4
+  return (f"Every row's parameter count is within {100 * abs(furthest):.0f}% of the paper's "
+          f"({furthest_name} is the furthest, {100 * furthest:+.1f}%). By our FLOP count a "
+          f"100K-step row at 25,000 target tokens per step is about "
+          f"{_scientific(_training_flops(by_name['base']))} FLOPs (base; from "
+          f"{_scientific(_training_flops(cheapest))} for {cheapest['name']} to "
+          f"{_scientific(_training_flops(dearest))} for {dearest['name']}), big about "
+          f"{_scientific(_training_flops(by_name['big']))}, and the whole table about "
+          f"{_scientific(total)}. At an assumed 40% of bf16 peak "
+          f"(`--config.model.dtype=bfloat16`), one machine with 8 A100s would need about "
+          f"{_training_flops(by_name['base']) / sustained / 60:.0f} minutes per 100K-step base "
+          f"row and about {total / sustained / 3600:.0f} hours for the table: estimates from "
+          "FLOPs, not measurements.\n\n" + source("table3_dry_run", records))
+
+
+def table3_small() -> str:
+  from transformer.sweeps.spec import load_sweep
+  paper = {row.name: row for row in load_sweep("configs/sweeps/table3_small.py").rows}
+  records = latest(read_records("table3_small"), key=lambda r: r["row"])
+  base = next(r for r in records if r["row"] == "base")
+  paper_base = paper["base"].paper_ppl
+
+  def change(value: float | None, reference: float | None) -> str:
+    return "" if value is None or reference is None else f"{100 * (value / reference - 1):+.0f}%"
+
+  rows = [(r["row"], r["changed"], f"{r['num_params'] / 1e6:.1f}", f"{r['ppl']:.2f}",
+           change(r["ppl"], base["ppl"]), f"{r['bleu']:.2f}",
+           _paper(paper[r["row"]].paper_ppl, 2), change(paper[r["row"]].paper_ppl, paper_base),
+           _paper(paper[r["row"]].paper_bleu, 1)) for r in records]
+  return (table(("row", "changed values", "params (M)", "validation ppl", "ppl vs base",
+                 f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
+                 "paper ppl", "paper ppl vs base", "paper BLEU"), rows)
+          + "\n\n" + source("table3_small", records))
+
+
+def decoder_only_vs_encoder_decoder() -> str:
+  records = latest(read_records("decoder_only_vs_encoder_decoder"), key=lambda r: r["row"])
+  rows = [(r["row"], _thousands(r["num_params"]), f"{r['ppl']:.2f}", f"{r['bleu']:.2f}")
+          for r in records]
+  return (table(("row", "parameters", "validation ppl",
+                 f"BLEU (first {records[0]['bleu_sentences']} validation sentences)"), rows)
+          + "\n\n" + source("decoder_only_vs_encoder_decoder", records))
+
+
+def _sweep_expected(name: str) -> str:
+  records = latest(read_records(name), key=lambda r: r["row"])
+  rows = "; ".join(f"{r['row']} {r['ppl']:.2f} and {r['bleu']:.2f}" for r in records)
+  first = records[0]
+  return textwrap.fill(
+      f"Expected, as validation perplexity and BLEU (first {first['bleu_sentences']} "
+      f"validation sentences) at the last step: {rows} ({first['date']}, commit "
+      f"{first['commit']}; docs/results/{name}.jsonl).", width=88)
+
+
+def table3_small_expected() -> str:
+  return _sweep_expected("table3_small")
+
+
+def decoder_only_vs_encoder_decoder_expected() -> str:
+  return _sweep_expected("decoder_only_vs_encoder_decoder")
+
+
+# docs/data.md.
+
+
+def input_padding() -> str:
+  records = latest(read_records("input_pipeline"), key=lambda r: r["flags"])
+  rows = [(f"`{r['flags']}`" if r["flags"] else "(none)", r["batching"],
+           f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
+           f"{_thousands(r['source_tokens_per_batch'])} / "
+           f"{_thousands(r['target_tokens_per_batch'])}",
+           f"{_percent(r['source_padding_efficiency'])} / "
+           f"{_percent(r['target_padding_efficiency'])}",
+           f"{r['shapes_seen']} / {r['shapes_planned']}") for r in records]
+  return (table(("flags", "batching", "max_len / tokens_per_batch",
+                 "real tokens per batch (source / target)",
+                 "real share of slots (source / target)", "shapes seen / planned"), rows)
+          + "\n\n" + source("input_pipeline", records))
+
+
+def views() -> dict[str, Callable[[], str]]:
+  """Every view, by the name regions use."""
+  return {view.__name__: view for view in (
+      make_train, make_train_expected, make_test, cpu_train_step,
+      cpu_default_beam_search, compile_depth, host_memory, host_memory_input_pipeline,
+      train_loop, memory_per_mesh, flax_train_step, flax_beam_search, table3, table3_cost,
+      table3_small,
+      decoder_only_vs_encoder_decoder, table3_small_expected,
+      decoder_only_vs_encoder_decoder_expected, input_padding)}
