@@ -25,8 +25,8 @@ CONFIG_PREFIXES = ("model.", "mesh.")
 # Written by the commands, not kept in the repository (.gitignore).
 GENERATED = ("bench/results/", "workdirs/")
 
-# Entry points and the file that defines their flags.
-COMMANDS = {"train.py": "train.py", "eval.py": "eval.py"}
+# The top-level commands; each defines its own flags.
+ENTRY_POINTS = ("train.py", "eval.py", "generate.py")
 
 
 def _read(relative: str) -> str:
@@ -40,7 +40,7 @@ def _markdown_files() -> list[str]:
 
 
 def _python_files() -> list[str]:
-  found = ["train.py", "eval.py"]
+  found = list(ENTRY_POINTS)
   for pattern in ("configs/**/*.py", "transformer/**/*.py"):
     found += sorted(os.path.relpath(p, ROOT)
                     for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
@@ -144,7 +144,8 @@ _IMPORT = re.compile(
 @functools.cache
 def _absl_builtin_flags() -> frozenset:
   from absl import app, flags, logging  # noqa: F401  (each defines its own flags)
-  return frozenset(flags.FLAGS)
+  # --help and its kin are added when a command starts (absl's app.run, argparse).
+  return frozenset(flags.FLAGS) | {"help", "helpfull", "helpshort"}
 
 
 @functools.cache
@@ -170,11 +171,11 @@ def _flags_of(entry: str) -> frozenset:
 
 
 def _entry_at(words: list[str], i: int) -> str | None:
-  """The file whose flags follow words[i], if words[i] starts a command: train.py,
-  eval.py or `-m transformer.X`."""
+  """The file whose flags follow words[i], if words[i] starts a command: one of
+  ENTRY_POINTS or `-m transformer.X`."""
   word = words[i]
-  if os.path.basename(word) in COMMANDS:
-    return COMMANDS[os.path.basename(word)]
+  if os.path.basename(word) in ENTRY_POINTS:
+    return os.path.basename(word)
   if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("transformer"):
     path = _module_path(words[i + 1])
     if path and path.endswith("__init__.py"):
@@ -185,7 +186,7 @@ def _entry_at(words: list[str], i: int) -> str | None:
 
 @functools.cache
 def _all_flags() -> frozenset:
-  entries = ["train.py", "eval.py"] + [
+  entries = list(ENTRY_POINTS) + [
       os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "transformer", "**",
                                                                "*.py"), recursive=True)]
   return frozenset().union(*(_flags_of(e) for e in entries))
@@ -265,7 +266,7 @@ def _repository_basenames() -> frozenset:
   for top in ("transformer", "configs", "tests", "bench", "docs", "data"):
     names |= {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, top, "**", "*"),
                                                      recursive=True)}
-  return frozenset(names | {"train.py", "eval.py"})
+  return frozenset(names | set(ENTRY_POINTS))
 
 
 def _problems(relative: str, text: str) -> list[str]:
@@ -282,7 +283,7 @@ def _problems(relative: str, text: str) -> list[str]:
       if (_PLACEHOLDER.search(path) and not path.endswith(".md")  # README.md is no placeholder
           or path.startswith(GENERATED)):
         continue
-      if path.startswith(TOP_LEVEL) or path in ("train.py", "eval.py", "README.md",
+      if path.startswith(TOP_LEVEL) or path in (*ENTRY_POINTS, "README.md",
                                                  "pyproject.toml"):
         if not _file_exists(path, relative):
           problems.append(f"file {path}")

@@ -75,6 +75,20 @@ def model_config() -> ml_collections.ConfigDict:
   return m
 
 
+def mesh_config() -> ml_collections.ConfigDict:
+  """The device mesh's axis sizes (transformer/training/sharding.py); -1 fills with the
+  devices left over."""
+  m = ml_collections.ConfigDict()
+  m.data = -1
+  m.fsdp = 1
+  m.tensor = 1
+  # Across-slice (DCN) factors for multi-slice TPU pods; the in-slice sizes are above.
+  m.dcn_data = 1
+  m.dcn_fsdp = 1
+  m.dcn_tensor = 1
+  return m
+
+
 def base_config() -> ml_collections.ConfigDict:
   """All keys with paper-faithful defaults; config files override from here."""
   c = ml_collections.ConfigDict()
@@ -138,20 +152,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.storage_timeout_s = 600.0
   c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
 
-  # Decoding (transformer/model/decoding.py).
+  # Decoding (transformer/model/decoding/).
   c.beam_size = 4
   c.length_penalty_alpha = 0.6
   c.max_decode_extra_len = 50  # decode at most source length + this many tokens
 
-  # Device mesh (transformer/training/sharding.py). -1 fills with the devices left over.
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
-  # Across-slice (DCN) factors for multi-slice TPU pods; the in-slice sizes are above.
-  c.mesh.dcn_data = 1
-  c.mesh.dcn_fsdp = 1
-  c.mesh.dcn_tensor = 1
+  c.mesh = mesh_config()
   # Model logical axis -> mesh axes (None: replicated). The model names logical axes
   # only; this maps them. Parameters: `embed` over fsdp (ZeRO-3 style), heads, mlp and
   # vocab over tensor (Megatron style). Activations have their own `activation_*` names,
@@ -175,6 +181,7 @@ def base_config() -> ml_collections.ConfigDict:
       ("activation_mlp", "tensor"),
       ("activation_vocab", "tensor"),
   ]
+
 
   c.model = model_config()
   return c
