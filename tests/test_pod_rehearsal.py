@@ -23,7 +23,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 from tests.tiny_run import OVERRIDES, REPO, free_port

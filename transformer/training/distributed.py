@@ -61,6 +61,12 @@ def initialize_from_flags() -> None:
         f"cannot start jax.distributed (--coordinator_address={FLAGS.coordinator_address}, "
         f"--process_id={FLAGS.process_id}, --num_processes={FLAGS.num_processes}): "
         f"{first_line(e)}", force=True)
+  if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    # JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) handed CPU processes
+    # the executables another process had written, and their first gloo collective then
+    # waited for peers that never joined it (a 4-process job resumed from a checkpoint
+    # failed so every time; the same job without the cache ran).
+    jax.config.update("jax_enable_compilation_cache", False)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
