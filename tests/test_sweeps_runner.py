@@ -275,8 +275,8 @@ def test_local_runner_resumes_an_interrupted_row_and_skips_a_finished_one(
 
   done = runner.run_local(sweep, sweep.rows, configs, workdir, final_eval=False)
   assert [(d["phase"], d["resumed"], d["returncode"]) for d in done] == [("train", True, 0)]
-  logged = [json.loads(line)["step"]
-            for line in storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl"))]
+  lines = storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl"))
+  logged = [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
   assert logged == [1, 2, 3, 4, 5, 6, 5, 6]  # resumed at 5, not restarted at 1
   # Readers see each step once: the rerun's 5 and 6.
   assert [r["step"] for r in tiny_run.read_metrics(row_dir)] == [1, 2, 3, 4, 5, 6]
@@ -284,6 +284,6 @@ def test_local_runner_resumes_an_interrupted_row_and_skips_a_finished_one(
 
   done = runner.run_local(sweep, sweep.rows, configs, workdir, final_eval=False)
   assert done == [{"row": "r", "phase": "skipped"}]
-  assert len(storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl"))) == 8
+  assert storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl")) == lines
   # Asking for the full-split evaluation would now run only eval.py, not training.
   assert runner.row_state(row_dir, 6, final_eval=True) == "trained"
