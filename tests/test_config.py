@@ -80,6 +80,7 @@ def test_wrong_type_is_named():
     ("batching", "sentences", "config.batching"),
     ("direction", "english", "config.direction"),
     ("warmup_steps", 0, "config.warmup_steps"),
+    ("storage_timeout_s", 0.0, "config.storage_timeout_s: must be positive"),
     ("mesh.tensor", 3, "config.model.num_heads"),
 ])
 def test_inconsistent_values_are_named(key, value, expected):

@@ -224,7 +224,11 @@ class Checkpointer:
       if self._reported is None:  # an error already raised is not raised again
         self.wait()
     finally:
-      self._manager.close()
+      try:
+        self._manager.close()  # waits again, and raises a failed save's error again
+      except Exception:  # pylint: disable=broad-except
+        if self._reported is None:
+          raise
 
 
 # Model keys that change the parameter tree or its shapes: a checkpoint made with other
