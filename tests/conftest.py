@@ -35,7 +35,7 @@ import pytest  # noqa: E402  (after the environment is set)
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
   """(tsv path, vocabulary cache dir) shared by the end-to-end tests."""
-  from tests import tiny_run
+  from tests.helpers import tiny_run
   path = tiny_run.write_small_corpus(str(tmp_path_factory.mktemp("corpus")))
   return path, str(tmp_path_factory.mktemp("vocab"))
 
@@ -44,7 +44,7 @@ def small_corpus(tmp_path_factory):
 def trained_run(small_corpus, tmp_path_factory):
   """(config, workdir) of a 4-step tiny run with checkpoints at steps 2 and 4, shared by
   the tests that evaluate, translate or average a run and leave it as it is."""
-  from tests import tiny_run
+  from tests.helpers import tiny_run
   from transformer.training import loop
   workdir = str(tmp_path_factory.mktemp("run"))
   config = tiny_run.make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)

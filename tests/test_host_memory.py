@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.tiny_run import REPO
+from tests.helpers.tiny_run import REPO
 
 # Allocates, touches and frees 256 MB twice from a fresh thread (XLA:CPU's step buffers
 # come from its worker threads) and prints the page faults of the second time.

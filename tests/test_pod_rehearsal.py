@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
-from tests.tiny_run import OVERRIDES, REPO, free_port
+from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
+from tests.helpers.tiny_run import OVERRIDES, REPO, free_port
 
 POD_STEPS = 12  # the 4-process run's last step
 SLICE_STEPS = 16  # ... and the 2-process run's

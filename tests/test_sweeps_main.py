@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.sweep_helpers import TABLE3, fake_finished_row, run_sweep_command
+from tests.helpers.sweep_helpers import TABLE3, fake_finished_row, run_sweep_command
 
 
 def _last_stderr_line(result) -> str:

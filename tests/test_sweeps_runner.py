@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-from tests import tiny_run
-from tests.sweep_helpers import REPO, fake_finished_row, write_sweep
+from tests.helpers import tiny_run
+from tests.helpers.sweep_helpers import REPO, fake_finished_row, write_sweep
 from transformer.sweeps import runner, spec
 from transformer.training import checkpoints, loop
 

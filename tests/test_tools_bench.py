@@ -13,7 +13,7 @@ import sys
 
 from transformer.training import flops, sharding
 from transformer.model import ModelConfig
-from tests.tiny_run import REPO, flag_overrides, make_config
+from tests.helpers.tiny_run import REPO, flag_overrides, make_config
 
 ROWS, SEQ_LEN = 4, 24
 
