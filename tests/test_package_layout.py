@@ -13,7 +13,7 @@ ALLOWED = {
     "host_memory": set(),
     "config": {"messages"},
     "storage": {"messages"},
-    "cli": {"config", "messages"},
+    "cli": {"config", "messages", "host_memory"},
     "model": {"config", "messages"},
     "data": {"config", "messages", "storage"},
     "training": {"config", "messages", "storage", "model", "data"},

@@ -1,6 +1,8 @@
 """Shared entry-point plumbing for train.py, eval.py and the package's commands.
 
-`run(main)` is absl's `app.run` with three additions:
+`run(main)` is absl's `app.run` with four additions:
+  - the process keeps freed host memory where JAX computes on the CPU (host_memory.py),
+    set before anything starts a JAX backend;
   - a bad `--config.KEY=VALUE` override is reported in one line naming it;
   - `--config FILE[:ARG]` is found relative to the working directory or, failing that,
     to the repository, so every command works from any directory;
@@ -14,6 +16,8 @@ import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+
+from transformer import host_memory
 
 UsageError = app.UsageError
 
@@ -87,6 +91,10 @@ def _parse_flags(argv):
 
 
 def run(main) -> None:
+  # Process-wide settings belong to the command, not to an import of the package, and
+  # go before JAX starts a backend and its threads (host_memory.py).
+  host_memory.retain_freed_memory()
+
   def quiet_main(argv):
     quiet_library_logs()
     return main(argv)

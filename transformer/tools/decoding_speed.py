@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import config as config_lib
+from transformer import host_memory
 from transformer.config import EOS_ID
 from transformer.model import decoding
 from transformer.training import state
@@ -83,4 +84,5 @@ def main():
 
 
 if __name__ == "__main__":
+  host_memory.retain_freed_memory()  # a command's setting, before JAX starts (host_memory.py)
   main()
