@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
 CONFIG ?= configs/default.py
 
-.PHONY: install train test clean
+.PHONY: install train test test-fast durations clean
 
 install: $(STAMP)
 
@@ -26,10 +26,22 @@ train: install
 
 # Two workers, one test file each at a time: most tests wait on single-threaded work
 # (start-up, tracing, compiling, subprocesses), so two share the cores well. Files are
-# handed out in tests/conftest.py's order, slowest first (--no-loadscope-reorder: by
-# default xdist hands out the files with the most tests first instead).
+# handed out longest first, as tests/durations.json measured them (--no-loadscope-reorder:
+# by default xdist hands out the files with the most tests first instead).
+PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+
+# The full suite, as CI runs it.
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+	$(PYTEST) --durations=15 tests
+
+# The edit-test loop: every file's quick tests, without those measured as slow.
+test-fast: install
+	$(PYTEST) -m "not slow" tests
+
+# Runs the full suite once and records each test's time in tests/durations.json, which
+# orders the files and marks the slow tests (tests/helpers/durations.py).
+durations: install
+	$(PYTEST) --store-durations tests
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache

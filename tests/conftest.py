@@ -31,6 +31,8 @@ if REPO_ROOT not in sys.path:
 
 import pytest  # noqa: E402  (after the environment is set)
 
+from tests.helpers import durations  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
@@ -52,24 +54,14 @@ def trained_run(small_corpus, tmp_path_factory):
   return config, workdir
 
 
-# The slowest files start first, longest first: `make test` runs two workers that take
-# whole files (--dist loadfile, in this order with --no-loadscope-reorder), and a long
-# file picked up last would leave one worker running it alone while the other sits
-# idle. Ranked by their total time in `pytest --durations=0` (2026-12-01).
-_SLOWEST_FILES_FIRST = ("test_training_steps.py", "test_gcs_workdir.py", "test_faults.py",
-                        "test_pod_rehearsal.py", "test_training_loop.py",
-                        "test_model_transformer.py", "test_tools_bench.py",
-                        "test_evaluation_multihost.py", "test_evaluation_generation.py",
-                        "test_evaluation_translate.py", "test_evaluation_validation.py",
-                        "test_model_speculative.py", "test_sweeps_runner.py")
+def pytest_addoption(parser):
+  durations.addoption(parser)
 
 
-def pytest_collection_modifyitems(items):
-  def rank(item):
-    name = os.path.basename(str(item.fspath))
-    return (_SLOWEST_FILES_FIRST.index(name) if name in _SLOWEST_FILES_FIRST
-            else len(_SLOWEST_FILES_FIRST))
-  items.sort(key=rank)  # stable: the order inside each file and among the rest is kept
+def pytest_configure(config):
+  # Files run longest first, and tests measured as slow carry the `slow` marker
+  # (`make test-fast` leaves them out): both from tests/durations.json.
+  durations.register(config)
 
 
 def pytest_sessionfinish(session, exitstatus):
