@@ -6,17 +6,36 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
 CONFIG ?= configs/default.py
 
-.PHONY: install train test test-fast durations clean
+.PHONY: install lock train test test-fast durations clean
 
 install: $(STAMP)
 
-# Reinstalls only when pyproject.toml changes; otherwise this takes a second.
-$(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10 or newer is needed, found " + sys.version.split()[0])'
+# The exact versions of requirements/lock.txt (CPU); LOCK=requirements/lock-cuda.txt or
+# requirements/lock-tpu.txt for a GPU or a TPU (the same pins plus JAX's plugin; after an
+# install for another lock, add -B). Reinstalls only when pyproject.toml or the lock
+# changes; otherwise this takes a second. The package itself goes in editable, without
+# resolving anything again.
+LOCK ?= requirements/lock.txt
+$(STAMP): pyproject.toml $(LOCK)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed, found " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
+
+# Resolves pyproject.toml's dependencies again into the three locks, keeping every pin
+# that still satisfies it (uv prefers the versions already in a lock). The GPU and TPU
+# locks are constrained by the CPU one, so all three share every common version.
+# UPGRADE=--upgrade moves everything to the newest versions allowed,
+# UPGRADE="--upgrade-package jax --upgrade-package jaxlib" only those (docs/install.md).
+UPGRADE ?=
+LOCK_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --quiet \
+	--custom-compile-command "make lock" --extra test --extra dev $(UPGRADE)
+lock: install
+	$(LOCK_COMPILE) -o requirements/lock.txt
+	$(LOCK_COMPILE) --extra cuda -c requirements/lock.txt -o requirements/lock-cuda.txt
+	$(LOCK_COMPILE) --extra tpu -c requirements/lock.txt -o requirements/lock-tpu.txt
 
 # Trains the embedded default (or resumes it), then beam-searches the test split;
 # the last line printed is its sacreBLEU.
