@@ -11,17 +11,18 @@ FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
 ALLOWED = {
     "messages": set(),
     "host_memory": set(),
+    "versions": set(),
     "config": {"messages"},
     "storage": {"messages"},
     "cli": {"config", "messages", "host_memory"},
     "model": {"config", "messages"},
     "data": {"config", "messages", "storage"},
-    "training": {"config", "messages", "storage", "model", "data"},
-    "evaluation": {"config", "messages", "storage", "model", "data", "training"},
-    "sweeps": {"config", "messages", "storage", "cli", "model", "data", "training",
+    "training": {"config", "messages", "storage", "versions", "model", "data"},
+    "evaluation": {"config", "messages", "storage", "versions", "model", "data", "training"},
+    "sweeps": {"config", "messages", "storage", "versions", "cli", "model", "data", "training",
                "evaluation"},
-    "tools": {"config", "messages", "storage", "cli", "host_memory", "model", "data", "training",
-              "evaluation"},
+    "tools": {"config", "messages", "storage", "versions", "cli", "host_memory", "model", "data",
+              "training", "evaluation"},
 }
 
 

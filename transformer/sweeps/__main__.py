@@ -22,7 +22,7 @@ from absl import flags
 
 from transformer import cli
 from transformer import config as config_lib
-from transformer import storage
+from transformer import storage, versions
 from transformer.sweeps import launch, report, runner, spec
 
 FLAGS = flags.FLAGS
@@ -71,7 +71,7 @@ def main(argv) -> None:
       summaries = report.describe_rows(rows, configs)
       if FLAGS.json:
         for entry in summaries:
-          print(json.dumps(entry))
+          print(json.dumps({**entry, "versions": versions.library_versions()}))
       else:
         print(report.dry_run_table(sweep, summaries))
     elif FLAGS.launch:

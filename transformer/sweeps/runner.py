@@ -16,7 +16,7 @@ import sys
 import time
 
 from transformer import config as config_lib
-from transformer import storage
+from transformer import storage, versions
 from transformer.messages import format_duration
 from transformer.sweeps.spec import Row, Sweep, SweepError, config_file, eval_args, train_args
 from transformer.training.checkpoints import steps_on_disk
@@ -121,7 +121,8 @@ def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
       returncode = _run_child(command)
       seconds = time.time() - started
       entry = {"row": row.name, "phase": phase, "seconds": round(seconds, 1),
-               "returncode": returncode, "resumed": state == "partial" and phase == "train"}
+               "returncode": returncode, "resumed": state == "partial" and phase == "train",
+               "versions": versions.library_versions()}
       log.write_line(json.dumps(entry))
       log.flush()
       done.append(entry)

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-from transformer import cli, host_memory, storage
+from transformer import cli, host_memory, storage, versions
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID
 from transformer.tools import decoding_speed
@@ -519,6 +519,7 @@ def main(argv):
       result.setdefault(key, None)
     if _LABEL.value:
       result["label"] = _LABEL.value
+    result["versions"] = versions.library_versions()
     if _JSON.value:
       print(json.dumps(result), flush=True)
     else:

@@ -47,6 +47,7 @@ from ml_collections import config_flags
 
 from transformer import cli
 from transformer import config as config_lib
+from transformer import versions
 from transformer.training import sharding, state, steps
 
 _CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
@@ -202,7 +203,7 @@ def report(config, meshes: list[tuple[int, int, int]]) -> None:
     result = measure(config, sizes, rows, seq_len, _PROPAGATION.value)
     results.append(result)
     if _JSON.value:
-      print(json.dumps(result), flush=True)
+      print(json.dumps({**result, "versions": versions.library_versions()}), flush=True)
   if not _JSON.value:
     print(f"train step, {rows} x {seq_len} tokens, MiB per device "
           f"({jax.devices()[0].platform}):")
