@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
 CONFIG ?= configs/default.py
 
-.PHONY: install lock train test test-fast durations clean
+.PHONY: install lock lint train test test-fast durations clean
 
 install: $(STAMP)
 
@@ -49,9 +49,18 @@ train: install
 # by default xdist hands out the files with the most tests first instead).
 PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
-# The full suite, as CI runs it.
-test: install
+# The full suite, as CI runs it, after the checks.
+test: lint
 	$(PYTEST) --durations=15 tests
+
+# ruff (lint, then formatting, checked not applied) and mypy, configured in pyproject.toml,
+# over transformer/, train.py, eval.py and configs/. `$(VENV)/bin/ruff format` and
+# `$(VENV)/bin/ruff check --fix` apply what they can.
+LINT_PATHS := transformer train.py eval.py configs
+lint: install
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 # The edit-test loop: every file's quick tests, without those measured as slow.
 test-fast: install
@@ -63,4 +72,4 @@ durations: install
 	$(PYTEST) --store-durations tests
 
 clean:
-	rm -rf $(VENV) workdirs .pytest_cache
+	rm -rf $(VENV) workdirs .pytest_cache .mypy_cache .ruff_cache

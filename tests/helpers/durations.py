@@ -33,7 +33,8 @@ SLOW_TEST_S = 5.0
 OPTION = "--store-durations"
 
 
-def load(path: str = PATH) -> dict[str, float]:
+def load(path: str | None = None) -> dict[str, float]:
+  path = path or PATH
   if not os.path.exists(path):
     return {}
   with open(path, encoding="utf-8") as f:
