@@ -60,10 +60,11 @@ def _resolve_config_arg(argv: list[str]) -> list[str]:
       return config_lib.resolve_config_file(path) + colon + arg
     except config_lib.ConfigError:
       return spec  # left for config_flags to report
+
   out = list(argv)
   for i, arg in enumerate(out):
     if arg.startswith("--config="):
-      out[i] = "--config=" + resolved(arg[len("--config="):])
+      out[i] = "--config=" + resolved(arg[len("--config=") :])
     elif arg == "--config" and i + 1 < len(out):
       out[i + 1] = resolved(out[i + 1])
   return out
@@ -79,13 +80,18 @@ def _parse_flags(argv):
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     while e.args and isinstance(e.args[0], BaseException):  # KeyError inside AttributeError
       e = e.args[0]
-    message = str(e.args[0] if e.args else e).replace("\\n", " ").replace("\n", " ").replace("\\", "")
+    message = (
+      str(e.args[0] if e.args else e).replace("\\n", " ").replace("\n", " ").replace("\\", "")
+    )
     overrides = [a for a in argv[1:] if a.startswith("--config.")]
     # Name the override the message is about: its last key part quoted in it ('num_heds'),
     # else appearing in it, else all of them.
     leaf = {a: a.split("=")[0].rsplit(".", 1)[-1] for a in overrides}
-    bad = ([a for a in overrides if f"'{leaf[a]}'" in message] or
-           [a for a in overrides if leaf[a] in message] or overrides)
+    bad = (
+      [a for a in overrides if f"'{leaf[a]}'" in message]
+      or [a for a in overrides if leaf[a] in message]
+      or overrides
+    )
     where = f" {' '.join(bad)}" if bad else ""
     sys.exit(f"error: bad config override{where}: {message}")
 
@@ -98,4 +104,5 @@ def run(main) -> None:
   def quiet_main(argv):
     quiet_library_logs()
     return main(argv)
+
   app.run(quiet_main, flags_parser=_parse_flags)

@@ -88,6 +88,8 @@ def retain_freed_memory() -> bool:
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   # mallopt returns 1 on success. The arena limit goes first: it only steers threads
   # that allocate after it, and the other two matter for the heap they then share.
-  _applied = all(mallopt(param, value) == 1 for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+  _applied = all(
+    mallopt(param, value) == 1
+    for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+  )
   return _applied

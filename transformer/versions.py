@@ -13,12 +13,12 @@ import platform
 # Record key -> the distributions that provide it, the first one installed wins:
 # TensorFlow installs as tensorflow-cpu on CPU-only machines.
 _DISTRIBUTIONS = {
-    "jax": ("jax",),
-    "jaxlib": ("jaxlib",),
-    "flax": ("flax",),
-    "optax": ("optax",),
-    "orbax-checkpoint": ("orbax-checkpoint",),
-    "tensorflow": ("tensorflow", "tensorflow-cpu"),
+  "jax": ("jax",),
+  "jaxlib": ("jaxlib",),
+  "flax": ("flax",),
+  "optax": ("optax",),
+  "orbax-checkpoint": ("orbax-checkpoint",),
+  "tensorflow": ("tensorflow", "tensorflow-cpu"),
 }
 
 

@@ -32,8 +32,13 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
   report = storage.join(workdir, "eval", f"validation-{num_train_steps}.json")
   if storage.exists(report):
     found = storage.read_json(report)
-    return {"ppl": found["ppl"], "bleu": found["bleu"], "bleu_tok": found.get("bleu_tok"),
-            "bleu_sentences": found.get("num_sentences"), "source": "eval.py"}
+    return {
+      "ppl": found["ppl"],
+      "bleu": found["bleu"],
+      "bleu_tok": found.get("bleu_tok"),
+      "bleu_sentences": found.get("num_sentences"),
+      "source": "eval.py",
+    }
   metrics = storage.join(workdir, "metrics.jsonl")
   if not storage.exists(metrics):
     return None
@@ -44,8 +49,13 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
       last = record
   if last is None:
     return None
-  return {"ppl": last["ppl"], "bleu": last.get("bleu"), "bleu_tok": None,
-          "bleu_sentences": None, "source": "metrics.jsonl"}
+  return {
+    "ppl": last["ppl"],
+    "bleu": last.get("bleu"),
+    "bleu_tok": None,
+    "bleu_sentences": None,
+    "source": "metrics.jsonl",
+  }
 
 
 def row_state(workdir: str, num_train_steps: int, final_eval: bool) -> str:
@@ -89,8 +99,14 @@ def _run_child(command: list[str]) -> int:
   return returncode
 
 
-def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
-              final_eval: bool = True, python: str = sys.executable) -> list[dict]:
+def run_local(
+  sweep: Sweep,
+  rows: list[Row],
+  configs: dict,
+  workdir: str,
+  final_eval: bool = True,
+  python: str = sys.executable,
+) -> list[dict]:
   """Trains and evaluates each row in turn under workdir/<row>; returns what was done."""
   storage.makedirs(workdir)
   log = storage.AppendLog(storage.join(workdir, "sweep_log.jsonl"))
@@ -108,29 +124,49 @@ def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
     if state in ("new", "partial"):
       what = "resuming" if state == "partial" else "training"
       print(f"[{row.name}] {what} to step {steps} in {row_dir}", flush=True)
-      phases.append(("train", [python, os.path.join(config_lib.REPO_ROOT, "train.py")] +
-                     train_args(sweep, row, row_dir, config_path)))
+      phases.append(
+        (
+          "train",
+          [python, os.path.join(config_lib.REPO_ROOT, "train.py")]
+          + train_args(sweep, row, row_dir, config_path),
+        )
+      )
     if final_eval:
-      phases.append(("eval", [python, os.path.join(config_lib.REPO_ROOT, "eval.py")] +
-                     eval_args(row_dir, steps)))
+      phases.append(
+        (
+          "eval",
+          [python, os.path.join(config_lib.REPO_ROOT, "eval.py")] + eval_args(row_dir, steps),
+        )
+      )
     if not phases:
-      print(f"[{row.name}] trained, but there is no final validation to record: it needs "
-            "config.eval_every_steps > 0 or --final_eval", flush=True)
+      print(
+        f"[{row.name}] trained, but there is no final validation to record: it needs "
+        "config.eval_every_steps > 0 or --final_eval",
+        flush=True,
+      )
     for phase, command in phases:
       started = time.time()
       returncode = _run_child(command)
       seconds = time.time() - started
-      entry = {"row": row.name, "phase": phase, "seconds": round(seconds, 1),
-               "returncode": returncode, "resumed": state == "partial" and phase == "train",
-               "versions": versions.library_versions()}
+      entry = {
+        "row": row.name,
+        "phase": phase,
+        "seconds": round(seconds, 1),
+        "returncode": returncode,
+        "resumed": state == "partial" and phase == "train",
+        "versions": versions.library_versions(),
+      }
       log.write_line(json.dumps(entry))
       log.flush()
       done.append(entry)
       if returncode != 0:
-        raise SweepError(f"row {row.name}: {phase} exited with code {returncode}; "
-                         "rerun the same command to resume")
+        raise SweepError(
+          f"row {row.name}: {phase} exited with code {returncode}; rerun the same command to resume"
+        )
       if phase == "train" and (steps_on_disk(row_dir) or [0])[-1] < steps:
-        raise SweepError(f"row {row.name}: stopped before step {steps} (preempted?); "
-                         "rerun the same command to resume")
+        raise SweepError(
+          f"row {row.name}: stopped before step {steps} (preempted?); "
+          "rerun the same command to resume"
+        )
       print(f"[{row.name}] {phase} took {format_duration(seconds)}", flush=True)
   return done
