@@ -41,7 +41,7 @@ class ProjectInfoFilter(logging.Filter):
 
 def quiet_library_logs() -> None:
   """Applies ProjectInfoFilter to absl's handler, which prints every Python log record."""
-  if flags.FLAGS["verbosity"].value >= 1:
+  if (flags.FLAGS["verbosity"].value or 0) >= 1:
     return
   handler = absl_logging.get_absl_handler()
   if not any(isinstance(f, ProjectInfoFilter) for f in handler.filters):

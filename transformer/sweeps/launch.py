@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+from typing import Any
 
 from absl import flags
 
@@ -58,7 +59,8 @@ class LaunchOptions:
 
 
 def options_from_flags() -> LaunchOptions:
-  return LaunchOptions(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(LaunchOptions)})
+  values: dict[str, Any] = {f.name: FLAGS[f.name].value for f in dataclasses.fields(LaunchOptions)}
+  return LaunchOptions(**values)
 
 
 def _command(python: str, script: str, args: list[str]) -> str:

@@ -210,7 +210,7 @@ def collect(
   sweep: spec.Sweep, rows: list, configs: dict, workdir: str, output_dir: str
 ) -> list[str]:
   """Writes <sweep>.md, .csv and .png to output_dir; returns their paths (md first)."""
-  bleu_sources = {}
+  bleu_sources: dict[str, list[str]] = {}
   collected = collect_rows(sweep, rows, configs, workdir, bleu_sources)
   storage.makedirs(output_dir)
   stem = storage.join(output_dir, sweep.name)

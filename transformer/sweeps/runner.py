@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from transformer import config as config_lib
 from transformer import storage, versions
@@ -111,7 +112,7 @@ def run_local(
   storage.makedirs(workdir)
   log = storage.AppendLog(storage.join(workdir, "sweep_log.jsonl"))
   config_path = config_file(sweep)
-  done = []
+  done: list[dict[str, Any]] = []
   for row in rows:
     row_dir = storage.join(workdir, row.name)
     steps = configs[row.name].num_train_steps

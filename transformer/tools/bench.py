@@ -412,6 +412,7 @@ def measure_speculative(
     search=translate.Search(kind="greedy", draft_len=draft_len),
   )
   draft = target.draft
+  assert draft is not None  # a draft_workdir always gives the translator one
   pairs = data.load_raw_pairs(config, "test")[:num_sentences]
   lines = [source for source, _ in pairs]
   if not lines:
@@ -551,7 +552,7 @@ def describe(result: dict[str, Any]) -> str:
   if result.get("skipped"):
     return f"{name}: skipped, {result['skipped']}"
   if name == "train_step":
-    memory = [
+    memory_sizes = [
       f"{k.removesuffix('_bytes').replace('_', ' ')} {_fmt_bytes(v)}"
       for k, v in result.items()
       if k.endswith("_bytes")
@@ -561,7 +562,7 @@ def describe(result: dict[str, Any]) -> str:
       f"compile {result['compile_s']:.1f} s, step {result['step_time_s'] * 1e3:,.1f} ms "
       f"(median), {result['tokens_per_sec']:,.0f} target tokens/s, "
       f"{result['flops_per_sec'] / 1e9:,.1f} GFLOP/s, {_utilisation_text(result)}"
-      + (f", {', '.join(memory)}" if memory else "")
+      + (f", {', '.join(memory_sizes)}" if memory_sizes else "")
     )
   if name == "beam_search":
     return (

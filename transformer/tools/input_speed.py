@@ -47,7 +47,8 @@ def measure(config, num_batches: int, source=None) -> dict[str, float]:
   source = source or sources.make_source(config)
   tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
   iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
-  totals, shapes = collections.Counter(), set()
+  totals: collections.Counter[str] = collections.Counter()
+  shapes: set[tuple[int, ...]] = set()
   try:
     next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
     start = time.perf_counter()
