@@ -76,7 +76,7 @@ def _eval_py(*args):
 
 def test_prompt_beam_search_of_one_beam_is_greedy_and_scores_its_output():
   model, params = make_model(2, decoder_only=True)
-  prompt = speculative.translation_prompt(SOURCE)  # prompts of 4, 2, 6 and 3 tokens
+  prompt = decoding.translation_prompt(SOURCE)  # prompts of 4, 2, 6 and 3 tokens
   new_tokens = 8
   greedy = np.asarray(speculative.prompt_greedy_decode(model, params, prompt,
                                                        max_new_tokens=new_tokens))

@@ -24,7 +24,7 @@ from transformer.model import decoding, speculative
 @functools.partial(jax.jit, static_argnums=0)
 def _apply_cached(model, params, cache, source, tokens, position=None):
   if position is not None:
-    cache = speculative.set_positions(cache, position)
+    cache = decoding.set_positions(cache, position)
   logits, variables = model.apply({"params": params, "cache": cache}, None, source, tokens,
                                   use_cache=True, mutable=["cache"], method="decode")
   return logits, variables["cache"]
@@ -176,7 +176,7 @@ def _naive_prompt_greedy(model, params, prompt, max_new_tokens):
 def test_decoder_only_prompt_greedy_and_speculative_greedy():
   target, target_params = make_model(2, decoder_only=True)
   draft, draft_params = make_model(9, decoder_only=True, num_layers=1)
-  prompt = speculative.translation_prompt(SOURCE)
+  prompt = decoding.translation_prompt(SOURCE)
   new_tokens = 8
   plain = speculative.prompt_greedy_decode(target, target_params, prompt,
                                            max_new_tokens=new_tokens)
