@@ -19,12 +19,26 @@ def test_tests_over_the_threshold_are_slow_except_each_files_quickest():
       "tests/test_a.py::test_long", "tests/test_c.py::test_long_1"}
 
 
+def _items(*node_ids):
+  return [types.SimpleNamespace(nodeid=node_id, location=(node_id.split("::")[0], 0, ""))
+          for node_id in node_ids]
+
+
 def test_files_are_totalled_over_the_tests_that_run():
-  items = [types.SimpleNamespace(nodeid=node_id, location=(node_id.split("::")[0], 0, ""))
-           for node_id in ("tests/test_a.py::test_quick", "tests/test_c.py::test_long_1",
-                           "tests/test_c.py::test_long_2", "tests/test_d.py::test_new")]
+  items = _items("tests/test_a.py::test_quick", "tests/test_c.py::test_long_1",
+                 "tests/test_c.py::test_long_2", "tests/test_d.py::test_new")
   assert durations.file_seconds(items, MEASURED) == {
       "tests/test_a.py": 0.1, "tests/test_c.py": 17.0, "tests/test_d.py": 0.0}
+
+
+def test_new_files_first_then_the_longest_keeping_the_order_inside_each():
+  items = _items("tests/test_a.py::test_quick", "tests/test_a.py::test_long",
+                 "tests/test_c.py::test_long_1", "tests/test_c.py::test_long_2",
+                 "tests/test_d.py::test_new")
+  durations.LongestFilesFirst(MEASURED).pytest_collection_modifyitems(items)
+  assert [item.nodeid for item in items] == [
+      "tests/test_d.py::test_new", "tests/test_a.py::test_quick", "tests/test_a.py::test_long",
+      "tests/test_c.py::test_long_1", "tests/test_c.py::test_long_2"]
 
 
 def test_stored_durations_merge_and_drop_files_that_are_gone(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ The file maps each test's node id to its seconds (setup, call and teardown toget
 session fixture's set-up counts for the first test that uses it), measured on two xdist
 workers as `make test` runs. Two things follow from it:
 
-- Order: files run longest first. `make test` hands whole files to two workers
+- Order: files run longest first (files not yet measured before them all). `make test` hands whole files to two workers
   (--dist loadfile, in collection order with --no-loadscope-reorder); a long file picked
   up last would leave one worker running it alone while the other sits idle.
 - The fast tier: a test measured above SLOW_TEST_S is marked `slow`, so
@@ -76,15 +76,18 @@ class MarkSlow:
 
 
 class LongestFilesFirst:
-  """Orders what is left after deselection: files by measured total, longest first."""
+  """Orders what is left after deselection: files never measured first (a new file may be
+  long), then the others by measured total, longest first."""
 
   def __init__(self, durations: dict[str, float]):
     self.durations = durations
+    self.measured_files = {node_id.split("::")[0] for node_id in durations}
 
   @pytest.hookimpl(trylast=True)
   def pytest_collection_modifyitems(self, items):
     totals = file_seconds(items, self.durations)
-    items.sort(key=lambda item: -totals[item.location[0]])  # stable: file order kept
+    items.sort(key=lambda item: (item.location[0] in self.measured_files,  # stable: file
+                                 -totals[item.location[0]]))               # order kept
 
 
 class StoreDurations:
