@@ -57,10 +57,14 @@ test: lint
 # over transformer/, train.py, eval.py and configs/. `$(VENV)/bin/ruff format` and
 # `$(VENV)/bin/ruff check --fix` apply what they can.
 LINT_PATHS := transformer train.py eval.py configs
+# All three run, and any finding fails the target.
 lint: install
-	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(VENV)/bin/ruff format --check $(LINT_PATHS)
-	$(VENV)/bin/mypy
+	@status=0; \
+	set -x; \
+	$(VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
+	$(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
+	$(VENV)/bin/mypy || status=1; \
+	exit $$status
 
 # The edit-test loop: every file's quick tests, without those measured as slow.
 test-fast: install
