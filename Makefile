@@ -6,17 +6,36 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
 CONFIG ?= configs/default.py
 
-.PHONY: install train test docs clean
+.PHONY: install lock lint train test test-fast durations docs clean
 
 install: $(STAMP)
 
-# Reinstalls only when pyproject.toml changes; otherwise this takes a second.
-$(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python 3.10 or newer is needed, found " + sys.version.split()[0])'
+# The exact versions of requirements/lock.txt (CPU); LOCK=requirements/lock-cuda.txt or
+# requirements/lock-tpu.txt for a GPU or a TPU (the same pins plus JAX's plugin; after an
+# install for another lock, add -B). Reinstalls only when pyproject.toml or the lock
+# changes; otherwise this takes a second. The package itself goes in editable, without
+# resolving anything again.
+LOCK ?= requirements/lock.txt
+$(STAMP): pyproject.toml $(LOCK)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed, found " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
+
+# Resolves pyproject.toml's dependencies again into the three locks, keeping every pin
+# that still satisfies it (uv prefers the versions already in a lock). The GPU and TPU
+# locks are constrained by the CPU one, so all three share every common version.
+# UPGRADE=--upgrade moves everything to the newest versions allowed,
+# UPGRADE="--upgrade-package jax --upgrade-package jaxlib" only those (docs/development.md).
+UPGRADE ?=
+LOCK_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --quiet \
+	--custom-compile-command "make lock" --extra test --extra dev $(UPGRADE)
+lock: install
+	$(LOCK_COMPILE) -o requirements/lock.txt
+	$(LOCK_COMPILE) --extra cuda -c requirements/lock.txt -o requirements/lock-cuda.txt
+	$(LOCK_COMPILE) --extra tpu -c requirements/lock.txt -o requirements/lock-tpu.txt
 
 # Trains the embedded default (or resumes it), then beam-searches the test split;
 # the last line printed is its sacreBLEU.
@@ -26,10 +45,35 @@ train: install
 
 # Two workers, one test file each at a time: most tests wait on single-threaded work
 # (start-up, tracing, compiling, subprocesses), so two share the cores well. Files are
-# handed out in tests/conftest.py's order, slowest first (--no-loadscope-reorder: by
-# default xdist hands out the files with the most tests first instead).
-test: install
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+# handed out longest first, as tests/durations.json measured them (--no-loadscope-reorder:
+# by default xdist hands out the files with the most tests first instead).
+PYTEST := $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+
+# The full suite, as CI runs it, after the checks.
+test: lint
+	$(PYTEST) --durations=15 tests
+
+# ruff (lint, then formatting, checked not applied) and mypy, configured in pyproject.toml,
+# over transformer/, the three commands and configs/. `$(VENV)/bin/ruff format` and
+# `$(VENV)/bin/ruff check --fix` apply what they can.
+LINT_PATHS := transformer train.py eval.py generate.py configs
+# All three run, and any finding fails the target.
+lint: install
+	@status=0; \
+	set -x; \
+	$(VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
+	$(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
+	$(VENV)/bin/mypy || status=1; \
+	exit $$status
+
+# The edit-test loop: every file's quick tests, without those measured as slow.
+test-fast: install
+	$(PYTEST) -m "not slow" tests
+
+# Runs the full suite once and records each test's time in tests/durations.json, which
+# orders the files and marks the slow tests (tests/helpers/durations.py).
+durations: install
+	$(PYTEST) --store-durations tests
 
 # Renders the figures of README, docs/ and the configs' docstrings from the records in
 # docs/results/ (transformer/tools/render_docs.py).
@@ -37,4 +81,4 @@ docs: install
 	$(PY) -m transformer.tools.render_docs
 
 clean:
-	rm -rf $(VENV) workdirs .pytest_cache
+	rm -rf $(VENV) workdirs .pytest_cache .mypy_cache .ruff_cache

@@ -18,8 +18,8 @@ docs/reproduce.md has the commands, the protocol and the cost.
 from transformer import config as config_lib
 
 _DATASETS = {
-    "en-de": ("wmt14_translate/de-en", 37000),  # shared BPE, about 37k tokens
-    "en-fr": ("wmt14_translate/fr-en", 32000),  # 32k word pieces
+  "en-de": ("wmt14_translate/de-en", 37000),  # shared BPE, about 37k tokens
+  "en-fr": ("wmt14_translate/fr-en", 32000),  # 32k word pieces
 }
 
 
@@ -28,8 +28,7 @@ def get_config(arg="base,en-de"):
   size = parts[0]
   direction = parts[1] if len(parts) > 1 else "en-de"
   if size not in ("base", "big") or direction not in _DATASETS or len(parts) > 2:
-    raise ValueError(
-        f"configs/wmt14.py: argument {arg!r} must be base|big[,en-de|,en-fr]")
+    raise ValueError(f"configs/wmt14.py: argument {arg!r} must be base|big[,en-de|,en-fr]")
 
   c = config_lib.base_config()
   c.dataset, c.vocab_size = _DATASETS[direction]

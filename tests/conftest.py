@@ -31,11 +31,13 @@ if REPO_ROOT not in sys.path:
 
 import pytest  # noqa: E402  (after the environment is set)
 
+from tests.helpers import durations  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
   """(tsv path, vocabulary cache dir) shared by the end-to-end tests."""
-  from tests import tiny_run
+  from tests.helpers import tiny_run
   path = tiny_run.write_small_corpus(str(tmp_path_factory.mktemp("corpus")))
   return path, str(tmp_path_factory.mktemp("vocab"))
 
@@ -44,7 +46,7 @@ def small_corpus(tmp_path_factory):
 def trained_run(small_corpus, tmp_path_factory):
   """(config, workdir) of a 4-step tiny run with checkpoints at steps 2 and 4, shared by
   the tests that evaluate, translate or average a run and leave it as it is."""
-  from tests import tiny_run
+  from tests.helpers import tiny_run
   from transformer.training import loop
   workdir = str(tmp_path_factory.mktemp("run"))
   config = tiny_run.make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)
@@ -52,24 +54,14 @@ def trained_run(small_corpus, tmp_path_factory):
   return config, workdir
 
 
-# The slowest files start first, longest first: `make test` runs two workers that take
-# whole files (--dist loadfile, in this order with --no-loadscope-reorder), and a long
-# file picked up last would leave one worker running it alone while the other sits
-# idle. Ranked by their total time in `pytest --durations=0` (2026-12-01).
-_SLOWEST_FILES_FIRST = ("test_training_steps.py", "test_gcs_workdir.py", "test_faults.py",
-                        "test_pod_rehearsal.py", "test_training_loop.py",
-                        "test_model_transformer.py", "test_tools_bench.py",
-                        "test_evaluation_multihost.py", "test_evaluation_generation.py",
-                        "test_evaluation_translate.py", "test_evaluation_validation.py",
-                        "test_model_speculative.py", "test_sweeps_runner.py")
+def pytest_addoption(parser):
+  durations.addoption(parser)
 
 
-def pytest_collection_modifyitems(items):
-  def rank(item):
-    name = os.path.basename(str(item.fspath))
-    return (_SLOWEST_FILES_FIRST.index(name) if name in _SLOWEST_FILES_FIRST
-            else len(_SLOWEST_FILES_FIRST))
-  items.sort(key=rank)  # stable: the order inside each file and among the rest is kept
+def pytest_configure(config):
+  # Files run longest first, and tests measured as slow carry the `slow` marker
+  # (`make test-fast` leaves them out): both from tests/durations.json.
+  durations.register(config)
 
 
 def pytest_sessionfinish(session, exitstatus):

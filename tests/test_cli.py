@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from transformer import cli
-from tests.tiny_run import REPO, flag_overrides
+from tests.helpers.tiny_run import REPO, flag_overrides
 
 
 def _record(path: str, level: int) -> logging.LogRecord:

@@ -159,7 +159,7 @@ model_fields_read: set = set()
 def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
   """No dead options: a real run (train, validate with BLEU, checkpoint) reads every key,
   and the model's modules read every ModelConfig field."""
-  from tests.tiny_run import make_config
+  from tests.helpers.tiny_run import make_config
   from transformer.evaluation.validation import ValidationWithBleu
   from transformer.training import loop, state
   config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,

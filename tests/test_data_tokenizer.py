@@ -11,7 +11,7 @@ import pytest
 import sentencepiece as spm
 import tensorflow as tf
 
-from tests import tiny_run
+from tests.helpers import tiny_run
 from transformer import config as config_lib
 from transformer.config import BOS_ID, ConfigError, EOS_ID, PAD_ID, UNK_ID
 from transformer.data import tokenizer as tokenizer_lib

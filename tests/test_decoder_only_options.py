@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tests import tiny_run
+from tests.helpers import tiny_run
 from transformer import config as config_lib
 from transformer.data import batching as batching_lib
 from transformer.data import pipeline

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import tiny_run
-from tests.test_model_speculative import SOURCE, make_model, strip
+from tests.helpers import tiny_run
+from tests.helpers.model_helpers import SOURCE, make_model, strip
 from transformer.config import ConfigError, EOS_ID, PAD_ID
 from transformer.data import pipeline
 from transformer.evaluation import score, translate

@@ -7,17 +7,17 @@ import shutil
 import subprocess
 import sys
 
-from tests.tiny_run import REPO, free_port
+from tests.helpers.tiny_run import REPO, free_port
 
 
 def _evaluate(workdir, num_processes, devices_per_process, order):
-  """(scores printed by process 0, hypotheses) of tests/multihost_eval.py."""
+  """(scores printed by process 0, hypotheses) of tests/helpers/multihost_eval.py."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
              JAX_PLATFORMS="cpu")
   port = free_port()
   processes = [subprocess.Popen(
-      [sys.executable, "tests/multihost_eval.py", workdir, "test", str(i),
+      [sys.executable, "tests/helpers/multihost_eval.py", workdir, "test", str(i),
        str(num_processes), str(port), order],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(num_processes)]

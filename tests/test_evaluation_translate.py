@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.tiny_run import REPO
+from tests.helpers.tiny_run import REPO
 from transformer.evaluation import score, translate
 from transformer.training import checkpoints
 from transformer.config import ConfigError

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.tiny_run import make_config, read_metrics
+from tests.helpers.tiny_run import make_config, read_metrics
 from transformer.evaluation.validation import ValidationWithBleu
 from transformer.training import loop
 

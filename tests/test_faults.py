@@ -4,7 +4,7 @@ no good checkpoint is lost. docs/reliability.md lists every fault and the test f
 
 Processes that must really die run `train.py` / `eval.py` as subprocesses on one CPU
 device; faults that need to sit inside Orbax's background save use
-tests/fault_injection.py.
+tests/helpers/fault_injection.py.
 """
 
 import math
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tiny_run import REPO, flag_overrides, free_port, make_config, read_metrics
+from tests.helpers.tiny_run import REPO, flag_overrides, free_port, make_config, read_metrics
 from transformer.training import checkpoints, loop, sharding, state
 from transformer import config as config_lib
 from transformer.config import ConfigError
@@ -38,7 +38,7 @@ def _env(devices=1, **extra):
 
 
 def _train_command(workdir, corpus, *extra, launcher=False, **overrides):
-  entry = ([sys.executable, "tests/fault_injection.py", "train.py"] if launcher
+  entry = ([sys.executable, "tests/helpers/fault_injection.py", "train.py"] if launcher
            else [sys.executable, "train.py"])
   return entry + ["--config", "configs/default.py", "--workdir", workdir, *extra] + \
       flag_overrides(corpus, **{"num_train_steps": STEPS, "checkpoint_every_steps": EVERY,

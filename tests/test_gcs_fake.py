@@ -1,4 +1,4 @@
-"""The local GCS fake (tests/gcs_fake.py) really stores what the project's GCS clients
+"""The local GCS fake (tests/helpers/gcs_fake.py) really stores what the project's GCS clients
 write: tf.io.gfile, etils.epath's default backend, Orbax (TensorStore + epath), the
 SentencePiece vocabulary cache, TFRecord reads and TFDS with data_dir on gs://.
 
@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 from etils import epath
 
-from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
+from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

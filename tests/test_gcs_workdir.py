@@ -1,6 +1,6 @@
 """A run whose every file lives in a bucket (gs://...), as on a TPU pod whose hosts share
 nothing but cloud storage: train, SIGTERM, resume, eval.py, checkpoint averaging and a
-sweep, all against the local GCS fake (tests/gcs_fake.py), with about 5% of the bucket's
+sweep, all against the local GCS fake (tests/helpers/gcs_fake.py), with about 5% of the bucket's
 requests failing (429, 503, dropped connections) as real buckets sometimes do.
 Everything a run writes must be in the bucket, and nothing on local disk. A write that
 stalls ends the run in one line instead of hanging it.
@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from tests import sweep_helpers
-from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
-from tests.tiny_run import OVERRIDES, REPO
+from tests.helpers import sweep_helpers
+from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
+from tests.helpers.tiny_run import OVERRIDES, REPO
 from transformer import storage
 
 

@@ -1,18 +1,19 @@
-"""host_memory: freed blocks stay in the process, so reusing them faults no new pages."""
+"""host_memory: freed blocks stay in the process, so reusing them faults no new pages;
+the commands apply it, an import of the package does not."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.tiny_run import REPO
+from tests.helpers.tiny_run import REPO
 
 # Allocates, touches and frees 256 MB twice from a fresh thread (XLA:CPU's step buffers
 # come from its worker threads) and prints the page faults of the second time.
-_REFAULTS = """
+_TOUCH_TWICE = """
 import ctypes, resource, threading
-import transformer
 from transformer import host_memory
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -32,6 +33,8 @@ thread = threading.Thread(target=worker)
 thread.start(); thread.join()
 print(host_memory.retained(), faults[0])
 """
+_REFAULTS = ("from transformer import host_memory\nhost_memory.retain_freed_memory()\n" +
+             _TOUCH_TWICE)
 
 
 def _second_touch(retain: str, platforms: str = "cpu") -> tuple[str, int]:
@@ -64,3 +67,52 @@ def test_only_a_cpu_process_keeps_freed_memory_unless_asked():
   assert applied == "False" and faults >= 100, faults
   applied, faults = _second_touch("1", platforms="tpu")
   assert applied == "True" and faults < 1_000, faults
+
+
+# Imports the model as a notebook or a sweep file would, then reports what changed: the
+# environment, whether the allocator settings were applied, how often the installed
+# distributions were listed, and the page faults of reusing a freed 256 MB block.
+_IMPORT_ONLY = """
+import importlib.metadata, json, os, sys
+listed = []  # by the package's own modules (JAX lists them too, as it is imported)
+_distributions = importlib.metadata.distributions
+def distributions(*args, **kwargs):
+  caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
+  if caller.startswith(os.path.join(os.getcwd(), "transformer", "")):
+    listed.append(caller)
+  return _distributions(*args, **kwargs)
+importlib.metadata.distributions = distributions
+environment = dict(os.environ)
+import transformer.model
+from transformer import host_memory
+changed = sorted(k for k in set(environment) | set(os.environ)
+                 if environment.get(k) != os.environ.get(k))
+print(json.dumps({"changed": changed, "retained": host_memory.retained(),
+                  "distributions_listed": listed}))
+""" + _TOUCH_TWICE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
+def test_importing_the_model_leaves_the_process_as_it_was():
+  """On the CPU, where a command would apply the settings: the import applies none,
+  lists no installed distributions and sets no environment variable."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("TRANSFORMER_RETAIN_FREED_MEMORY", None)
+  lines = subprocess.run([sys.executable, "-c", _IMPORT_ONLY], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+  report = json.loads(lines[0])
+  assert report == {"changed": [], "retained": False, "distributions_listed": []}, report
+  applied, faults = lines[1].split()
+  assert applied == "False" and int(faults) >= 100, lines
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
+def test_a_command_applies_the_settings_before_its_main():
+  """cli.run, which every command's main goes through, applies them on the CPU."""
+  command = ("from transformer import cli, host_memory\n"
+             "cli.run(lambda argv: print('retained', host_memory.retained()))\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("TRANSFORMER_RETAIN_FREED_MEMORY", None)
+  out = subprocess.run([sys.executable, "-c", command], cwd=REPO, env=env,
+                       capture_output=True, text=True, check=True).stdout
+  assert out.split() == ["retained", "True"], out

@@ -15,7 +15,7 @@ import pytest
 from transformer.model import Transformer
 from transformer.model.attention import MultiHeadAttention, Projection, attention_scores
 from transformer.model.primitives import attention_mask
-from tests.model_helpers import (tiny_config, example_inputs, random_params, run, param_shapes,
+from tests.helpers.model_helpers import (tiny_config, example_inputs, random_params, run, param_shapes,
                                 packed_batch, BATCH, SOURCE_LEN, TARGET_LEN, VOCAB, D_MODEL,
                                 NUM_HEADS, D_K, D_V, POSITION_VARIANTS)
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_model_speculative import SOURCE as SPEC_SOURCE
-from tests.test_model_speculative import make_model
+from tests.helpers.model_helpers import SOURCE as SPEC_SOURCE
+from tests.helpers.model_helpers import make_model
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
 from transformer.model import decoding
 from transformer.model.decoding import beam as beam_lib

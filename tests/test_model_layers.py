@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import numpy_reference
+from tests.helpers import numpy_reference
 from transformer.model.layers import (DecoderLayer, FeedForward, InputEmbedding, OutputProjection,
                                       tied_projection, untied_projection)
 from transformer.model.primitives import dense_init
-from tests.model_helpers import (tiny_config, example_inputs, abstract_variables, random_params,
+from tests.helpers.model_helpers import (tiny_config, example_inputs, abstract_variables, random_params,
                                 run, boxed_params, param_shapes, BATCH, SOURCE_LEN, TARGET_LEN,
                                 VOCAB, D_MODEL, D_FF, POSITIONAL_KINDS)
 

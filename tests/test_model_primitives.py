@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import numpy_reference
+from tests.helpers import numpy_reference
 from transformer.model.layers import InputEmbedding
 from transformer.model.primitives import sinusoidal_encoding
 from transformer.model.transformer import Encoder
-from tests.model_helpers import (tiny_config, other_tokens, example_inputs, random_params, run,
+from tests.helpers.model_helpers import (tiny_config, other_tokens, example_inputs, random_params, run,
                                 packed_batch, BATCH, SOURCE_LEN, TARGET_LEN, VOCAB, D_MODEL,
                                 POSITIONAL_KINDS, POSITION_VARIANTS)
 

@@ -6,7 +6,6 @@ draft: greedy token for token, sampling in distribution (checked statistically, 
 the target's exact distribution enumerated over a tiny vocabulary).
 """
 
-import dataclasses
 import functools
 import itertools
 
@@ -15,37 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.model_helpers import random_params, tiny_config
+from tests.helpers.model_helpers import EXTRA, SOURCE, make_model, strip
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
 from transformer.model import Transformer, decoding, stack_layer_params
 from transformer.model.decoding import cache as cache_lib
-
-# Sentences of 3, 1, 5 and 2 tokens (with EOS): budgets of 7, 5, 9 and 6 output tokens.
-SOURCE = jnp.array([[4, 5, 1, 0, 0], [1, 0, 0, 0, 0], [5, 3, 4, 6, 1], [7, 1, 0, 0, 0]],
-                   jnp.int32)
-EXTRA = 4
-# As small as training configs make the learned position table (max_len + extra + 1):
-# speculative rounds near the budget overrun it with draft tokens they never emit.
-MAX_POSITION = SOURCE.shape[1] + EXTRA + 1
-
-
-def make_model(seed, *, scan_layers=False, decoder_only=False, num_layers=2, d_model=8,
-               vocab_size=13, positional=None, max_position=MAX_POSITION):
-  """A tiny model with random weights far from init's near-uniform outputs.
-
-  Untied embeddings: tied ones make random models repeat their input token forever.
-  The same seed gives the same function scanned or not.
-  """
-  positional = positional or ("rope" if decoder_only else "sinusoidal")
-  cfg = tiny_config(vocab_size=vocab_size, max_position=max_position, num_layers=num_layers,
-                    d_model=d_model, decoder_only=decoder_only, positional=positional,
-                    tie_embeddings=False)
-  params = random_params(cfg, seed)
-  if scan_layers:
-    cfg = dataclasses.replace(cfg, scan_layers=True)
-    params = stack_layer_params(params, num_layers)
-  return Transformer(cfg), params
-
 
 def translate(model, params, search, draft_params=None, source=SOURCE, extra=EXTRA,
               rng=None):
@@ -53,11 +25,6 @@ def translate(model, params, search, draft_params=None, source=SOURCE, extra=EXT
   prompts = decoding.translation_prompts(source, extra, model.config.decoder_only)
   return decoding.decode(model, params, prompts, search, rng, draft_params)
 
-
-def strip(tokens):
-  """Token list up to and including the first EOS (or all of it)."""
-  tokens = [int(t) for t in tokens if t != PAD_ID]
-  return tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
 
 
 # ----------------------------------------------------------------------------------

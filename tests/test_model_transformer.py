@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import numpy_reference
+from tests.helpers import numpy_reference
 from transformer.model import Transformer, stack_layer_params
 from transformer.model.layers import Embed
 from transformer.model.transformer import Decoder, Encoder
-from tests.model_helpers import (tiny_config, random_tokens, example_inputs, abstract_variables,
+from tests.helpers.model_helpers import (tiny_config, random_tokens, example_inputs, abstract_variables,
                                 random_params, run, boxed_params, param_shapes, BATCH, SOURCE_LEN,
                                 TARGET_LEN, VOCAB, D_MODEL)
 

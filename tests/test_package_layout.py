@@ -3,7 +3,7 @@
 import ast
 import os
 
-from tests.tiny_run import REPO
+from tests.helpers.tiny_run import REPO
 
 PACKAGE = os.path.join(REPO, "transformer")
 FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
@@ -11,17 +11,18 @@ FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
 ALLOWED = {
     "messages": set(),
     "host_memory": set(),
+    "versions": set(),
     "config": {"messages"},
     "storage": {"messages"},
-    "cli": {"config", "messages"},
+    "cli": {"config", "messages", "host_memory"},
     "model": {"config", "messages"},
     "data": {"config", "messages", "storage"},
-    "training": {"config", "messages", "storage", "model", "data"},
-    "evaluation": {"config", "messages", "storage", "model", "data", "training"},
-    "sweeps": {"config", "messages", "storage", "cli", "model", "data", "training",
+    "training": {"config", "messages", "storage", "versions", "model", "data"},
+    "evaluation": {"config", "messages", "storage", "versions", "model", "data", "training"},
+    "sweeps": {"config", "messages", "storage", "versions", "cli", "model", "data", "training",
                "evaluation"},
-    "tools": {"config", "messages", "storage", "cli", "host_memory", "model", "data", "training",
-              "evaluation", "sweeps"},
+    "tools": {"config", "messages", "storage", "versions", "cli", "host_memory", "model", "data",
+              "training", "evaluation", "sweeps"},
 }
 
 
@@ -172,3 +173,36 @@ def test_functions_read_in_one_screen():
         too_long += [f"{relative}:{function} ({lines} lines)"
                      for function, lines in _function_lengths(path).items() if lines > limit]
   assert not too_long, too_long
+def _imported_test_modules(path: str) -> set[str]:
+  """What `path` imports from the `tests` package, as dotted module names."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      if node.module == "tests":
+        found |= {f"tests.{alias.name}" for alias in node.names}
+      elif node.module.startswith("tests."):
+        found.add(node.module)
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith("tests.")}
+  return found
+
+
+def test_test_files_share_code_only_through_helpers():
+  """A test file imports tests.helpers, never another test file: each runs alone, and
+  moving a test never breaks a second file."""
+  tests_dir = os.path.join(REPO, "tests")
+  crossing = [f"{name} imports {module}"
+              for name in sorted(os.listdir(tests_dir)) if name.endswith(".py")
+              for module in sorted(_imported_test_modules(os.path.join(tests_dir, name)))
+              if not (module == "tests.helpers" or module.startswith("tests.helpers."))]
+  assert not crossing, crossing
+
+
+def test_the_checker_sees_a_test_file_importing_another(tmp_path):
+  module = tmp_path / "test_a.py"
+  module.write_text("from tests.test_config import load_config\nfrom tests import test_b\n"
+                    "from tests.helpers import tiny_run\n")
+  assert _imported_test_modules(str(module)) == {
+      "tests.test_config", "tests.test_b", "tests.helpers"}

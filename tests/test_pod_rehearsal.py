@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
-from tests.tiny_run import OVERRIDES, REPO, free_port
+from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
+from tests.helpers.tiny_run import OVERRIDES, REPO, free_port
 
 HEARTBEAT_TIMEOUT_S = 10
 EXIT_AFTER_NOTICE_S = 180  # every host of a preempted job has exited by then

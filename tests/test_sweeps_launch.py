@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from tests.sweep_helpers import TABLE3, run_sweep_command
+from tests.helpers.sweep_helpers import TABLE3, run_sweep_command
 from transformer.sweeps import launch, spec
 
 

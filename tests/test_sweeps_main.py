@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tests.sweep_helpers import TABLE3, fake_finished_row, run_sweep_command
+from tests.helpers.sweep_helpers import TABLE3, fake_finished_row, run_sweep_command
+from transformer import versions
 
 
 def _last_stderr_line(result) -> str:
@@ -36,6 +37,7 @@ def test_dry_run_json_prints_one_object_per_row():
   assert [r["name"] for r in rows] == ["C1", "big"]
   assert abs(rows[1]["num_params"] / 213e6 - 1) < 0.07
   assert rows[0]["flops_per_token"] < rows[1]["flops_per_token"]
+  assert rows[0]["versions"] == versions.library_versions()
 
 
 @pytest.mark.parametrize("args,message", [

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.sweep_helpers import TABLE3, fake_finished_row
+from tests.helpers.sweep_helpers import TABLE3, fake_finished_row
 from transformer.sweeps import report, spec
 
 

@@ -13,9 +13,9 @@ import types
 
 import pytest
 
-from tests import tiny_run
-from tests.sweep_helpers import REPO, fake_finished_row, write_sweep
-from transformer import storage
+from tests.helpers import tiny_run
+from tests.helpers.sweep_helpers import REPO, fake_finished_row, write_sweep
+from transformer import storage, versions
 from transformer.sweeps import runner, spec
 from transformer.training import checkpoints, loop
 
@@ -171,6 +171,7 @@ def test_run_local_trains_then_evaluates_with_absolute_workdirs(tmp_path, monkey
       ("r", "train", 0, False), ("r", "eval", 0, False)]
   assert [(e["phase"], e["returncode"]) for e in _read_log("runs")] == [("train", 0),
                                                                          ("eval", 0)]
+  assert _read_log("runs")[0]["versions"] == versions.library_versions()
   assert runner.row_state(row_dir, 6, final_eval=True) == "finished"
 
   again = runner.run_local(sweep, sweep.rows, configs, "runs", python=fake_python.path)

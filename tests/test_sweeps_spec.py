@@ -9,7 +9,7 @@ from absl import flags
 from ml_collections import config_flags
 import pytest
 
-from tests.sweep_helpers import PAPER_ROWS, REPO, TABLE3, TABLE3_SMALL, write_sweep
+from tests.helpers.sweep_helpers import PAPER_ROWS, REPO, TABLE3, TABLE3_SMALL, write_sweep
 from transformer import config as config_lib
 from transformer.sweeps import spec
 

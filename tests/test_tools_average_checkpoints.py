@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.tiny_run import REPO
+from tests.helpers.tiny_run import REPO
 from transformer.config import ConfigError
 from transformer.tools import average_checkpoints
 from transformer.training import checkpoints, state

@@ -11,9 +11,10 @@ import statistics
 import subprocess
 import sys
 
+from transformer import versions
 from transformer.training import flops, sharding
 from transformer.model import ModelConfig
-from tests.tiny_run import REPO, flag_overrides, make_config
+from tests.helpers.tiny_run import REPO, flag_overrides, make_config
 
 ROWS, SEQ_LEN = 4, 24
 
@@ -44,6 +45,7 @@ def test_bench_json_reports_every_measurement(small_corpus):
   assert [r["name"] for r in records] == ["peak", "train_step", "beam_search", "input_pipeline"]
   for r in records:
     assert {"name", "tokens_per_sec", "mfu", "step_time_s"} <= r.keys()
+    assert r["versions"] == versions.library_versions()
 
   peak, train, beam, pipeline = records
   assert peak["num_devices"] == 2 and peak["peak_flops_per_sec"] > 0

@@ -4,7 +4,7 @@ timing the training stream of a tiny TSV run. Timings themselves are not asserte
 import numpy as np
 import pytest
 
-from tests.tiny_run import make_config
+from tests.helpers.tiny_run import make_config
 from transformer.data import pipeline
 from transformer.tools import input_speed
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.test_config import load_config
+from transformer.config import load_config
 from transformer.training import describe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,13 +15,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("arg,paper_params", [("base", 65e6), ("big", 213e6)])
 def test_param_count_within_4_percent_of_paper(arg, paper_params):
-  config = load_config("configs/wmt14.py", arg)
+  config = load_config(f"configs/wmt14.py:{arg}")
   assert config.vocab_size == 37000
   assert abs(describe.count_params(config) / paper_params - 1) < 0.04
 
 
 def test_tied_embedding_counted_once():
-  config = load_config("configs/wmt14.py", "base")
+  config = load_config("configs/wmt14.py:base")
   tied = describe.count_params(config)
   config.model.tie_embeddings = False
   untied = describe.count_params(config)

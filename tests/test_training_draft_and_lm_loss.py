@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from tests import tiny_run
+from tests.helpers import tiny_run
 from transformer import config as config_lib
 from transformer.config import EOS_ID
 from transformer.data import pipeline

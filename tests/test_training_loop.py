@@ -17,7 +17,7 @@ import pytest
 
 from transformer.model import ModelConfig
 from transformer.training import checkpoints, flops, loop, reporting, sharding, state
-from tests.tiny_run import REPO, flag_overrides, make_config, read_metrics
+from tests.helpers.tiny_run import REPO, flag_overrides, make_config, read_metrics
 
 
 def restored_params(workdir, config, step):

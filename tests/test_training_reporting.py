@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
+from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 from transformer import storage
 from transformer.training import reporting
 

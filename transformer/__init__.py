@@ -12,9 +12,7 @@ One folder per layer; each imports only from the layers listed before it
   tools/                   commands: bench, decoding_speed, input_speed, average_checkpoints
   cli.py                   flag parsing and a quiet terminal for every command
   host_memory.py           keeps freed host memory in the process (XLA:CPU's step buffers)
+
+Importing the package changes nothing in the process: the commands apply their process
+settings (host_memory.py) when they start (cli.run).
 """
-
-from transformer import host_memory
-
-# Before JAX or TensorFlow start their threads: see host_memory.py.
-host_memory.retain_freed_memory()

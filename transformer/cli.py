@@ -1,7 +1,9 @@
 """Shared entry-point plumbing for train.py, eval.py, generate.py and the package's
 commands.
 
-`run(main)` is absl's `app.run` with three additions:
+`run(main)` is absl's `app.run` with four additions:
+  - the process keeps freed host memory where JAX computes on the CPU (host_memory.py),
+    set before anything starts a JAX backend;
   - a bad `--config.KEY=VALUE` override is reported in one line naming it;
   - `--config FILE[:ARG]` is found relative to the working directory or, failing that,
     to the repository, so every command works from any directory;
@@ -15,6 +17,8 @@ import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+
+from transformer import host_memory
 
 UsageError = app.UsageError
 
@@ -39,7 +43,7 @@ class ProjectInfoFilter(logging.Filter):
 
 def quiet_library_logs() -> None:
   """Applies ProjectInfoFilter to absl's handler, which prints every Python log record."""
-  if flags.FLAGS["verbosity"].value >= 1:
+  if (flags.FLAGS["verbosity"].value or 0) >= 1:
     return
   handler = absl_logging.get_absl_handler()
   if not any(isinstance(f, ProjectInfoFilter) for f in handler.filters):
@@ -58,10 +62,11 @@ def _resolve_config_arg(argv: list[str]) -> list[str]:
       return config_lib.resolve_config_file(path) + colon + arg
     except config_lib.ConfigError:
       return spec  # left for config_flags to report
+
   out = list(argv)
   for i, arg in enumerate(out):
     if arg.startswith("--config="):
-      out[i] = "--config=" + resolved(arg[len("--config="):])
+      out[i] = "--config=" + resolved(arg[len("--config=") :])
     elif arg == "--config" and i + 1 < len(out):
       out[i + 1] = resolved(out[i + 1])
   return out
@@ -77,19 +82,29 @@ def _parse_flags(argv):
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     while e.args and isinstance(e.args[0], BaseException):  # KeyError inside AttributeError
       e = e.args[0]
-    message = str(e.args[0] if e.args else e).replace("\\n", " ").replace("\n", " ").replace("\\", "")
+    message = (
+      str(e.args[0] if e.args else e).replace("\\n", " ").replace("\n", " ").replace("\\", "")
+    )
     overrides = [a for a in argv[1:] if a.startswith("--config.")]
     # Name the override the message is about: its last key part quoted in it ('num_heds'),
     # else appearing in it, else all of them.
     leaf = {a: a.split("=")[0].rsplit(".", 1)[-1] for a in overrides}
-    bad = ([a for a in overrides if f"'{leaf[a]}'" in message] or
-           [a for a in overrides if leaf[a] in message] or overrides)
+    bad = (
+      [a for a in overrides if f"'{leaf[a]}'" in message]
+      or [a for a in overrides if leaf[a] in message]
+      or overrides
+    )
     where = f" {' '.join(bad)}" if bad else ""
     sys.exit(f"error: bad config override{where}: {message}")
 
 
 def run(main) -> None:
+  # Process-wide settings belong to the command, not to an import of the package, and
+  # go before JAX starts a backend and its threads (host_memory.py).
+  host_memory.retain_freed_memory()
+
   def quiet_main(argv):
     quiet_library_logs()
     return main(argv)
+
   app.run(quiet_main, flags_parser=_parse_flags)

@@ -21,8 +21,11 @@ found the default config's training loop 22% faster with the settings, and its b
 18% faster, on 2 cores).
 So it applies only where JAX computes on the CPU, the only backend whose step buffers
 are host memory: JAX_PLATFORMS names cpu first, or, with JAX_PLATFORMS unset, no GPU or
-TPU plugin is installed. Applied once when the package is imported, before JAX or
-TensorFlow start the threads that allocate. TRANSFORMER_RETAIN_FREED_MEMORY=0 keeps
+TPU plugin is installed. Every command applies it as it starts (`cli.run`, which train.py,
+eval.py, the tools and the sweep runner run their main through), before JAX or TensorFlow
+start the threads that allocate; importing the package leaves the allocator as it is, so
+a notebook or a library user keeps glibc's defaults unless it calls
+`retain_freed_memory()` itself. TRANSFORMER_RETAIN_FREED_MEMORY=0 keeps
 glibc's defaults, =1 applies them on any backend. Other C libraries and platforms are
 left as they are.
 """
@@ -85,6 +88,8 @@ def retain_freed_memory() -> bool:
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   # mallopt returns 1 on success. The arena limit goes first: it only steers threads
   # that allocate after it, and the other two matter for the heap they then share.
-  _applied = all(mallopt(param, value) == 1 for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+  _applied = all(
+    mallopt(param, value) == 1
+    for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+  )
   return _applied

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def first_line(error: BaseException, with_type: bool = False) -> str:

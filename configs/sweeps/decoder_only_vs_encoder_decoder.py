@@ -41,16 +41,16 @@ BASE_CONFIG = "configs/default.py"
 # 2 cores, twice that for the decoder-only row), validated once at the end, with the BLEU
 # of the first 500 validation sentences beam-searched by the run itself.
 BASE_OVERRIDES = {
-    "num_train_steps": 300,
-    "warmup_steps": 150,
-    "eval_every_steps": 300,
-    "eval_bleu_sentences": 500,
-    "checkpoint_every_steps": 100,
+  "num_train_steps": 300,
+  "warmup_steps": 150,
+  "eval_every_steps": 300,
+  "eval_bleu_sentences": 500,
+  "checkpoint_every_steps": 100,
 }
 
 
 def get_sweep():
   return [
-      Row("encoder_decoder", {}),
-      Row("decoder_only", {"model.decoder_only": True, "model.num_layers": 7}),
+    Row("encoder_decoder", {}),
+    Row("decoder_only", {"model.decoder_only": True, "model.num_layers": 7}),
   ]

@@ -19,6 +19,8 @@ _HEADS = ("model.num_heads", "model.d_k", "model.d_v")
 
 
 def get_sweep():
+  # One row per line, as in the paper's table.
+  # fmt: off
   return [
       Row("base", {}, paper_ppl=4.92, paper_bleu=25.8, paper_params_m=65),
       # (A) heads: h * d_k = d_model, so computation stays about the same.
@@ -51,3 +53,4 @@ def get_sweep():
                   "model.dropout_rate": 0.3, "num_train_steps": 300_000},
           paper_ppl=4.33, paper_bleu=26.4, paper_params_m=213),
   ]
+  # fmt: on

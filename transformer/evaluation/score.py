@@ -19,7 +19,7 @@ import jax
 
 from transformer import config as config_lib
 from transformer import data
-from transformer import storage
+from transformer import storage, versions
 from transformer.data import sources
 from transformer.evaluation import bleu
 from transformer.evaluation.translate import SearchStats, Translator
@@ -70,7 +70,8 @@ def evaluate_split(translator: Translator, split: str, *, pairs=None,
   results = {"split": split, "step": translator.step, "average_last": translator.average_last,
              **_translation_scores(hypotheses, references, config),
              "num_sentences": len(texts), "sentences_per_sec": len(texts) / elapsed,
-             "tokens_per_sec": generated_tokens / elapsed, **_search_settings(translator)}
+             "tokens_per_sec": generated_tokens / elapsed, **_search_settings(translator),
+             "versions": versions.library_versions()}
   # Perplexity with teacher forcing, unsmoothed, on the same batches.
   loss = metrics.evaluate_loss(steps.jit_eval_step(translator.setup), translator.params,
                                batches, translator.mesh, translator.rules)

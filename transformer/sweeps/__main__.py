@@ -20,9 +20,8 @@ import sys
 
 from absl import flags
 
-from transformer import cli
+from transformer import cli, storage, versions
 from transformer import config as config_lib
-from transformer import storage
 from transformer.sweeps import launch, report, runner, spec
 
 FLAGS = flags.FLAGS
@@ -30,21 +29,31 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/table3.py.")
 flags.DEFINE_string("workdir", None, "Each row runs in WORKDIR/<row>.")
 flags.DEFINE_string("only", "", "Comma-separated row names to use (default: every row).")
-flags.DEFINE_bool("dry_run", False,
-                  "Print each row's overrides, parameters and FLOPs per target token; "
-                  "train nothing.")
+flags.DEFINE_bool(
+  "dry_run",
+  False,
+  "Print each row's overrides, parameters and FLOPs per target token; train nothing.",
+)
 flags.DEFINE_bool("json", False, "With --dry_run: one JSON object per row instead of a table.")
-flags.DEFINE_enum("launch", None, ["slurm", "tpu"],
-                  "Write scripts that run each row on a SLURM cluster or a TPU pod "
-                  "instead of training here.")
-flags.DEFINE_bool("collect", False,
-                  "Gather each row's final validation perplexity and BLEU into "
-                  "<sweep>.md, .csv and .png.")
+flags.DEFINE_enum(
+  "launch",
+  None,
+  ["slurm", "tpu"],
+  "Write scripts that run each row on a SLURM cluster or a TPU pod instead of training here.",
+)
+flags.DEFINE_bool(
+  "collect",
+  False,
+  "Gather each row's final validation perplexity and BLEU into <sweep>.md, .csv and .png.",
+)
 flags.DEFINE_string("output_dir", None, "Where --collect writes (default: WORKDIR).")
-flags.DEFINE_bool("final_eval", True,
-                  "After training a row, beam-search its whole validation split with "
-                  "eval.py; --nofinal_eval keeps the training run's own last validation "
-                  "metrics (perplexity; BLEU only if config.eval_bleu_sentences > 0).")
+flags.DEFINE_bool(
+  "final_eval",
+  True,
+  "After training a row, beam-search its whole validation split with "
+  "eval.py; --nofinal_eval keeps the training run's own last validation "
+  "metrics (perplexity; BLEU only if config.eval_bleu_sentences > 0).",
+)
 
 
 def main(argv) -> None:
@@ -56,7 +65,9 @@ def main(argv) -> None:
     modes = [name for name in ("dry_run", "collect") if FLAGS[name].value]
     modes += ["launch"] if FLAGS.launch else []
     if len(modes) > 1:
-      raise spec.SweepError(f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})")
+      raise spec.SweepError(
+        f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})"
+      )
     if FLAGS.json and not FLAGS.dry_run:
       raise spec.SweepError("--json goes with --dry_run")
     if not FLAGS.workdir and not FLAGS.dry_run:
@@ -71,17 +82,19 @@ def main(argv) -> None:
       summaries = report.describe_rows(rows, configs)
       if FLAGS.json:
         for entry in summaries:
-          print(json.dumps(entry))
+          print(json.dumps({**entry, "versions": versions.library_versions()}))
       else:
         print(report.dry_run_table(sweep, summaries))
     elif FLAGS.launch:
-      written = launch.write_scripts(FLAGS.launch, sweep, rows, configs, FLAGS.workdir,
-                                     launch.options_from_flags())
+      written = launch.write_scripts(
+        FLAGS.launch, sweep, rows, configs, FLAGS.workdir, launch.options_from_flags()
+      )
       for path in written:
         print(path)
     elif FLAGS.collect:
-      written = report.collect(sweep, rows, configs, FLAGS.workdir,
-                               FLAGS.output_dir or FLAGS.workdir)
+      written = report.collect(
+        sweep, rows, configs, FLAGS.workdir, FLAGS.output_dir or FLAGS.workdir
+      )
       print(storage.read_text(written[0]))
       for path in written:
         print(f"wrote {path}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+from typing import Any
 
 from absl import flags
 
@@ -22,18 +23,24 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_string("script_dir", None,
-                      "Where --launch writes its scripts (default: WORKDIR/launch; required "
-                      "when WORKDIR is a gs:// path).")
-  flags.DEFINE_string("repo_dir", "$HOME/transformer",
-                      "--launch: this repository's path on the cluster hosts (the scripts "
-                      "cd there).")
+  flags.DEFINE_string(
+    "script_dir",
+    None,
+    "Where --launch writes its scripts (default: WORKDIR/launch; required "
+    "when WORKDIR is a gs:// path).",
+  )
+  flags.DEFINE_string(
+    "repo_dir",
+    "$HOME/transformer",
+    "--launch: this repository's path on the cluster hosts (the scripts cd there).",
+  )
   flags.DEFINE_string("python", "python", "--launch: the Python command on the cluster hosts.")
   flags.DEFINE_integer("slurm_nodes", 1, "--launch slurm: nodes per row (one process each).")
   flags.DEFINE_integer("slurm_gpus_per_node", 8, "--launch slurm: GPUs per node.")
   flags.DEFINE_string("slurm_time", "24:00:00", "--launch slurm: time limit per job.")
-  flags.DEFINE_string("slurm_extra", "",
-                      "--launch slurm: extra #SBATCH options, e.g. '--partition=gpu'.")
+  flags.DEFINE_string(
+    "slurm_extra", "", "--launch slurm: extra #SBATCH options, e.g. '--partition=gpu'."
+  )
   flags.DEFINE_string("tpu_name", "TPU_NAME", "--launch tpu: the TPU VM (pod slice) name.")
   flags.DEFINE_string("tpu_zone", "ZONE", "--launch tpu: its zone.")
 
@@ -52,15 +59,17 @@ class LaunchOptions:
 
 
 def options_from_flags() -> LaunchOptions:
-  return LaunchOptions(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(LaunchOptions)})
+  values: dict[str, Any] = {f.name: FLAGS[f.name].value for f in dataclasses.fields(LaunchOptions)}
+  return LaunchOptions(**values)
 
 
 def _command(python: str, script: str, args: list[str]) -> str:
   return " ".join([python, script] + [shlex.quote(a) for a in args])
 
 
-def row_commands(sweep: spec.Sweep, row: spec.Row, config, workdir: str,
-                 python: str) -> tuple[str, str]:
+def row_commands(
+  sweep: spec.Sweep, row: spec.Row, config, workdir: str, python: str
+) -> tuple[str, str]:
   """(train command, eval command) for one row, run from the repository root."""
   row_dir = f"{workdir.rstrip('/')}/{row.name}"
   relative = os.path.relpath(spec.config_file(sweep), config_lib.REPO_ROOT)  # the cluster's clone
@@ -69,8 +78,9 @@ def row_commands(sweep: spec.Sweep, row: spec.Row, config, workdir: str,
   return train, evaluate
 
 
-def _slurm_script(sweep, row, train: str, evaluate: str, script_dir: str,
-                  options: LaunchOptions) -> str:
+def _slurm_script(
+  sweep, row, train: str, evaluate: str, script_dir: str, options: LaunchOptions
+) -> str:
   extra = f"#SBATCH {options.slurm_extra}\n" if options.slurm_extra else ""
   gpus = options.slurm_gpus_per_node
   return f"""#!/bin/bash
@@ -92,8 +102,10 @@ srun --nodes=1 --ntasks=1 {evaluate}
 
 
 def _tpu_script(sweep, row, train: str, evaluate: str, options: LaunchOptions) -> str:
-  ssh = (f"gcloud compute tpus tpu-vm ssh {options.tpu_name} --zone {options.tpu_zone} "
-         "--worker=all --command=")
+  ssh = (
+    f"gcloud compute tpus tpu-vm ssh {options.tpu_name} --zone {options.tpu_zone} "
+    "--worker=all --command="
+  )
   # Every worker runs the same command; the TPU runtime connects them.
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name}; rerunning it resumes from the newest checkpoint.
@@ -103,8 +115,9 @@ set -euo pipefail
 """
 
 
-def write_scripts(kind: str, sweep: spec.Sweep, rows: list, configs: dict,
-                  workdir: str, options: LaunchOptions) -> list[str]:
+def write_scripts(
+  kind: str, sweep: spec.Sweep, rows: list, configs: dict, workdir: str, options: LaunchOptions
+) -> list[str]:
   """Writes <row>.sbatch (slurm) or <row>.sh (tpu) per row, plus one script for all."""
   script_dir = options.script_dir
   if not script_dir:
@@ -129,7 +142,8 @@ def write_scripts(kind: str, sweep: spec.Sweep, rows: list, configs: dict,
   starter = "sbatch" if kind == "slurm" else "bash"
   all_path = os.path.join(script_dir, f"{kind}_all.sh")
   with open(all_path, "w") as f:
-    f.write("#!/bin/bash\nset -euo pipefail\n" +
-            "".join(f"{starter} {shlex.quote(p)}\n" for p in written))
+    f.write(
+      "#!/bin/bash\nset -euo pipefail\n" + "".join(f"{starter} {shlex.quote(p)}\n" for p in written)
+    )
   os.chmod(all_path, 0o755)
   return written + [all_path]

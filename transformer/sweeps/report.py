@@ -17,15 +17,30 @@ from transformer.training import describe
 
 # Table 3's column names for the keys its rows change.
 _SHORT_NAMES = {
-    "model.num_layers": "N", "model.d_model": "d_model", "model.d_ff": "d_ff",
-    "model.num_heads": "h", "model.d_k": "d_k", "model.d_v": "d_v",
-    "model.dropout_rate": "P_drop", "label_smoothing": "eps_ls",
-    "model.positional": "positional", "num_train_steps": "steps",
+  "model.num_layers": "N",
+  "model.d_model": "d_model",
+  "model.d_ff": "d_ff",
+  "model.num_heads": "h",
+  "model.d_k": "d_k",
+  "model.d_v": "d_v",
+  "model.dropout_rate": "P_drop",
+  "label_smoothing": "eps_ls",
+  "model.positional": "positional",
+  "num_train_steps": "steps",
 }
 
 # BLEU is sacreBLEU; tok BLEU the paper's protocol (Moses tokens, compounds split).
-COLUMNS = ("row", "changed values", "params (M)", "ppl", "BLEU", "tok BLEU", "paper ppl",
-           "paper BLEU", "paper params (M)")
+COLUMNS = (
+  "row",
+  "changed values",
+  "params (M)",
+  "ppl",
+  "BLEU",
+  "tok BLEU",
+  "paper ppl",
+  "paper BLEU",
+  "paper params (M)",
+)
 
 
 def changed_values(row: spec.Row) -> str:
@@ -40,10 +55,15 @@ def describe_rows(rows: list, configs: dict) -> list[dict]:
   described = []
   for row in rows:
     info = describe.describe(configs[row.name])
-    described.append({"name": row.name, "overrides": row.overrides,
-                      "num_params": info["num_params"],
-                      "flops_per_token": info["flops_per_token"],
-                      "paper_params_m": row.paper_params_m})
+    described.append(
+      {
+        "name": row.name,
+        "overrides": row.overrides,
+        "num_params": info["num_params"],
+        "flops_per_token": info["flops_per_token"],
+        "paper_params_m": row.paper_params_m,
+      }
+    )
   return described
 
 
@@ -52,14 +72,16 @@ def dry_run_table(sweep: spec.Sweep, described: list[dict]) -> str:
   rows = [("row", "overrides", "params", "FLOPs/token", "paper params", "diff")]
   for entry in described:
     paper = entry["paper_params_m"]
-    rows.append((
+    rows.append(
+      (
         entry["name"],
         changed_values(spec.Row(entry["name"], entry["overrides"])),
         f"{entry['num_params'] / 1e6:.1f}M",
         f"{entry['flops_per_token']:.3g}",
         f"{paper}M" if paper else "",
         f"{entry['num_params'] / (paper * 1e6) - 1:+.1%}" if paper else "",
-    ))
+      )
+    )
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = [f"sweep {sweep.name} on {sweep.base_config}"]
   lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
@@ -70,8 +92,9 @@ def _number(value, digits: int) -> str:
   return "" if value is None else f"{value:.{digits}f}"
 
 
-def collect_rows(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
-                 bleu_sources: dict | None = None) -> list[dict]:
+def collect_rows(
+  sweep: spec.Sweep, rows: list, configs: dict, workdir: str, bleu_sources: dict | None = None
+) -> list[dict]:
   """One dict per row (COLUMNS as keys, numbers as numbers; None where missing).
 
   bleu_sources, if given, is filled with {which sentences BLEU was computed on: rows}.
@@ -80,17 +103,21 @@ def collect_rows(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
   collected = []
   for row in rows:
     config = configs[row.name]
-    results = runner.final_results(f"{workdir.rstrip('/')}/{row.name}",
-                                      config.num_train_steps) or {}
+    results = (
+      runner.final_results(f"{workdir.rstrip('/')}/{row.name}", config.num_train_steps) or {}
+    )
     if results.get("bleu") is None:
       bleu_on = None
     elif results["source"] == "eval.py":
       bleu_on = f"the whole validation split ({results['bleu_sentences']} sentences, eval.py)"
     else:
-      bleu_on = (f"the first {config.eval_bleu_sentences} validation sentences (the training "
-                 "run's last evaluation)")
+      bleu_on = (
+        f"the first {config.eval_bleu_sentences} validation sentences (the training "
+        "run's last evaluation)"
+      )
     bleu_sources.setdefault(bleu_on, []).append(row.name)
-    collected.append({
+    collected.append(
+      {
         "row": row.name,
         "changed values": changed_values(row),
         "params (M)": describe.count_params(config) / 1e6,
@@ -100,17 +127,25 @@ def collect_rows(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
         "paper ppl": row.paper_ppl,
         "paper BLEU": row.paper_bleu,
         "paper params (M)": row.paper_params_m,
-    })
+      }
+    )
   return collected
 
 
 def markdown_table(collected: list[dict]) -> str:
   lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   for r in collected:
-    cells = [r["row"], r["changed values"], _number(r["params (M)"], 1), _number(r["ppl"], 2),
-             _number(r["BLEU"], 2), _number(r["tok BLEU"], 2), _number(r["paper ppl"], 2),
-             _number(r["paper BLEU"], 1),
-             "" if r["paper params (M)"] is None else f"{r['paper params (M)']:g}"]
+    cells = [
+      r["row"],
+      r["changed values"],
+      _number(r["params (M)"], 1),
+      _number(r["ppl"], 2),
+      _number(r["BLEU"], 2),
+      _number(r["tok BLEU"], 2),
+      _number(r["paper ppl"], 2),
+      _number(r["paper BLEU"], 1),
+      "" if r["paper params (M)"] is None else f"{r['paper params (M)']:g}",
+    ]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
@@ -130,6 +165,7 @@ def plot(collected: list[dict], title: str, path: str) -> None:
   scaled-down sweep's absolute numbers are on another scale from the paper's.
   """
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
@@ -138,16 +174,24 @@ def plot(collected: list[dict], title: str, path: str) -> None:
   base = next((r for r in collected if r["row"] == "base"), collected[0])
   x = np.arange(len(names))
   fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.55 * len(names) + 2), 7), sharex=True)
-  for ax, ours_key, paper_key, label in ((axes[0], "ppl", "paper ppl", "perplexity"),
-                                         (axes[1], "BLEU", "paper BLEU", "BLEU")):
-    for offset, key, who, color in ((-0.2, ours_key, "this run", "tab:blue"),
-                                    (0.2, paper_key, "paper", "tab:gray")):
+  for ax, ours_key, paper_key, label in (
+    (axes[0], "ppl", "paper ppl", "perplexity"),
+    (axes[1], "BLEU", "paper BLEU", "BLEU"),
+  ):
+    for offset, key, who, color in (
+      (-0.2, ours_key, "this run", "tab:blue"),
+      (0.2, paper_key, "paper", "tab:gray"),
+    ):
       change = _relative_to_base([r[key] for r in collected], base[key])
       heights = [np.nan if c is None else c for c in change]
       bars = ax.bar(x + offset, heights, width=0.4, label=who, color=color)
       # The absolute value on each bar: the scale of the change is in the axis.
-      ax.bar_label(bars, labels=["" if r[key] is None else f"{r[key]:.3g}" for r in collected],
-                   fontsize=7, padding=2)
+      ax.bar_label(
+        bars,
+        labels=["" if r[key] is None else f"{r[key]:.3g}" for r in collected],
+        fontsize=7,
+        padding=2,
+      )
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_ylabel(f"{label}: % change\nfrom row {base['row']}")
     ax.margins(y=0.15)  # room for the labels
@@ -162,10 +206,11 @@ def plot(collected: list[dict], title: str, path: str) -> None:
   storage.write_bytes(path, png.getvalue())
 
 
-def collect(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
-            output_dir: str) -> list[str]:
+def collect(
+  sweep: spec.Sweep, rows: list, configs: dict, workdir: str, output_dir: str
+) -> list[str]:
   """Writes <sweep>.md, .csv and .png to output_dir; returns their paths (md first)."""
-  bleu_sources = {}
+  bleu_sources: dict[str, list[str]] = {}
   collected = collect_rows(sweep, rows, configs, workdir, bleu_sources)
   storage.makedirs(output_dir)
   stem = storage.join(output_dir, sweep.name)
@@ -175,14 +220,16 @@ def collect(sweep: spec.Sweep, rows: list, configs: dict, workdir: str,
   if len(described) == 1:
     bleu_on = f" BLEU is computed on {described[0][0]}."
   else:
-    bleu_on = "".join(f" BLEU of {', '.join(names)} is computed on {on}."
-                      for on, names in described)
+    bleu_on = "".join(
+      f" BLEU of {', '.join(names)} is computed on {on}." for on, names in described
+    )
   storage.write_text(
-      f"{stem}.md",
-      f"Sweep `{sweep.name}` on `{sweep.base_config}`: final validation perplexity "
-      "(unsmoothed, per subword token) and BLEU of the last checkpoint, no averaging. "
-      "BLEU is sacreBLEU; tok BLEU is the paper's protocol (tokenized, compounds "
-      f"split).{bleu_on}\n\n" + markdown_table(collected) + note)
+    f"{stem}.md",
+    f"Sweep `{sweep.name}` on `{sweep.base_config}`: final validation perplexity "
+    "(unsmoothed, per subword token) and BLEU of the last checkpoint, no averaging. "
+    "BLEU is sacreBLEU; tok BLEU is the paper's protocol (tokenized, compounds "
+    f"split).{bleu_on}\n\n" + markdown_table(collected) + note,
+  )
   table = io.StringIO(newline="")
   writer = csv.DictWriter(table, fieldnames=COLUMNS)
   writer.writeheader()

@@ -14,9 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from transformer import config as config_lib
-from transformer import storage
+from transformer import storage, versions
 from transformer.messages import format_duration
 from transformer.sweeps.spec import Row, Sweep, SweepError, config_file, eval_args, train_args
 from transformer.training import reporting
@@ -41,8 +42,13 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
       last = record
   if last is None:
     return None
-  return {"ppl": last["ppl"], "bleu": last.get("bleu"), "bleu_tok": None,
-          "bleu_sentences": None, "source": "metrics.jsonl"}
+  return {
+    "ppl": last["ppl"],
+    "bleu": last.get("bleu"),
+    "bleu_tok": None,
+    "bleu_sentences": None,
+    "source": "metrics.jsonl",
+  }
 
 
 def row_state(workdir: str, num_train_steps: int, final_eval: bool) -> str:
@@ -86,13 +92,19 @@ def _run_child(command: list[str]) -> int:
   return returncode
 
 
-def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
-              final_eval: bool = True, python: str = sys.executable) -> list[dict]:
+def run_local(
+  sweep: Sweep,
+  rows: list[Row],
+  configs: dict,
+  workdir: str,
+  final_eval: bool = True,
+  python: str = sys.executable,
+) -> list[dict]:
   """Trains and evaluates each row in turn under workdir/<row>; returns what was done."""
   storage.makedirs(workdir)
   log = storage.AppendLog(storage.join(workdir, "sweep_log.jsonl"))
   config_path = config_file(sweep)
-  done = []
+  done: list[dict[str, Any]] = []
   for row in rows:
     row_dir = storage.join(workdir, row.name)
     steps = configs[row.name].num_train_steps
@@ -105,28 +117,49 @@ def run_local(sweep: Sweep, rows: list[Row], configs: dict, workdir: str,
     if state in ("new", "partial"):
       what = "resuming" if state == "partial" else "training"
       print(f"[{row.name}] {what} to step {steps} in {row_dir}", flush=True)
-      phases.append(("train", [python, os.path.join(config_lib.REPO_ROOT, "train.py")] +
-                     train_args(sweep, row, row_dir, config_path)))
+      phases.append(
+        (
+          "train",
+          [python, os.path.join(config_lib.REPO_ROOT, "train.py")]
+          + train_args(sweep, row, row_dir, config_path),
+        )
+      )
     if final_eval:
-      phases.append(("eval", [python, os.path.join(config_lib.REPO_ROOT, "eval.py")] +
-                     eval_args(row_dir, steps)))
+      phases.append(
+        (
+          "eval",
+          [python, os.path.join(config_lib.REPO_ROOT, "eval.py")] + eval_args(row_dir, steps),
+        )
+      )
     if not phases:
-      print(f"[{row.name}] trained, but there is no final validation to record: it needs "
-            "config.eval_every_steps > 0 or --final_eval", flush=True)
+      print(
+        f"[{row.name}] trained, but there is no final validation to record: it needs "
+        "config.eval_every_steps > 0 or --final_eval",
+        flush=True,
+      )
     for phase, command in phases:
       started = time.time()
       returncode = _run_child(command)
       seconds = time.time() - started
-      entry = {"row": row.name, "phase": phase, "seconds": round(seconds, 1),
-               "returncode": returncode, "resumed": state == "partial" and phase == "train"}
+      entry = {
+        "row": row.name,
+        "phase": phase,
+        "seconds": round(seconds, 1),
+        "returncode": returncode,
+        "resumed": state == "partial" and phase == "train",
+        "versions": versions.library_versions(),
+      }
       log.write_line(json.dumps(entry))
       log.flush()
       done.append(entry)
       if returncode != 0:
-        raise SweepError(f"row {row.name}: {phase} exited with code {returncode}; "
-                         "rerun the same command to resume")
+        raise SweepError(
+          f"row {row.name}: {phase} exited with code {returncode}; rerun the same command to resume"
+        )
       if phase == "train" and (steps_on_disk(row_dir) or [0])[-1] < steps:
-        raise SweepError(f"row {row.name}: stopped before step {steps} (preempted?); "
-                         "rerun the same command to resume")
+        raise SweepError(
+          f"row {row.name}: stopped before step {steps} (preempted?); "
+          "rerun the same command to resume"
+        )
       print(f"[{row.name}] {phase} took {format_duration(seconds)}", flush=True)
   return done

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 import ml_collections
 
@@ -33,11 +33,12 @@ class Row:
   paper_ppl and paper_bleu are the published dev perplexity and BLEU, paper_params_m the
   parameter count in millions; None where the paper gives none.
   """
+
   name: str
   overrides: dict
-  paper_ppl: Optional[float] = None
-  paper_bleu: Optional[float] = None
-  paper_params_m: Optional[float] = None
+  paper_ppl: float | None = None
+  paper_bleu: float | None = None
+  paper_params_m: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +85,7 @@ def select_rows(sweep: Sweep, only: str | None) -> list[Row]:
   known = {row.name for row in sweep.rows}
   for name in wanted:
     if name not in known:
-      raise SweepError(f"--only: no row {name!r} in sweep {sweep.name}"
-                       f"{did_you_mean(name, known)}")
+      raise SweepError(f"--only: no row {name!r} in sweep {sweep.name}{did_you_mean(name, known)}")
   return [row for row in sweep.rows if row.name in wanted]
 
 
@@ -101,8 +101,10 @@ def row_config(sweep: Sweep, row: Row) -> ml_collections.ConfigDict:
   """The base config with the sweep's and the row's overrides applied, validated."""
   path, arg = config_file(sweep), sweep.base_config.partition(":")[2]
   config = config_lib.load_config(f"{path}:{arg}" if arg else path)
-  for where, overrides in ((f"{sweep.name} BASE_OVERRIDES", sweep.base_overrides),
-                           (f"row {row.name}", row.overrides)):
+  for where, overrides in (
+    (f"{sweep.name} BASE_OVERRIDES", sweep.base_overrides),
+    (f"row {row.name}", row.overrides),
+  ):
     try:
       config_lib.apply_overrides(config, overrides)
     except config_lib.ConfigError as e:
@@ -124,12 +126,11 @@ def train_args(sweep: Sweep, row: Row, workdir: str, config_path: str) -> list[s
   overrides = {**sweep.base_overrides, **row.overrides}
   _, _, arg = sweep.base_config.partition(":")
   config = f"{config_path}:{arg}" if arg else config_path
-  return (["--config", config, "--workdir", workdir] +
-          [f"--config.{k}={flag_value(v)}" for k, v in overrides.items()])
+  return ["--config", config, "--workdir", workdir] + [
+    f"--config.{k}={flag_value(v)}" for k, v in overrides.items()
+  ]
 
 
 def eval_args(workdir: str, num_train_steps: int) -> list[str]:
   """eval.py's arguments: the final checkpoint (no averaging, as Table 3) on validation."""
   return ["--workdir", workdir, "--split", "validation", "--step", str(num_train_steps)]
-
-

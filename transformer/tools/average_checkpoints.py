@@ -24,18 +24,19 @@ _STEP = flags.DEFINE_integer("step", None, "Average the k checkpoints up to this
 _OUTPUT = flags.DEFINE_string("output_workdir", None, "Where the averaged run is written.")
 
 
-def average_into(workdir: str, output_workdir: str, average_last: int,
-                 step: int | None = None) -> int:
+def average_into(
+  workdir: str, output_workdir: str, average_last: int, step: int | None = None
+) -> int:
   """Returns the step the averaged checkpoint is saved at."""
   if storage.join(workdir) == storage.join(output_workdir):
-    raise ConfigError("--output_workdir must differ from --workdir (a run's own "
-                      "checkpoints are never overwritten)")
+    raise ConfigError(
+      "--output_workdir must differ from --workdir (a run's own checkpoints are never overwritten)"
+    )
   if checkpoints.steps_on_disk(output_workdir):  # an empty one, from a failed try, is reused
     raise ConfigError(f"{output_workdir} already holds checkpoints")
   config = checkpoints.load_run_config(workdir)
   run = state.setup(config)
-  params, newest = checkpoints.restore_params(workdir, run, step=step,
-                                              average_last=average_last)
+  params, newest = checkpoints.restore_params(workdir, run, step=step, average_last=average_last)
   source = checkpoints.Checkpointer(workdir, keep=10**6, async_save=False)
   newest_state, iterator_state = source.restore(newest, run.restore_target())
   source.close()
@@ -57,8 +58,10 @@ def main(argv):
     step = average_into(_WORKDIR.value, _OUTPUT.value, _AVERAGE_LAST.value, _STEP.value)
   except (ConfigError, OSError) as e:
     sys.exit(f"error: {e}")
-  print(f"wrote the mean of the last {_AVERAGE_LAST.value} checkpoints of {_WORKDIR.value} "
-        f"to {_OUTPUT.value} (step {step})")
+  print(
+    f"wrote the mean of the last {_AVERAGE_LAST.value} checkpoints of {_WORKDIR.value} "
+    f"to {_OUTPUT.value} (step {step})"
+  )
 
 
 if __name__ == "__main__":

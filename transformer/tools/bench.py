@@ -1,8 +1,10 @@
 """Benchmark: compile time, training step, MFU, memory, beam search and input pipeline.
 
     python -m transformer.tools.bench --config configs/default.py
-    python -m transformer.tools.bench --config configs/wmt14.py:base --batch_tokens 1024 --seq_len 64
-    python -m transformer.tools.bench --config configs/wmt14.py:big --config.model.dtype=bfloat16 --json
+    python -m transformer.tools.bench --config configs/wmt14.py:base \
+        --batch_tokens 1024 --seq_len 64
+    python -m transformer.tools.bench --config configs/wmt14.py:big \
+        --config.model.dtype=bfloat16 --json
 
 One process measures, in order:
   peak            the device's peak FLOP/s: measured with a large f32 matmul on CPU (in
@@ -61,14 +63,13 @@ import tempfile
 import time
 from typing import Any
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
-from ml_collections import config_flags
 import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
 
-from transformer import cli, host_memory
+from transformer import cli, host_memory, storage, versions
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID
 from transformer.tools import decoding_speed
@@ -76,37 +77,52 @@ from transformer.training import flops, reporting, sharding, state, steps
 
 _CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
 _BATCH_TOKENS = flags.DEFINE_integer(
-    "batch_tokens", None, "Target tokens per training step (default: the config's "
-    "tokens_per_batch); rows = batch_tokens / seq_len, rounded down to a multiple of the "
-    "data-parallel devices.")
+  "batch_tokens",
+  None,
+  "Target tokens per training step (default: the config's "
+  "tokens_per_batch); rows = batch_tokens / seq_len, rounded down to a multiple of the "
+  "data-parallel devices.",
+)
 _SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", None, "Source and target length of the benchmark batch (default: max_len).")
+  "seq_len", None, "Source and target length of the benchmark batch (default: max_len)."
+)
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed training steps (the median is reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 32, "Sentences per beam search.")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 64, "Output tokens per sentence.")
 _DECODE_SOURCE_LEN = flags.DEFINE_integer("decode_source_len", 24, "Source tokens per sentence.")
-_DECODE_REPEATS = flags.DEFINE_integer("decode_repeats", 3, "Timed beam searches after an "
-                                       "untimed one (the median is reported).")
+_DECODE_REPEATS = flags.DEFINE_integer(
+  "decode_repeats", 3, "Timed beam searches after an untimed one (the median is reported)."
+)
 _PIPELINE_BATCHES = flags.DEFINE_integer("pipeline_batches", 50, "Input batches to time.")
-_LOOP_STEPS = flags.DEFINE_integer("loop_steps", 150, "--only train_loop: training steps of "
-                                   "each pass (a multiple of --loop_window).")
-_LOOP_WINDOW = flags.DEFINE_integer("loop_window", 25, "--only train_loop: steps per timed "
-                                    "window (the loop's log_every_steps).")
-_ONLY = flags.DEFINE_list("only", ["train_step", "beam_search", "input_pipeline"],
-                          "Measurements to run (peak always runs).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "--only speculative: the trained target "
-                               "run (its checkpoints and vocab.model; --config is its config).")
-_DRAFT_WORKDIR = flags.DEFINE_string("draft_workdir", None, "--only speculative: the trained "
-                                     "draft run (its own config.json is used).")
-_DRAFT_LEN = flags.DEFINE_integer("draft_len", 4, "--only speculative: draft tokens per "
-                                  "target pass (k).")
+_LOOP_STEPS = flags.DEFINE_integer(
+  "loop_steps", 150, "--only train_loop: training steps of each pass (a multiple of --loop_window)."
+)
+_LOOP_WINDOW = flags.DEFINE_integer(
+  "loop_window", 25, "--only train_loop: steps per timed window (the loop's log_every_steps)."
+)
+_ONLY = flags.DEFINE_list(
+  "only", ["train_step", "beam_search", "input_pipeline"], "Measurements to run (peak always runs)."
+)
+_WORKDIR = flags.DEFINE_string(
+  "workdir",
+  None,
+  "--only speculative: the trained target "
+  "run (its checkpoints and vocab.model; --config is its config).",
+)
+_DRAFT_WORKDIR = flags.DEFINE_string(
+  "draft_workdir", None, "--only speculative: the trained draft run (its own config.json is used)."
+)
+_DRAFT_LEN = flags.DEFINE_integer(
+  "draft_len", 4, "--only speculative: draft tokens per target pass (k)."
+)
 _SPECULATIVE_SENTENCES = flags.DEFINE_integer(
-    "speculative_sentences", 256, "--only speculative: the first N sentences of the test "
-    "split.")
+  "speculative_sentences", 256, "--only speculative: the first N sentences of the test split."
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per measurement.")
-_LABEL = flags.DEFINE_string("label", "", "With --json: a 'label' key on every record, to tell "
-                             "runs apart in one file.")
+_LABEL = flags.DEFINE_string(
+  "label", "", "With --json: a 'label' key on every record, to tell runs apart in one file."
+)
 
 
 def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -115,14 +131,20 @@ def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str,
   tokens = lambda: rng.integers(4, config.vocab_size, (rows, seq_len), dtype=np.int32)
   source, target = tokens(), tokens()
   source[:, -1] = target[:, -1] = EOS_ID
-  batch = {"source": source, "target": target,
-           "decoder_input": np.concatenate([np.full((rows, 1), BOS_ID, np.int32),
-                                            target[:, :-1]], axis=1)}
+  batch = {
+    "source": source,
+    "target": target,
+    "decoder_input": np.concatenate([np.full((rows, 1), BOS_ID, np.int32), target[:, :-1]], axis=1),
+  }
   if config.batching == "packed":  # one sentence per row, but the model still reads ids
     ones = np.ones((rows, seq_len), np.int32)
     positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy()
-    batch.update(source_segment_ids=ones, target_segment_ids=ones,
-                 source_positions=positions, target_positions=positions.copy())
+    batch.update(
+      source_segment_ids=ones,
+      target_segment_ids=ones,
+      source_positions=positions,
+      target_positions=positions.copy(),
+    )
   if config.model.decoder_only:
     del batch["source"]
     batch = {k: v for k, v in batch.items() if not k.startswith("source")}
@@ -136,15 +158,21 @@ def measure_peak() -> dict[str, Any]:
     source = "measured f32 matmul"
   else:
     source = "bf16 table" if peak is not None else "device kind not in the bf16 table"
-  return {"name": "peak", "device": device.device_kind, "num_devices": jax.device_count(),
-          "peak_flops_per_sec": peak, "source": source,
-          # Whether freed host memory stays in the process (transformer/host_memory.py):
-          # on CPU it moves the step time by 12-16%, so every figure says which it had.
-          "host_memory_retained": host_memory.retained()}
+  return {
+    "name": "peak",
+    "device": device.device_kind,
+    "num_devices": jax.device_count(),
+    "peak_flops_per_sec": peak,
+    "source": source,
+    # Whether freed host memory stays in the process (transformer/host_memory.py):
+    # on CPU it moves the step time by 12-16%, so every figure says which it had.
+    "host_memory_retained": host_memory.retained(),
+  }
 
 
-def measure_train_step(config, rows: int, seq_len: int, peak: float | None, num_steps: int = 10,
-                       warmup: int = 2):
+def measure_train_step(
+  config, rows: int, seq_len: int, peak: float | None, num_steps: int = 10, warmup: int = 2
+):
   """Compiles and times the config's training step; returns (result, model, params)."""
   run = state.setup(config)
   train_state = run.init_state(jax.random.key(config.seed))
@@ -179,21 +207,26 @@ def measure_train_step(config, rows: int, seq_len: int, peak: float | None, num_
   counts = jax.device_get(flops.count_tokens(host_batch))
   real_flops = flops.real_training_flops(run.model.config, counts)
   result = {
-      "name": "train_step", "rows": rows, "seq_len": seq_len,
-      "compile_s": compile_s, "step_time_s": step_time,
-      "step_time_min_s": min(times), "step_time_max_s": max(times),
-      "tokens_per_sec": target_tokens / step_time,
-      "flops_per_step": step_flops, "flops_per_sec": step_flops / step_time,
-      "real_flops_per_step": real_flops,
-      "mfu": flops.utilisation(real_flops, step_time, peak),
-      "hfu": flops.utilisation(step_flops, step_time, peak),
-      "padding_efficiency": float(counts["target_tokens"] / counts["target_slots"]),
-      "num_params": run.num_params,
-      # The host's side of a step: pages first touched (a CPU step whose buffers are
-      # mapped afresh faults in every one of them; transformer/host_memory.py) and the
-      # kernel time, per timed step, over all of the process's threads.
-      "host_page_faults_per_step": (usage_after.ru_minflt - usage_before.ru_minflt) / num_steps,
-      "host_kernel_s_per_step": (usage_after.ru_stime - usage_before.ru_stime) / num_steps,
+    "name": "train_step",
+    "rows": rows,
+    "seq_len": seq_len,
+    "compile_s": compile_s,
+    "step_time_s": step_time,
+    "step_time_min_s": min(times),
+    "step_time_max_s": max(times),
+    "tokens_per_sec": target_tokens / step_time,
+    "flops_per_step": step_flops,
+    "flops_per_sec": step_flops / step_time,
+    "real_flops_per_step": real_flops,
+    "mfu": flops.utilisation(real_flops, step_time, peak),
+    "hfu": flops.utilisation(step_flops, step_time, peak),
+    "padding_efficiency": float(counts["target_tokens"] / counts["target_slots"]),
+    "num_params": run.num_params,
+    # The host's side of a step: pages first touched (a CPU step whose buffers are
+    # mapped afresh faults in every one of them; transformer/host_memory.py) and the
+    # kernel time, per timed step, over all of the process's threads.
+    "host_page_faults_per_step": (usage_after.ru_minflt - usage_before.ru_minflt) / num_steps,
+    "host_kernel_s_per_step": (usage_after.ru_stime - usage_before.ru_stime) / num_steps,
   }
   result.update(_memory(compiled))
   return result, run.model, train_state.params
@@ -221,29 +254,54 @@ def measure_beam_search(config, model, params) -> dict[str, Any]:
   source = rng.integers(4, config.vocab_size, (_DECODE_BATCH.value, source_len), dtype=np.int32)
   source[:, -1] = EOS_ID
   steps = max(_DECODE_STEPS.value, source_len + 1)
-  r = decoding_speed.time_beam_search(model, params, jnp.asarray(source),
-                                      beam_size=config.beam_size, steps=steps, use_cache=True,
-                                      repeats=_DECODE_REPEATS.value)
-  return {"name": "beam_search", "beam_size": config.beam_size,
-          "sentences": _DECODE_BATCH.value, "steps": steps, "repeats": _DECODE_REPEATS.value,
-          "compile_s": r["compile_s"],
-          "step_time_s": r["run_s"] / steps, "sentences_per_sec": r["sentences_per_s"],
-          "tokens_per_sec": r["tokens_per_s"], "mfu": None}
+  r = decoding_speed.time_beam_search(
+    model,
+    params,
+    jnp.asarray(source),
+    beam_size=config.beam_size,
+    steps=steps,
+    use_cache=True,
+    repeats=_DECODE_REPEATS.value,
+  )
+  return {
+    "name": "beam_search",
+    "beam_size": config.beam_size,
+    "sentences": _DECODE_BATCH.value,
+    "steps": steps,
+    "repeats": _DECODE_REPEATS.value,
+    "compile_s": r["compile_s"],
+    "step_time_s": r["run_s"] / steps,
+    "sentences_per_sec": r["sentences_per_s"],
+    "tokens_per_sec": r["tokens_per_s"],
+    "mfu": None,
+  }
 
 
 def measure_input_pipeline(config) -> dict[str, Any]:
   # Imported here: TensorFlow is only needed for this measurement.
   from transformer.data import sources
   from transformer.tools import input_speed
+
   source = sources.make_source(config)
   if isinstance(source, sources.TfdsSource) and not (
-      source.builder.is_prepared() or source.name == "tatoeba_en_es"):
-    return {"name": "input_pipeline", "skipped": f"{source.name} is not prepared on disk",
-            "tokens_per_sec": None, "mfu": None, "step_time_s": None}
+    source.builder.is_prepared() or source.name == "tatoeba_en_es"
+  ):
+    return {
+      "name": "input_pipeline",
+      "skipped": f"{source.name} is not prepared on disk",
+      "tokens_per_sec": None,
+      "mfu": None,
+      "step_time_s": None,
+    }
   r = input_speed.measure(config, _PIPELINE_BATCHES.value, source=source)
-  return {"name": "input_pipeline", "batches": r["batches"],
-          "step_time_s": r["seconds"] / r["batches"], "examples_per_sec": r["examples_per_sec"],
-          "tokens_per_sec": r["tokens_per_sec"], "mfu": None}
+  return {
+    "name": "input_pipeline",
+    "batches": r["batches"],
+    "step_time_s": r["seconds"] / r["batches"],
+    "examples_per_sec": r["examples_per_sec"],
+    "tokens_per_sec": r["tokens_per_sec"],
+    "mfu": None,
+  }
 
 
 def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
@@ -260,6 +318,7 @@ def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
   batches.
   """
   from transformer.training import loop
+
   config = config.copy_and_resolve_references()
   config.num_train_steps = num_steps // config.grad_accum_steps
   config.log_every_steps = window
@@ -274,8 +333,7 @@ def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
         start = run.train_iter.get_state()
         host_batches = list(itertools.islice(run.train_iter, num_steps))
         run.train_iter.set_state(start)
-        batches = [sharding.global_batch(b, run.setup.mesh, run.setup.rules)
-                   for b in host_batches]
+        batches = [sharding.global_batch(b, run.setup.mesh, run.setup.rules) for b in host_batches]
         bare_step = steps.jit_train_step(run.setup)
         bare_state = run.setup.init_state(jax.random.key(config.seed))
         bare_before, bare_state = _bare_windows(bare_step, bare_state, batches, window)
@@ -291,15 +349,23 @@ def measure_train_loop(config, num_steps: int, window: int) -> dict[str, Any]:
   loop_tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in loop_records)
   target_tokens = sum(float(flops.count_tokens(b)["target_tokens"]) for b in host_batches)
   return {
-      "name": "train_loop", "steps": num_steps, "window": window,
-      "loop_steps_per_sec": loop_steps_per_sec, "bare_steps_per_sec": bare_steps_per_sec,
-      "efficiency": loop_steps_per_sec / bare_steps_per_sec,
-      "loop_window_steps_per_sec": loop_windows, "bare_window_steps_per_sec": bare_windows,
-      "loop_tokens_per_sec": loop_tokens_per_sec, "tokens_per_sec": loop_tokens_per_sec,
-      "real_target_tokens_per_step": target_tokens / num_steps,
-      "step_time_s": 1.0 / bare_steps_per_sec,
-      "mfu": (statistics.median(r["mfu"] for r in loop_records)
-              if all("mfu" in r for r in loop_records) else None),
+    "name": "train_loop",
+    "steps": num_steps,
+    "window": window,
+    "loop_steps_per_sec": loop_steps_per_sec,
+    "bare_steps_per_sec": bare_steps_per_sec,
+    "efficiency": loop_steps_per_sec / bare_steps_per_sec,
+    "loop_window_steps_per_sec": loop_windows,
+    "bare_window_steps_per_sec": bare_windows,
+    "loop_tokens_per_sec": loop_tokens_per_sec,
+    "tokens_per_sec": loop_tokens_per_sec,
+    "real_target_tokens_per_step": target_tokens / num_steps,
+    "step_time_s": 1.0 / bare_steps_per_sec,
+    "mfu": (
+      statistics.median(r["mfu"] for r in loop_records)
+      if all("mfu" in r for r in loop_records)
+      else None
+    ),
   }
 
 
@@ -308,7 +374,7 @@ def _bare_windows(step_fn, train_state, batches: list, window: int) -> tuple[lis
   times = []
   for start in range(0, len(batches) - window + 1, window):
     began = time.perf_counter()
-    for batch in batches[start:start + window]:
+    for batch in batches[start : start + window]:
       train_state, metrics = step_fn(train_state, batch)
     jax.block_until_ready((train_state, metrics))
     times.append(time.perf_counter() - began)
@@ -326,8 +392,9 @@ def _decode_all(decode, sources: list) -> tuple[list, float]:
   return outputs, time.perf_counter() - start
 
 
-def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int,
-                        num_sentences: int) -> dict[str, Any]:
+def measure_speculative(
+  config, workdir: str, draft_workdir: str, draft_len: int, num_sentences: int
+) -> dict[str, Any]:
   """Cached greedy against speculative greedy decoding of the test split's first
   sentences, on the restored target and draft (see the module docstring)."""
   # Imported here: restoring runs needs the evaluation and checkpoint code only.
@@ -340,6 +407,7 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
       config, workdir, draft_workdir=draft_workdir,
       settings=translate.SearchSettings(kind="greedy", draft_len=draft_len))
   draft = target.draft
+  assert draft is not None  # a draft_workdir always gives the translator one
   pairs = data.load_raw_pairs(config, "test")[:num_sentences]
   lines = [source for source, _ in pairs]
   if not lines:
@@ -347,10 +415,11 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
   rows, extra = config.eval_batch_size, config.max_decode_extra_len
   sources = []
   for start in range(0, len(lines), rows):  # as eval.py batches: in order, padded rows
-    ids = target.tokenizer.encode_for_model(lines[start:start + rows], config.max_len)
+    ids = target.tokenizer.encode_for_model(lines[start : start + rows], config.max_len)
     whole = data.pad_batch(ids, rows=rows)
-    sources.append(sharding.global_batch_from_whole({"source": whole}, target.mesh,
-                                                    target.rules)["source"])
+    sources.append(
+      sharding.global_batch_from_whole({"source": whole}, target.mesh, target.rules)["source"]
+    )
 
   prompts = lambda source: decoding.translation_prompts(source, extra, False)
 
@@ -365,9 +434,11 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
 
   timings = {}
   with sharding.activation_sharding(target.mesh, target.rules):
-    for name, decode in (("greedy", greedy(target.model, target.params)),
-                         ("speculative", spec),
-                         ("draft_greedy", greedy(draft.model, draft.params))):
+    for name, decode in (
+      ("greedy", greedy(target.model, target.params)),
+      ("speculative", spec),
+      ("draft_greedy", greedy(draft.model, draft.params)),
+    ):
       _, compile_s = _decode_all(decode, sources)  # compiles every batch shape
       outputs, run_s = _decode_all(decode, sources)
       timings[name] = (compile_s, run_s, jax.device_get(outputs))
@@ -383,11 +454,15 @@ def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int
     # Greedy decoding runs one target pass per token until every row (fill rows too)
     # is done: as many passes as the batch's longest output.
     greedy_passes += int(np.max(np.sum(np.asarray(plain) != config_lib.PAD_ID, axis=1)))
-  draft_passes = sum(int(np.max(np.sum(np.asarray(t) != config_lib.PAD_ID, axis=1)))
-                     for t in timings["draft_greedy"][2])
+  draft_passes = sum(
+    int(np.max(np.sum(np.asarray(t) != config_lib.PAD_ID, axis=1)))
+    for t in timings["draft_greedy"][2]
+  )
   if differ:
-    raise RuntimeError(f"speculative greedy decoding differs from greedy decoding on "
-                       f"{differ} of {len(lines)} sentences")
+    raise RuntimeError(
+      f"speculative greedy decoding differs from greedy decoding on "
+      f"{differ} of {len(lines)} sentences"
+    )
   proposed = sum(int(o.proposed) for o in spec_out)
   accepted = sum(int(o.accepted) for o in spec_out)
   target_calls = sum(int(o.calls) for o in spec_out)
@@ -435,53 +510,74 @@ def _utilisation_text(result: dict[str, Any]) -> str:
   if result["mfu"] is None:
     return "MFU n/a"
   # Random full-length rows: nothing is padding, so MFU and HFU are one number.
-  return (f"MFU {100 * result['mfu']:.1f}% (= HFU, "
-          f"{100 * result['padding_efficiency']:.0f}% real tokens)")
+  return (
+    f"MFU {100 * result['mfu']:.1f}% (= HFU, {100 * result['padding_efficiency']:.0f}% real tokens)"
+  )
 
 
 def describe(result: dict[str, Any]) -> str:
   name = result["name"]
   if name == "peak":
-    memory = ("freed host memory retained" if result["host_memory_retained"] else
-              "freed host memory returned to the OS")
+    memory = (
+      "freed host memory retained"
+      if result["host_memory_retained"]
+      else "freed host memory returned to the OS"
+    )
     if result["peak_flops_per_sec"] is None:
-      return (f"peak: unknown ({result['source']}, {result['num_devices']} x "
-              f"{result['device']}): no MFU; {memory}")
-    return (f"peak: {result['peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s ({result['source']}, "
-            f"{result['num_devices']} x {result['device']}); {memory}")
+      return (
+        f"peak: unknown ({result['source']}, {result['num_devices']} x "
+        f"{result['device']}): no MFU; {memory}"
+      )
+    return (
+      f"peak: {result['peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s ({result['source']}, "
+      f"{result['num_devices']} x {result['device']}); {memory}"
+    )
   if result.get("skipped"):
     return f"{name}: skipped, {result['skipped']}"
   if name == "train_step":
-    memory = [f"{k.removesuffix('_bytes').replace('_', ' ')} {_fmt_bytes(v)}"
-              for k, v in result.items() if k.endswith("_bytes")]
-    return (f"train_step: {result['rows']} x {result['seq_len']} tokens, "
-            f"compile {result['compile_s']:.1f} s, step {result['step_time_s'] * 1e3:,.1f} ms "
-            f"(median), {result['tokens_per_sec']:,.0f} target tokens/s, "
-            f"{result['flops_per_sec'] / 1e9:,.1f} GFLOP/s, {_utilisation_text(result)}"
-            + (f", {', '.join(memory)}" if memory else ""))
+    memory_sizes = [
+      f"{k.removesuffix('_bytes').replace('_', ' ')} {_fmt_bytes(v)}"
+      for k, v in result.items()
+      if k.endswith("_bytes")
+    ]
+    return (
+      f"train_step: {result['rows']} x {result['seq_len']} tokens, "
+      f"compile {result['compile_s']:.1f} s, step {result['step_time_s'] * 1e3:,.1f} ms "
+      f"(median), {result['tokens_per_sec']:,.0f} target tokens/s, "
+      f"{result['flops_per_sec'] / 1e9:,.1f} GFLOP/s, {_utilisation_text(result)}"
+      + (f", {', '.join(memory_sizes)}" if memory_sizes else "")
+    )
   if name == "beam_search":
-    return (f"beam_search: beam {result['beam_size']}, {result['sentences']} sentences x "
-            f"{result['steps']} steps, compile {result['compile_s']:.1f} s, "
-            f"{result['sentences_per_sec']:,.2f} sentences/s, "
-            f"{result['tokens_per_sec']:,.0f} tokens/s")
+    return (
+      f"beam_search: beam {result['beam_size']}, {result['sentences']} sentences x "
+      f"{result['steps']} steps, compile {result['compile_s']:.1f} s, "
+      f"{result['sentences_per_sec']:,.2f} sentences/s, "
+      f"{result['tokens_per_sec']:,.0f} tokens/s"
+    )
   if name == "speculative":
-    return (f"speculative: {result['sentences']} test sentences, k={result['draft_len']}, "
-            f"acceptance {100 * result['acceptance_rate']:.1f}%, "
-            f"{result['tokens_per_target_call']:.2f} tokens per sentence per target call, "
-            f"{result['target_pass_reduction']:.2f}x fewer target passes; greedy "
-            f"{result['greedy_sentences_per_sec']:,.1f} sentences/s, speculative "
-            f"{result['speculative_sentences_per_sec']:,.1f} sentences/s (identical tokens), "
-            f"speed-up {result['speedup']:.2f}x; draft/target pass cost "
-            f"{result['draft_cost_ratio']:.2f}")
+    return (
+      f"speculative: {result['sentences']} test sentences, k={result['draft_len']}, "
+      f"acceptance {100 * result['acceptance_rate']:.1f}%, "
+      f"{result['tokens_per_target_call']:.2f} tokens per sentence per target call, "
+      f"{result['target_pass_reduction']:.2f}x fewer target passes; greedy "
+      f"{result['greedy_sentences_per_sec']:,.1f} sentences/s, speculative "
+      f"{result['speculative_sentences_per_sec']:,.1f} sentences/s (identical tokens), "
+      f"speed-up {result['speedup']:.2f}x; draft/target pass cost "
+      f"{result['draft_cost_ratio']:.2f}"
+    )
   if name == "train_loop":
-    return (f"train_loop: {result['steps']} steps in windows of {result['window']}, "
-            f"loop {result['loop_steps_per_sec']:.2f} steps/s "
-            f"({result['loop_tokens_per_sec']:,.0f} real target tokens/s), bare step on the "
-            f"same batches {result['bare_steps_per_sec']:.2f} steps/s: the loop runs at "
-            f"{100 * result['efficiency']:.1f}% of the bare step")
-  return (f"input_pipeline: {result['batches']} batches, "
-          f"{result['examples_per_sec']:,.0f} examples/s, "
-          f"{result['tokens_per_sec']:,.0f} tokens/s")
+    return (
+      f"train_loop: {result['steps']} steps in windows of {result['window']}, "
+      f"loop {result['loop_steps_per_sec']:.2f} steps/s "
+      f"({result['loop_tokens_per_sec']:,.0f} real target tokens/s), bare step on the "
+      f"same batches {result['bare_steps_per_sec']:.2f} steps/s: the loop runs at "
+      f"{100 * result['efficiency']:.1f}% of the bare step"
+    )
+  return (
+    f"input_pipeline: {result['batches']} batches, "
+    f"{result['examples_per_sec']:,.0f} examples/s, "
+    f"{result['tokens_per_sec']:,.0f} tokens/s"
+  )
 
 
 def main(argv):
@@ -491,28 +587,37 @@ def main(argv):
   config_lib.validate(config)
   seq_len = _SEQ_LEN.value or config.max_len
   batch_tokens = _BATCH_TOKENS.value or config.tokens_per_batch
-  unknown = set(_ONLY.value) - {"train_step", "beam_search", "input_pipeline", "speculative",
-                                "train_loop"}
+  unknown = set(_ONLY.value) - {
+    "train_step",
+    "beam_search",
+    "input_pipeline",
+    "speculative",
+    "train_loop",
+  }
   if unknown:
     raise app.UsageError(f"--only: unknown measurement(s) {sorted(unknown)}")
   if "speculative" in _ONLY.value:
     if not (_WORKDIR.value and _DRAFT_WORKDIR.value):
-      raise app.UsageError("--only speculative needs --workdir (the target run) and "
-                           "--draft_workdir (the draft run)")
+      raise app.UsageError(
+        "--only speculative needs --workdir (the target run) and --draft_workdir (the draft run)"
+      )
     if config.model.decoder_only:  # greedy_decode, the baseline, reads a source
       raise app.UsageError("speculative needs an encoder-decoder config; drop it from --only")
     if _DRAFT_LEN.value < 1 or _SPECULATIVE_SENTENCES.value < 1:
       raise app.UsageError("--draft_len and --speculative_sentences must be at least 1")
-  multiple = sharding.batch_row_multiple(sharding.create_mesh(config),
-                                         sharding.axis_rules(config))
+  multiple = sharding.batch_row_multiple(sharding.create_mesh(config), sharding.axis_rules(config))
   rows = sharding.rows_for_tokens(batch_tokens, seq_len, multiple)
   if "train_loop" in _ONLY.value and (
-      _LOOP_WINDOW.value < 1 or _LOOP_STEPS.value % _LOOP_WINDOW.value
-      or _LOOP_STEPS.value < 2 * _LOOP_WINDOW.value
-      or _LOOP_STEPS.value % config.grad_accum_steps):
-    raise app.UsageError(f"--loop_steps {_LOOP_STEPS.value} must be at least two windows "
-                         f"of --loop_window {_LOOP_WINDOW.value} and a multiple of it (and "
-                         f"of grad_accum_steps {config.grad_accum_steps})")
+    _LOOP_WINDOW.value < 1
+    or _LOOP_STEPS.value % _LOOP_WINDOW.value
+    or _LOOP_STEPS.value < 2 * _LOOP_WINDOW.value
+    or _LOOP_STEPS.value % config.grad_accum_steps
+  ):
+    raise app.UsageError(
+      f"--loop_steps {_LOOP_STEPS.value} must be at least two windows "
+      f"of --loop_window {_LOOP_WINDOW.value} and a multiple of it (and "
+      f"of grad_accum_steps {config.grad_accum_steps})"
+    )
   if "beam_search" in _ONLY.value and config.model.decoder_only:
     raise app.UsageError("beam_search needs an encoder-decoder config; drop it from --only")
 
@@ -521,6 +626,7 @@ def main(argv):
       result.setdefault(key, None)
     if _LABEL.value:
       result["label"] = _LABEL.value
+    result["versions"] = versions.library_versions()
     if _JSON.value:
       print(json.dumps(result), flush=True)
     else:
@@ -530,9 +636,9 @@ def main(argv):
   report(peak)
   params = model = None
   if "train_step" in _ONLY.value:
-    result, model, params = measure_train_step(config, rows, seq_len,
-                                               peak["peak_flops_per_sec"], _STEPS.value,
-                                               _WARMUP.value)
+    result, model, params = measure_train_step(
+      config, rows, seq_len, peak["peak_flops_per_sec"], _STEPS.value, _WARMUP.value
+    )
     report(result)
   if "beam_search" in _ONLY.value:
     if params is None:  # random weights either way: no training step needed
@@ -544,8 +650,11 @@ def main(argv):
   if "train_loop" in _ONLY.value:
     report(measure_train_loop(config, _LOOP_STEPS.value, _LOOP_WINDOW.value))
   if "speculative" in _ONLY.value:
-    report(measure_speculative(config, _WORKDIR.value, _DRAFT_WORKDIR.value, _DRAFT_LEN.value,
-                               _SPECULATIVE_SENTENCES.value))
+    report(
+      measure_speculative(
+        config, _WORKDIR.value, _DRAFT_WORKDIR.value, _DRAFT_LEN.value, _SPECULATIVE_SENTENCES.value
+      )
+    )
 
 
 if __name__ == "__main__":

@@ -19,13 +19,15 @@ import jax
 import jax.numpy as jnp
 
 from transformer import config as config_lib
+from transformer import host_memory
 from transformer.config import EOS_ID
 from transformer.model import decoding
 from transformer.training import state
 
 
-def time_beam_search(model, params, source_BxS, *, beam_size: int, steps: int,
-                     use_cache: bool, repeats: int = 1) -> dict[str, float]:
+def time_beam_search(
+  model, params, source_BxS, *, beam_size: int, steps: int, use_cache: bool, repeats: int = 1
+) -> dict[str, float]:
   """Compiles, runs once untimed (first-call allocations), then times `repeats` runs;
   returns the median run's seconds and rates."""
   prompts = decoding.translation_prompts(source_BxS, steps - source_BxS.shape[1],
@@ -47,9 +49,13 @@ def time_beam_search(model, params, source_BxS, *, beam_size: int, steps: int,
   if ran != steps:  # early stopping is off: every sentence runs all steps
     raise RuntimeError(f"beam search ran {ran} steps, expected {steps}")
   sentences = source_BxS.shape[0]
-  return dict(compile_s=compile_s, run_s=run_s, sentences_per_s=sentences / run_s,
-              tokens_per_s=sentences * steps / run_s,
-              hypothesis_tokens_per_s=sentences * beam_size * steps / run_s)
+  return dict(
+    compile_s=compile_s,
+    run_s=run_s,
+    sentences_per_s=sentences / run_s,
+    tokens_per_s=sentences * steps / run_s,
+    hypothesis_tokens_per_s=sentences * beam_size * steps / run_s,
+  )
 
 
 def main():
@@ -65,25 +71,34 @@ def main():
   config = config_lib.load_config(config_lib.DEFAULT_CONFIG)
   model = state.build_model(config)
   rng_init, rng_source = jax.random.split(jax.random.PRNGKey(0))
-  source_BxS = jax.random.randint(rng_source, (args.batch, args.source_len), 4,
-                                  config.vocab_size, jnp.int32).at[:, -1].set(EOS_ID)
+  source_BxS = (
+    jax.random.randint(rng_source, (args.batch, args.source_len), 4, config.vocab_size, jnp.int32)
+    .at[:, -1]
+    .set(EOS_ID)
+  )
   params = nn.unbox(jax.jit(model.init)(rng_init, source_BxS[:1], source_BxS[:1, :2])["params"])
   mc = model.config
-  print(f"{jax.devices()[0].device_kind}: {mc.num_layers} layers, d_model {mc.d_model}, "
-        f"d_ff {mc.d_ff}, {mc.num_heads} heads, vocab {mc.vocab_size}; {args.batch} sentences "
-        f"of {args.source_len} source tokens, beam {args.beam_size}, {args.steps} steps")
+  print(
+    f"{jax.devices()[0].device_kind}: {mc.num_layers} layers, d_model {mc.d_model}, "
+    f"d_ff {mc.d_ff}, {mc.num_heads} heads, vocab {mc.vocab_size}; {args.batch} sentences "
+    f"of {args.source_len} source tokens, beam {args.beam_size}, {args.steps} steps"
+  )
 
   results = {}
   for use_cache in (True, False):
-    r = time_beam_search(model, params, source_BxS, beam_size=args.beam_size, steps=args.steps,
-                         use_cache=use_cache)
+    r = time_beam_search(
+      model, params, source_BxS, beam_size=args.beam_size, steps=args.steps, use_cache=use_cache
+    )
     results[use_cache] = r
-    print(f"{'with' if use_cache else 'without'} cache: {r['run_s']:.2f} s "
-          f"(compile {r['compile_s']:.1f} s), {r['sentences_per_s']:.2f} sentences/s, "
-          f"{r['tokens_per_s']:.0f} output tokens/s, "
-          f"{r['hypothesis_tokens_per_s']:.0f} hypothesis tokens/s")
+    print(
+      f"{'with' if use_cache else 'without'} cache: {r['run_s']:.2f} s "
+      f"(compile {r['compile_s']:.1f} s), {r['sentences_per_s']:.2f} sentences/s, "
+      f"{r['tokens_per_s']:.0f} output tokens/s, "
+      f"{r['hypothesis_tokens_per_s']:.0f} hypothesis tokens/s"
+    )
   print(f"speed-up from the cache: {results[False]['run_s'] / results[True]['run_s']:.1f}x")
 
 
 if __name__ == "__main__":
+  host_memory.retain_freed_memory()  # a command's setting, before JAX starts (host_memory.py)
   main()

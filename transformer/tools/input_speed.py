@@ -13,23 +13,24 @@ import collections
 import contextlib
 import time
 
-from absl import flags
-from ml_collections import config_flags
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import flags
+from ml_collections import config_flags
 
 from transformer import cli
 from transformer import config as config_lib
-from transformer.data import pipeline
-from transformer.data import sources
+from transformer.data import pipeline, sources
 from transformer.data import tokenizer as tokenizer_lib
-
 
 
 def count(batch: dict[str, np.ndarray]) -> dict[str, int]:
   """Sentence pairs, and real (non-pad) tokens and slots per side, of a batch."""
-  pairs = int(batch["target_segment_ids"].max(axis=1).sum()) if (
-      "target_segment_ids" in batch) else int((batch["decoder_input"] != 0).any(axis=1).sum())
+  pairs = (
+    int(batch["target_segment_ids"].max(axis=1).sum())
+    if ("target_segment_ids" in batch)
+    else int((batch["decoder_input"] != 0).any(axis=1).sum())
+  )
   # decoder_input holds every token of the decoder side (a decoder-only target is
   # zero where the loss is masked).
   counts = {"pairs": pairs}
@@ -46,7 +47,8 @@ def measure(config, num_batches: int, source=None) -> dict[str, float]:
   source = source or sources.make_source(config)
   tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
   iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
-  totals, shapes = collections.Counter(), set()
+  totals: collections.Counter[str] = collections.Counter()
+  shapes: set[tuple[int, ...]] = set()
   try:
     next(iterator)  # warm-up: tf.data start-up, first shuffle buffer fill
     start = time.perf_counter()
@@ -58,9 +60,14 @@ def measure(config, num_batches: int, source=None) -> dict[str, float]:
   finally:
     iterator.close()
   tokens = totals["source_tokens"] + totals["target_tokens"]
-  result = {"batches": num_batches, "seconds": seconds,
-            "examples_per_sec": totals["pairs"] / seconds, "tokens_per_sec": tokens / seconds,
-            "shapes": len(shapes), "planned_shapes": len(iterator.rows_by_length)}
+  result = {
+    "batches": num_batches,
+    "seconds": seconds,
+    "examples_per_sec": totals["pairs"] / seconds,
+    "tokens_per_sec": tokens / seconds,
+    "shapes": len(shapes),
+    "planned_shapes": len(iterator.rows_by_length),
+  }
   for side in ("source", "target"):
     if totals[f"{side}_slots"]:
       result[f"{side}_tokens_per_batch"] = totals[f"{side}_tokens"] / num_batches
@@ -69,14 +76,19 @@ def measure(config, num_batches: int, source=None) -> dict[str, float]:
 
 
 def describe(config, r: dict[str, float]) -> str:
-  sides = [f"{side} {r[f'{side}_tokens_per_batch']:,.0f} real tokens per batch "
-           f"({100 * r[f'{side}_padding_efficiency']:.1f}% of slots)"
-           for side in ("source", "target") if f"{side}_tokens_per_batch" in r]
-  return (f"{config.dataset} ({config.direction}, {config.batching}, max_len {config.max_len}, "
-          f"tokens_per_batch {config.tokens_per_batch}): {r['batches']} batches in "
-          f"{r['seconds']:.1f}s: {r['examples_per_sec']:,.0f} examples/s, "
-          f"{r['tokens_per_sec']:,.0f} tokens/s; {', '.join(sides)}; {r['shapes']} batch "
-          f"shapes seen of {r['planned_shapes']} planned")
+  sides = [
+    f"{side} {r[f'{side}_tokens_per_batch']:,.0f} real tokens per batch "
+    f"({100 * r[f'{side}_padding_efficiency']:.1f}% of slots)"
+    for side in ("source", "target")
+    if f"{side}_tokens_per_batch" in r
+  ]
+  return (
+    f"{config.dataset} ({config.direction}, {config.batching}, max_len {config.max_len}, "
+    f"tokens_per_batch {config.tokens_per_batch}): {r['batches']} batches in "
+    f"{r['seconds']:.1f}s: {r['examples_per_sec']:,.0f} examples/s, "
+    f"{r['tokens_per_sec']:,.0f} tokens/s; {', '.join(sides)}; {r['shapes']} batch "
+    f"shapes seen of {r['planned_shapes']} planned"
+  )
 
 
 def _define_flags():
@@ -84,8 +96,7 @@ def _define_flags():
   global _CONFIG, _MOCK_WMT, _NUM_BATCHES, _MOCK_EXAMPLES
   _CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
   _MOCK_WMT = flags.DEFINE_bool("mock_wmt", False, "Mock wmt14_translate/de-en, base sizes.")
-  _NUM_BATCHES = flags.DEFINE_integer("num_batches", 200,
-                                      "Batches to time (after one warm-up).")
+  _NUM_BATCHES = flags.DEFINE_integer("num_batches", 200, "Batches to time (after one warm-up).")
   _MOCK_EXAMPLES = flags.DEFINE_integer("mock_examples", 100_000, "Examples per mock split.")
 
 

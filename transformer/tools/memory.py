@@ -38,29 +38,37 @@ import math
 import sys
 from typing import Any
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 from jax.sharding import PartitionSpec
 from ml_collections import config_flags
 
-from transformer import cli
+from transformer import cli, versions
 from transformer import config as config_lib
 from transformer.training import sharding, state, steps
 
 _CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
 _MESH = flags.DEFINE_multi_string(
-    "mesh", ["8,1,1", "1,8,1", "1,1,8", "2,2,2"],
-    "Mesh sizes data,fsdp,tensor; repeat the flag for several meshes.")
+  "mesh",
+  ["8,1,1", "1,8,1", "1,1,8", "2,2,2"],
+  "Mesh sizes data,fsdp,tensor; repeat the flag for several meshes.",
+)
 _BATCH_TOKENS = flags.DEFINE_integer(
-    "batch_tokens", None, "Target tokens per step (default: the config's tokens_per_batch, "
-    "rounded down to whole row shards); rows = batch_tokens / seq_len.")
+  "batch_tokens",
+  None,
+  "Target tokens per step (default: the config's tokens_per_batch, "
+  "rounded down to whole row shards); rows = batch_tokens / seq_len.",
+)
 _SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", None, "Source and target length of the batch (default: max_len).")
+  "seq_len", None, "Source and target length of the batch (default: max_len)."
+)
 _PROPAGATION = flags.DEFINE_bool(
-    "propagation", False, "Also compile with the activation axes UNCONSTRAINED (XLA's "
-    "propagation alone) and report that step's temporary bytes (temp_propagated).")
+  "propagation",
+  False,
+  "Also compile with the activation axes UNCONSTRAINED (XLA's "
+  "propagation alone) and report that step's temporary bytes (temp_propagated).",
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per mesh.")
 
 
@@ -88,23 +96,25 @@ def abstract_batch(config, rows: int, seq_len: int, batch_sharding) -> dict[str,
   """ShapeDtypeStructs of a batch with the keys the config's batching produces."""
   keys = ["source", "decoder_input", "target"]
   if config.batching == "packed":
-    keys += ["source_segment_ids", "source_positions", "target_segment_ids",
-             "target_positions"]
+    keys += ["source_segment_ids", "source_positions", "target_segment_ids", "target_positions"]
   if config.model.decoder_only:
     keys = [k for k in keys if not k.startswith("source")]
-  return {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=batch_sharding)
-          for k in keys}
+  return {
+    k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=batch_sharding) for k in keys
+  }
 
 
 def _shard_bytes(tree) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest
   shard, where a mesh axis splits a dimension unevenly)."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree.leaves(tree))
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+  )
 
 
-def lower_train_step(config, sizes: tuple[int, int, int], rows: int, seq_len: int,
-                     constrained: bool = True):
+def lower_train_step(
+  config, sizes: tuple[int, int, int], rows: int, seq_len: int, constrained: bool = True
+):
   """(setup, lowered train step) on the first data*fsdp*tensor devices.
 
   `constrained`: the activations as the config's rules place them; False leaves every
@@ -112,29 +122,37 @@ def lower_train_step(config, sizes: tuple[int, int, int], rows: int, seq_len: in
   decides, as it did before the model constrained its activations.
   """
   config = mesh_config(config, sizes)
-  devices = jax.devices()[:math.prod(sizes)]
+  devices = jax.devices()[: math.prod(sizes)]
   run = state.setup(config, sharding.create_mesh(config, devices))
   if not constrained:
-    run = dataclasses.replace(run, rules=tuple(
+    run = dataclasses.replace(
+      run,
+      rules=tuple(
         (name, PartitionSpec.UNCONSTRAINED if name.startswith("activation_") else axes)
-        for name, axes in run.rules))
+        for name, axes in run.rules
+      ),
+    )
   batch = abstract_batch(config, rows, seq_len, sharding.batch_sharding(run.mesh, run.rules))
   with sharding.activation_sharding(run.mesh, run.rules):
     return run, steps.jit_train_step(run).lower(run.restore_target(), batch)
 
 
-def measure(config, sizes: tuple[int, int, int], rows: int, seq_len: int,
-            propagation: bool = False) -> dict[str, Any]:
+def measure(
+  config, sizes: tuple[int, int, int], rows: int, seq_len: int, propagation: bool = False
+) -> dict[str, Any]:
   """One mesh's bytes per device (see the module docstring)."""
   run, lowered = lower_train_step(config, sizes, rows, seq_len)
   analysis = lowered.compile().memory_analysis()
   result = dict(zip(config_lib.MESH_AXES, sizes))
-  result.update(rows=rows, seq_len=seq_len,
-                state=_shard_bytes(run.restore_target()),
-                argument=int(analysis.argument_size_in_bytes),
-                output=int(analysis.output_size_in_bytes),
-                alias=int(analysis.alias_size_in_bytes),
-                temp=int(analysis.temp_size_in_bytes))
+  result.update(
+    rows=rows,
+    seq_len=seq_len,
+    state=_shard_bytes(run.restore_target()),
+    argument=int(analysis.argument_size_in_bytes),
+    output=int(analysis.output_size_in_bytes),
+    alias=int(analysis.alias_size_in_bytes),
+    temp=int(analysis.temp_size_in_bytes),
+  )
   if propagation:
     _, lowered = lower_train_step(config, sizes, rows, seq_len, constrained=False)
     result["temp_propagated"] = int(lowered.compile().memory_analysis().temp_size_in_bytes)
@@ -146,17 +164,21 @@ def default_rows(config, meshes, seq_len: int, batch_tokens: int | None) -> int:
   multiple = 1
   for sizes in meshes:
     sized = mesh_config(config, sizes)  # checks that the model splits over the mesh
-    mesh = sharding.create_mesh(sized, jax.devices()[:math.prod(sizes)])
+    mesh = sharding.create_mesh(sized, jax.devices()[: math.prod(sizes)])
     multiple = math.lcm(multiple, sharding.batch_row_multiple(mesh, sharding.axis_rules(sized)))
   if batch_tokens is not None:
     if batch_tokens % seq_len or (batch_tokens // seq_len) % multiple:
-      raise app.UsageError(f"--batch_tokens {batch_tokens} must be a multiple of "
-                           f"--seq_len {seq_len} times {multiple} (row shards)")
+      raise app.UsageError(
+        f"--batch_tokens {batch_tokens} must be a multiple of "
+        f"--seq_len {seq_len} times {multiple} (row shards)"
+      )
     return batch_tokens // seq_len
   rows = config.tokens_per_batch // seq_len // multiple * multiple
   if rows == 0:
-    raise app.UsageError(f"tokens_per_batch {config.tokens_per_batch} is less than one "
-                         f"row of {seq_len} tokens on each of {multiple} row shards")
+    raise app.UsageError(
+      f"tokens_per_batch {config.tokens_per_batch} is less than one "
+      f"row of {seq_len} tokens on each of {multiple} row shards"
+    )
   return rows
 
 
@@ -193,8 +215,9 @@ def report(config, meshes: list[tuple[int, int, int]]) -> None:
   most = max(math.prod(sizes) for sizes in meshes)
   if most > jax.device_count():
     raise app.UsageError(
-        f"--mesh needs {most} devices, {jax.device_count()} are visible; on CPU set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={most}")
+      f"--mesh needs {most} devices, {jax.device_count()} are visible; on CPU set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={most}"
+    )
   seq_len = _SEQ_LEN.value or config.max_len
   rows = default_rows(config, meshes, seq_len, _BATCH_TOKENS.value)
   results = []
@@ -202,10 +225,9 @@ def report(config, meshes: list[tuple[int, int, int]]) -> None:
     result = measure(config, sizes, rows, seq_len, _PROPAGATION.value)
     results.append(result)
     if _JSON.value:
-      print(json.dumps(result), flush=True)
+      print(json.dumps({**result, "versions": versions.library_versions()}), flush=True)
   if not _JSON.value:
-    print(f"train step, {rows} x {seq_len} tokens, MiB per device "
-          f"({jax.devices()[0].platform}):")
+    print(f"train step, {rows} x {seq_len} tokens, MiB per device ({jax.devices()[0].platform}):")
     print(table(results))
 
 

@@ -258,6 +258,7 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   except ValueError as e:
     raise ConfigError(f"{path} is not valid JSON ({e}); rerunning train.py on the "
                       "workdir writes it again") from None
+  saved.pop("versions", None)  # what it was trained with, a record rather than a setting
   config = config_lib.base_config()
   config.update(saved)
   return config

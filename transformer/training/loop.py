@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
 import signal
@@ -24,6 +25,7 @@ from absl import logging
 from transformer import config as config_lib
 from transformer import storage
 from transformer import data
+from transformer import versions
 from transformer.model import ModelConfig
 from transformer.training import (checkpoints, flops, metrics, prefetch, reporting, sharding,
                                   state, steps)
@@ -75,8 +77,11 @@ def check_workdir_writable(workdir: str) -> None:
 
 
 def write_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """WORKDIR/config.json, written whole: a kill never leaves half of it."""
-  storage.write_text(storage.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+  """WORKDIR/config.json, written whole: a kill never leaves half of it. Its `versions`
+  are the libraries of the process that last started the run (versions.py)."""
+  record = json.loads(config.to_json_best_effort())
+  record["versions"] = versions.library_versions()
+  storage.write_json(storage.join(workdir, "config.json"), record)
 
 
 class Progress:

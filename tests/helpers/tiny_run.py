@@ -8,7 +8,7 @@ import socket
 from transformer import config as config_lib
 from transformer.data import tatoeba
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 OVERRIDES = {
     "vocab_size": 256, "max_len": 24, "tokens_per_batch": 384, "eval_batch_size": 16,

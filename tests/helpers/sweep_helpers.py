@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE3 = os.path.join(REPO, "configs/sweeps/table3.py")
 TABLE3_SMALL = os.path.join(REPO, "configs/sweeps/table3_small.py")
 PAPER_ROWS = ["base", "A1", "A2", "A3", "A4", "B1", "B2", "C1", "C2", "C3", "C4", "C5", "C6",
@@ -21,7 +21,7 @@ def write_sweep(tmp_path, corpus, rows: str, base_overrides: str = "{}") -> str:
   path, vocab_dir = corpus
   config_file = tmp_path / "tiny_config.py"
   config_file.write_text(
-      "from tests import tiny_run\n\n"
+      "from tests.helpers import tiny_run\n\n"
       "def get_config():\n"
       f"  return tiny_run.make_config(({path!r}, {vocab_dir!r}), eval_every_steps=6,\n"
       "                              eval_bleu_sentences=0)\n")

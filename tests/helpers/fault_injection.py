@@ -84,7 +84,7 @@ def _env_int(name: str) -> int | None:
 
 
 if __name__ == "__main__":
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   sys.path.insert(0, repo)
   arm(slow_save_step=_env_int("FAULT_SLOW_SAVE_STEP"),
       slow_save_s=float(os.environ.get("FAULT_SLOW_SAVE_S", "600")),

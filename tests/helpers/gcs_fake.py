@@ -1,6 +1,6 @@
 """A local Google Cloud Storage for tests: `gs://` paths without network or credentials.
 
-  from tests.gcs_fake import gcs, gcs_server  # noqa: F401  (pytest fixtures)
+  from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (pytest fixtures)
 
   def test_something(gcs):
     run(["python", "train.py", "--workdir", f"{gcs.url}/run"], env={**os.environ})
@@ -8,7 +8,7 @@
 
 or, outside pytest, `with start_gcs() as fake: ... fake.env ...`.
 
-The bucket lives in memory in a child process (tests/gcs_fake_server.py) listening on a
+The bucket lives in memory in a child process (tests/helpers/gcs_fake_server.py) listening on a
 free port of 127.0.0.1. `env` points every GCS client the project uses at it:
 TensorFlow's GCS filesystem (tf.io.gfile, so also etils.epath's default backend on gs://,
 TFDS and the vocabulary cache), TensorStore (Orbax's array writer) and

@@ -1,0 +1,126 @@
+"""Measured test durations, kept in tests/durations.json: they order and split the suite.
+
+  make durations      # the full suite once, rewriting tests/durations.json
+
+The file maps each test's node id to its seconds (setup, call and teardown together; a
+session fixture's set-up counts for the first test that uses it), measured on two xdist
+workers as `make test` runs. Two things follow from it:
+
+- Order: files run longest first (files not yet measured before them all). `make test` hands whole files to two workers
+  (--dist loadfile, in collection order with --no-loadscope-reorder); a long file picked
+  up last would leave one worker running it alone while the other sits idle.
+- The fast tier: a test measured above SLOW_TEST_S is marked `slow`, so
+  `pytest -m "not slow"` (make test-fast) skips it, except each file's quickest test,
+  which stays, so that the fast tier still touches every module the suite tests.
+  A test may also carry @pytest.mark.slow itself. Tests not yet measured count as fast.
+
+Remeasure after adding or changing slow tests; the file is small and reviewed like code.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    "durations.json")
+# Measured with two workers on a 2-core machine: every test above this goes to the full
+# suite only; the rest of the suite takes about two minutes there.
+SLOW_TEST_S = 5.0
+OPTION = "--store-durations"
+
+
+def load(path: str | None = None) -> dict[str, float]:
+  path = path or PATH
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def slow_tests(durations: dict[str, float], threshold_s: float = SLOW_TEST_S) -> set[str]:
+  """Node ids measured above threshold_s, less each file's quickest test."""
+  by_file = collections.defaultdict(list)
+  for node_id, seconds in durations.items():
+    by_file[node_id.split("::")[0]].append((seconds, node_id))
+  slow = set()
+  for tests in by_file.values():
+    quickest = min(tests)[1]
+    slow |= {node_id for seconds, node_id in tests
+             if seconds > threshold_s and node_id != quickest}
+  return slow
+
+
+def file_seconds(items, durations: dict[str, float]) -> dict[str, float]:
+  """Each file's measured total over `items` (the tests that will run)."""
+  totals: dict[str, float] = collections.defaultdict(float)
+  for item in items:
+    totals[item.location[0]] += durations.get(item.nodeid, 0.0)
+  return totals
+
+
+class MarkSlow:
+  """Marks the tests measured as slow, before `-m` deselects by marker."""
+
+  def __init__(self, durations: dict[str, float]):
+    self.slow = slow_tests(durations)
+
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_collection_modifyitems(self, items):
+    for item in items:
+      if item.nodeid in self.slow:
+        item.add_marker(pytest.mark.slow)
+
+
+class LongestFilesFirst:
+  """Orders what is left after deselection: files never measured first (a new file may be
+  long), then the others by measured total, longest first."""
+
+  def __init__(self, durations: dict[str, float]):
+    self.durations = durations
+    self.measured_files = {node_id.split("::")[0] for node_id in durations}
+
+  @pytest.hookimpl(trylast=True)
+  def pytest_collection_modifyitems(self, items):
+    totals = file_seconds(items, self.durations)
+    items.sort(key=lambda item: (item.location[0] in self.measured_files,  # stable: file
+                                 -totals[item.location[0]]))               # order kept
+
+
+class StoreDurations:
+  """--store-durations: adds each test's setup, call and teardown times, in the process
+  that reports them (the xdist controller, or pytest alone), and writes them at the end.
+  Merged into what the file held, so a partial run updates only what it ran; tests whose
+  file is gone are dropped."""
+
+  def __init__(self, rootdir: str):
+    self.rootdir = rootdir
+    self.measured: dict[str, float] = collections.defaultdict(float)
+
+  def pytest_runtest_logreport(self, report):
+    self.measured[report.nodeid] += report.duration
+
+  def pytest_sessionfinish(self):
+    durations = {node_id: seconds for node_id, seconds in load().items()
+                 if os.path.exists(os.path.join(self.rootdir, node_id.split("::")[0]))}
+    durations.update({node_id: round(seconds, 2) for node_id, seconds in self.measured.items()})
+    with open(PATH, "w", encoding="utf-8") as f:
+      json.dump(dict(sorted(durations.items())), f, indent=0)
+      f.write("\n")
+
+
+def addoption(parser: pytest.Parser) -> None:
+  parser.addoption(OPTION, action="store_true",
+                   help="Record each test's duration in tests/durations.json.")
+
+
+def register(config: pytest.Config) -> None:
+  """Installs the plugins above (from conftest's pytest_configure)."""
+  durations = load()
+  config.pluginmanager.register(MarkSlow(durations), "durations-mark-slow")
+  config.pluginmanager.register(LongestFilesFirst(durations), "durations-order")
+  if config.getoption(OPTION) and not hasattr(config, "workerinput"):
+    config.pluginmanager.register(StoreDurations(str(config.rootpath)), "durations-store")
