@@ -8,7 +8,7 @@ preemption notices (SIGTERM): to every host at staggered times while an asynchro
 checkpoint is being written, then to one host only during validation. After each notice
 every host exits 0, having written its part of one new checkpoint at one step they all
 agree on, and the next start resumes from it. The run then finishes: its losses
-are bit for bit those of an uninterrupted run of the same mesh. It moves to a smaller
+are those of an uninterrupted run of the same mesh in one process (rtol 1e-6). It moves to a smaller
 slice (2 processes x 1 device), which continues the same global batches, and is
 evaluated across those two processes.
 """
@@ -227,7 +227,8 @@ def rehearse(bucket, gcs, tmp_path):  # noqa: F811
   resume_from = step
 
   # --- All four again, to the end: every step, before each fault and after it, has the
-  # loss of an uninterrupted run on the same mesh (one process of 8 devices), bit for bit.
+  # loss of an uninterrupted run on the same mesh in one process of 8 devices. Not bit
+  # for bit: 4 processes reduce in another order than one (up to 1.4e-7 relative seen).
   pod_steps, slice_steps = resume_from + 3, resume_from + 7
   outputs = bucket.run("train.py", "pod", 4, 2, num_train_steps=pod_steps, **POD_MESH)
   assert f"resumed from step {resume_from}" in outputs[0]
@@ -236,7 +237,8 @@ def rehearse(bucket, gcs, tmp_path):  # noqa: F811
   assert sorted(reference) == list(range(1, slice_steps + 1))
   pod = bucket.losses("pod")
   assert sorted(pod) == list(range(1, pod_steps + 1))
-  assert {s: pod[s] for s in pod} == {s: reference[s] for s in pod}
+  np.testing.assert_allclose([pod[s] for s in sorted(pod)], [reference[s] for s in sorted(pod)],
+                             rtol=1e-6)
 
   # --- A smaller slice (2 hosts x 1 device) continues the same run, on the same global
   # batches (the checkpoint's batch plan): only the sums' order differs.
