@@ -138,6 +138,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.length_penalty_alpha = 0.6
   c.max_decode_extra_len = 50  # decode at most source length + this many tokens
 
+  # A shallow draft for speculative decoding (transformer/model/draft.py): with
+  # num_layers > 0 the run trains only a decoder of that many layers, on the frozen
+  # encoder and embedding of the trained run in target_workdir (config.model must be
+  # that run's), and reads that run's vocabulary (vocab_from defaults to it).
+  c.draft = ml_collections.ConfigDict()
+  c.draft.target_workdir = ""
+  c.draft.num_layers = 0  # 0 = a plain run, not a shallow draft
+  c.draft.d_ff = 0  # the draft decoder's feed-forward width; 0 = model.d_ff
+  # Decoding scores only the shortlist_size target-side ids most frequent in the
+  # training data (0 = the whole vocabulary); `shortlist` holds them, most frequent
+  # first, and is filled when training starts.
+  c.draft.shortlist_size = 0
+  c.draft.shortlist = []
+
   # Device mesh (transformer/training/sharding.py). -1 fills with the devices left over.
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1
@@ -263,6 +277,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_data(config, flat)
   _check_optimization(config, flat)
   _check_loop_and_decoding(config)
+  _check_draft(config)
   _check_mesh(config, flat)
 
 
@@ -346,6 +361,26 @@ def _check_loop_and_decoding(config: ml_collections.ConfigDict) -> None:
   _check(config.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
   _check(config.beam_size >= 1, "beam_size", "must be at least 1")
   _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")
+
+
+def _check_draft(config: ml_collections.ConfigDict) -> None:
+  d = config.draft
+  _check(d.num_layers >= 0, "draft.num_layers", f"must be >= 0 (0 = off), got {d.num_layers}")
+  _check(d.d_ff >= 0, "draft.d_ff", f"must be >= 0 (0 = model.d_ff), got {d.d_ff}")
+  _check(0 <= d.shortlist_size <= config.vocab_size, "draft.shortlist_size",
+         f"must be in [0, vocab_size={config.vocab_size}], got {d.shortlist_size}")
+  if d.num_layers == 0:
+    return
+  _check(bool(d.target_workdir), "draft.target_workdir",
+         "is empty: name the trained target run whose encoder the draft reads")
+  _check(not config.model.decoder_only, "draft.num_layers",
+         "a shallow draft reads the target's encoder: model.decoder_only must be False")
+  _check(config.model.tie_embeddings, "draft.num_layers",
+         "a shallow draft reads the target's tied embedding: model.tie_embeddings must be True")
+  _check(config.weight_decay == 0, "weight_decay",
+         "must be 0 for a shallow draft: decay would move the frozen encoder and embedding")
+  _check(config.vocab_from in ("", d.target_workdir), "vocab_from",
+         f"a shallow draft reads draft.target_workdir's vocabulary; leave it empty")
 
 
 def _check_mesh(config: ml_collections.ConfigDict, flat: dict) -> None:

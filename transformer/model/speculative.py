@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
+from transformer.model import draft as draft_lib
 from transformer.model.decoding import (_cached_call, _create_cache, _forbid_special,
                                         filter_logits, max_output_lengths, prefill,
                                         set_positions, translation_prompt)
@@ -172,6 +173,25 @@ def prompt_sample_decode(model, params, prompt_BxP: Array, rng: Array, *,
 
 
 # ----------------------------------------------------------------------------------
+# A draft that reads the target's encoder output (model/draft.py: ShallowDraft).
+
+
+def _draft_prefill(target_model, target_params, draft_model, draft_params,
+                   source_BxS: Optional[Array], prompt_BxP: Array, cache_len: int) -> Any:
+  """The draft's cache after the prompt. A draft with `reads_target_encoder` has no
+  encoder pass of its own: it is handed the target's encoder output (the target's
+  prefill encodes the same source with the same parameters, and XLA computes the two
+  identical encodings once)."""
+  if not getattr(draft_model, "reads_target_encoder", False):
+    return prefill(draft_model, draft_params, prompt_BxP, cache_len=cache_len,
+                   source_BxS=source_BxS)[0]
+  encoded_BxSxD = target_model.apply({"params": target_params}, source_BxS,
+                                     method=target_model.encode)
+  return draft_lib.prefill_from_encoded(draft_model, draft_params, encoded_BxSxD, source_BxS,
+                                        prompt_BxP, cache_len)
+
+
+# ----------------------------------------------------------------------------------
 # Speculative decoding.
 
 
@@ -208,8 +228,8 @@ def _speculative_decode(target_model, target_params, draft_model, draft_params,
 
   target_cache, logits_BxV, prompt_len_B = prefill(
       target_model, target_params, prompt_BxP, cache_len=cache_len, source_BxS=source_BxS)
-  draft_cache, _, _ = prefill(draft_model, draft_params, prompt_BxP, cache_len=cache_len,
-                              source_BxS=source_BxS)
+  draft_cache = _draft_prefill(target_model, target_params, draft_model, draft_params,
+                               source_BxS, prompt_BxP, cache_len)
   if sampling is None:
     first_B = jnp.argmax(_forbid_special(logits_BxV), axis=-1)
   else:
