@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 
 from transformer import data
+from transformer.data import tokenizer as tokenizer_lib
 from transformer.config import EOS_ID, ConfigError
 from transformer.training import checkpoints
 
@@ -42,7 +43,7 @@ def prepare_config(config: ml_collections.ConfigDict) -> None:
                         f"this config {now!r}; a shallow draft must describe its target")
   config.vocab_from = target_workdir
   if config.draft.shortlist_size and not config.draft.shortlist:
-    tokenizer = data.vocab_from_run(target_workdir, config.vocab_size)
+    tokenizer = tokenizer_lib.vocab_from_run(target_workdir, config.vocab_size)
     config.draft.shortlist = frequent_target_ids(config, tokenizer,
                                                  config.draft.shortlist_size)
 
