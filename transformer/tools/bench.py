@@ -365,6 +365,7 @@ def _pass_costs(target, draft, source_BxS, draft_len: int, extra: int, calls: in
     cache = jax.jit(decoding.prefill, static_argnames=("model", "cache_len"))(
         run.model, run.params, bos_Bx1, cache_len=cache_len, source_BxS=source_BxS)[0]
     position = jnp.array(1, jnp.int32) if name == "target" else row_position_B
+    cache = decoding.set_positions(cache, position)  # the loop carries its kind
     tokens_BxL = jnp.full((batch, tokens), 5, jnp.int32)
     runs[name] = functools.partial(_cached_passes, run.model, run.params, cache, source_BxS,
                                    tokens_BxL, position, calls=calls)
