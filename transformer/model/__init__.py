@@ -5,6 +5,7 @@
   layers.py       embedding, feed-forward, residual sublayers, encoder and decoder layers
   transformer.py  the stacks (looped or scanned), Transformer, model_inputs
   decoding.py     beam search, greedy and sampled decoding over the cache
+  draft.py        a shallow draft for speculative decoding on the target's encoder
 """
 
 from transformer.model.primitives import ModelConfig
