@@ -372,9 +372,9 @@ def _check_draft(config: ml_collections.ConfigDict) -> None:
   _check(all(0 <= i < config.vocab_size for i in d.shortlist), "draft.shortlist",
          f"holds ids outside [0, vocab_size={config.vocab_size})")
   if d.num_layers == 0:
-    _check(not d.target_workdir and not d.shortlist, "draft.num_layers",
-           "is 0 but draft.target_workdir or draft.shortlist is set: set num_layers to "
-           "train a shallow draft")
+    _check(not (d.target_workdir or d.shortlist or d.shortlist_size or d.d_ff),
+           "draft.num_layers", "is 0 but other draft keys are set: set num_layers to train "
+           "a shallow draft")
     return
   _check(bool(d.target_workdir), "draft.target_workdir",
          "is empty: name the trained target run whose encoder the draft reads")

@@ -29,7 +29,11 @@ def prepare_config(config: ml_collections.ConfigDict) -> None:
   """For a shallow draft run: a one-line ConfigError unless config.model, vocab_size and
   max_len are the target run's; sets vocab_from to the target run and fills
   draft.shortlist (when draft.shortlist_size > 0 and it is empty)."""
-  if not config.draft.num_layers:
+  d = config.draft
+  if not d.num_layers:
+    if d.target_workdir or d.shortlist or d.shortlist_size or d.d_ff:
+      raise ConfigError("config.draft.num_layers: is 0 but other draft keys are set: set "
+                        "num_layers to train a shallow draft")
     return
   target_workdir = config.draft.target_workdir
   target = checkpoints.load_run_config(target_workdir)
