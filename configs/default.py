@@ -22,14 +22,24 @@ vocabulary, so the two share token ids:
 
     python train.py --config configs/default.py:draft --workdir workdirs/spec_draft \
         --config.vocab_from=workdirs/spec_target
+
+`configs/default.py:shallow_draft` is a cheaper draft: one decoder layer that reads the
+target's own encoder output, so it has no encoder pass of its own ("deep encoder,
+shallow decoder"). Training copies the target's encoder and embedding, keeps them frozen
+and trains only the decoder layer; its vocabulary is the target's, and decoding scores
+only the 1,024 target-side ids most frequent in training (transformer/model/draft.py):
+
+    python train.py --config configs/default.py:shallow_draft --workdir workdirs/spec_shallow \
+        --config.draft.target_workdir=workdirs/spec_target
 """
 
 from transformer import config as config_lib
 
 
 def get_config(arg=None):
-  if arg not in (None, "", "draft"):
-    raise ValueError(f"configs/default.py: argument {arg!r} must be empty or 'draft'")
+  if arg not in (None, "", "draft", "shallow_draft"):
+    raise ValueError(f"configs/default.py: argument {arg!r} must be empty, 'draft' or "
+                     "'shallow_draft'")
   c = config_lib.base_config()
   c.dataset = "tatoeba_en_es"
   c.direction = "en-es"
@@ -67,4 +77,13 @@ def get_config(arg=None):
     # One layer per stack (num_layers sets both) and nothing else changed: the target's
     # vocabulary size and widths, so it reads the target's vocabulary (vocab_from).
     c.model.num_layers = 1
+  if arg == "shallow_draft":
+    # config.model stays the target's (the draft reads its encoder); the draft's own
+    # decoder has one layer. One layer learns fast: a shorter run, as warm as the target's.
+    c.draft.num_layers = 1
+    c.draft.shortlist_size = 1024
+    c.num_train_steps = 400
+    c.warmup_steps = 150
+    c.eval_every_steps = 200
+    c.checkpoint_every_steps = 200
   return c

@@ -9,6 +9,7 @@ the target's exact distribution enumerated over a tiny vocabulary).
 import functools
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -282,3 +283,62 @@ def test_speculative_sampling_has_the_targets_distribution():
   always_accept = _distribution(
       outputs, np.concatenate([target_logprobs[:, :1], draft_logprobs[:, 1:]], axis=1))
   assert _total_variation(always_accept, exact) > 4 * bound  # 0.165
+
+
+# ----------------------------------------------------------------------------------
+# A shallow draft on the target's encoder output (transformer/model/draft.py).
+
+
+def _shallow_draft(target_cfg, target_params, seed, shortlist=()):
+  """A one-layer ShallowDraft holding the target's encoder and embedding, as training
+  leaves it (transformer/training/draft.py copies them)."""
+  from transformer.model.draft import ShallowDraft, draft_decoder_config
+  draft = ShallowDraft(draft_decoder_config(target_cfg, 1), target_cfg, shortlist)
+  shapes = jax.eval_shape(draft.init, jax.random.PRNGKey(0), SOURCE[:1], SOURCE[:1, :2])
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 1, s.shape), s.dtype),
+                        nn.unbox(shapes["params"]))
+  return draft, {**params, "encoder": target_params["encoder"],
+                 "shared_embedding": target_params["shared_embedding"]}
+
+
+def test_shallow_draft_speculative_greedy_equals_greedy_and_reads_the_targets_encoder():
+  cfg = tiny_config(vocab_size=13, max_position=MAX_POSITION, num_layers=2, d_model=8)
+  target_params = random_params(cfg, 2)
+  target = Transformer(cfg)
+  draft, draft_params = _shallow_draft(cfg, target_params, 5, shortlist=(1, 4, 5, 6, 7, 9))
+  greedy = translate(target, target_params, decoding.Greedy()).tokens_BxO
+  decode = lambda params: translate(target, target_params, decoding.Speculative(draft, 3),
+                                    params)
+  out = decode(draft_params)
+  np.testing.assert_array_equal(out.tokens_BxO, greedy)
+  assert 0.0 < float(out.acceptance_rate) < 1.0
+  # The draft's own encoder copy is never run: spoiling it changes nothing.
+  spoiled = {**draft_params, "encoder": jax.tree.map(jnp.zeros_like, draft_params["encoder"])}
+  assert int(decode(spoiled).accepted) == int(out.accepted)
+
+
+def test_shallow_draft_decodes_over_its_shortlist_and_trains_only_its_decoder():
+  cfg = tiny_config(vocab_size=13, max_position=MAX_POSITION, num_layers=2, d_model=8)
+  shortlist = (1, 4, 5, 9)
+  draft, params = _shallow_draft(cfg, random_params(cfg, 2), 5, shortlist=shortlist)
+  decoder_input = jnp.full((SOURCE.shape[0], 3), BOS_ID, jnp.int32)
+  full_BxTxV = draft.apply({"params": params}, SOURCE, decoder_input)
+  assert np.isfinite(np.asarray(full_BxTxV)).all()  # training scores every id
+  encoded = draft.apply({"params": params}, SOURCE, method=draft.encode)
+  cache = draft.apply({"params": params}, encoded, SOURCE, jnp.zeros((4, 8), jnp.int32),
+                      use_cache=True, mutable=["cache"], method=draft.decode)[1]["cache"]
+  logits_BxLxV = draft.apply({"params": params, "cache": cache}, None, SOURCE, decoder_input,
+                             use_cache=True, mutable=["cache"], method=draft.decode)[0]
+  finite_V = np.isfinite(np.asarray(logits_BxLxV)).all(axis=(0, 1))
+  assert tuple(np.flatnonzero(finite_V)) == shortlist
+  # Decoding scores the shortlist as training does.
+  np.testing.assert_allclose(np.asarray(logits_BxLxV)[..., list(shortlist)],
+                             np.asarray(full_BxTxV)[..., list(shortlist)], rtol=1e-5, atol=1e-5)
+
+  def loss(p):
+    return jnp.sum(jax.nn.log_softmax(draft.apply({"params": p}, SOURCE, decoder_input)) ** 2)
+  grads = jax.grad(loss)(params)
+  for frozen in ("encoder", "shared_embedding"):
+    assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads[frozen])), frozen
+  assert any(np.asarray(g).any() for g in jax.tree.leaves(grads["decoder"]))

@@ -11,6 +11,9 @@ import statistics
 import subprocess
 import sys
 
+import jax
+import numpy as np
+
 from transformer import versions
 from transformer.training import flops, sharding
 from transformer.model import ModelConfig
@@ -148,23 +151,37 @@ def test_bench_lines_for_a_device_with_no_known_peak():
 
 
 def test_speculative_on_two_tiny_runs(small_corpus, trained_run, tmp_path):
-  """Greedy against speculative greedy decoding of test sentences, on the tiny trained run
-  and a narrower draft trained on its vocabulary: identical tokens, consistent counts."""
-  from transformer.training import loop
+  """Greedy against speculative greedy decoding of test sentences at two batch sizes, on
+  the tiny trained run and a shallow draft trained on its frozen encoder: identical
+  tokens, consistent counts; the draft's frozen parts are the target's, unchanged."""
+  from transformer.training import checkpoints, loop, state
   _, target_workdir = trained_run
   draft_workdir = str(tmp_path / "draft")
   loop.train_and_evaluate(make_config(
-      small_corpus, vocab_from=target_workdir, num_train_steps=2, **{
-          "model.d_model": 16, "model.d_ff": 32, "model.d_k": 8, "model.d_v": 8}),
-      draft_workdir)
+      small_corpus, num_train_steps=2, max_decode_extra_len=5, **{
+          "draft.num_layers": 1, "draft.target_workdir": target_workdir,
+          "draft.shortlist_size": 40}), draft_workdir)
+  draft_config = checkpoints.load_run_config(draft_workdir)
+  assert draft_config.vocab_from == target_workdir and len(draft_config.draft.shortlist) == 40
+  params = {workdir: checkpoints.restore_params(
+      workdir, state.setup(checkpoints.load_run_config(workdir)))[0]
+            for workdir in (target_workdir, draft_workdir)}
+  for part in ("encoder", "shared_embedding"):
+    for target_leaf, draft_leaf in zip(jax.tree.leaves(params[target_workdir][part]),
+                                       jax.tree.leaves(params[draft_workdir][part])):
+      np.testing.assert_array_equal(target_leaf, draft_leaf)
   result = run_bench(small_corpus, "--json", "--only=speculative", "--workdir",
                      target_workdir, "--draft_workdir", draft_workdir, "--draft_len=3",
-                     "--speculative_sentences=20", "--config.max_decode_extra_len=5")
+                     "--speculative_sentences=20", "--speculative_batch_sizes=2,16",
+                     "--config.max_decode_extra_len=5")
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-  assert [r["name"] for r in records] == ["peak", "speculative"]
-  spec = records[1]
-  # 20 sentences in eval_batch_size (16) rows: two batches, the second mostly fill.
+  assert [r["name"] for r in records] == ["peak", "speculative", "speculative"]
+  small, spec = records[1:]
+  # Batches as small as the test's two devices allow: 10 batches, 10 prefills.
+  assert (small["batch_size"], small["draft_kind"]) == (2, "ShallowDraft")
+  assert small["target_passes_speculative"] == small["target_calls"] + 10
+  # 20 sentences in 16 rows: two batches, the second mostly fill.
   assert (spec["sentences"], spec["batch_size"], spec["draft_len"]) == (20, 16, 3)
   assert 0 <= spec["accepted"] <= spec["proposed"] and spec["target_calls"] > 0
   assert math.isclose(spec["acceptance_rate"], spec["accepted"] / spec["proposed"])
@@ -175,9 +192,16 @@ def test_speculative_on_two_tiny_runs(small_corpus, trained_run, tmp_path):
   assert spec["target_passes_speculative"] <= spec["target_passes_greedy"]
   assert math.isclose(spec["target_pass_reduction"], spec["target_passes_greedy"] /
                       spec["target_passes_speculative"])
-  assert spec["draft_params"] < spec["target_params"]
+  # The draft holds the target's embedding and encoder and one decoder layer: here, as
+  # many as the one-layer target.
+  assert spec["draft_params"] == spec["target_params"]
   assert math.isclose(spec["speedup"], spec["greedy_s"] / spec["speculative_s"])
-  assert math.isclose(spec["greedy_sentences_per_sec"], 20 / spec["greedy_s"])
+  assert math.isclose(spec["greedy_ms_per_sentence"], 1e3 * spec["greedy_s"] / 20)
+  for record in (small, spec):
+    assert math.isclose(record["draft_cost_ratio"],
+                        record["draft_pass_s"] / record["target_pass_s"])
+    a, k, c = record["acceptance_rate"], 3, record["draft_cost_ratio"]
+    assert math.isclose(record["expected_speedup"], (1 - a**(k + 1)) / ((1 - a) * (k * c + 1)))
 
 
 def test_speculative_without_runs_is_a_one_line_usage_error(small_corpus):

@@ -25,8 +25,23 @@ def test_default_config_draft_variant_has_one_layer_per_stack_and_the_same_vocab
   changed = {k for k, v in config_lib.flatten(draft).items()
              if config_lib.flatten(default)[k] != v}
   assert changed == {"model.num_layers"}
-  with pytest.raises(ValueError, match="must be empty or 'draft'"):
+  with pytest.raises(ValueError, match="must be empty, 'draft' or 'shallow_draft'"):
     config_lib.load_config("configs/default.py:big")
+
+
+def test_default_config_shallow_draft_variant_keeps_the_targets_model():
+  default = config_lib.load_config("configs/default.py")
+  shallow = config_lib.load_config("configs/default.py:shallow_draft")
+  assert shallow.model.to_dict() == default.model.to_dict()
+  assert (shallow.draft.num_layers, shallow.draft.shortlist_size) == (1, 1024)
+  # It names no target: validation says which key to set, in one line.
+  with pytest.raises(config_lib.ConfigError, match=r"^config.draft.target_workdir: is empty"):
+    config_lib.validate(shallow)
+  shallow.draft.target_workdir = "workdirs/spec_target"
+  config_lib.validate(shallow)
+  shallow.weight_decay = 0.1
+  with pytest.raises(config_lib.ConfigError, match=r"^config.weight_decay: must be 0 for a "):
+    config_lib.validate(shallow)
 
 
 def test_a_draft_trained_with_vocab_from_gets_the_targets_vocabulary_bytes(

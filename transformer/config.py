@@ -75,6 +75,23 @@ def model_config() -> ml_collections.ConfigDict:
   return m
 
 
+def draft_config() -> ml_collections.ConfigDict:
+  """A shallow draft for speculative decoding (transformer/model/draft.py): with
+  num_layers > 0 the run trains only a decoder of that many layers, on the frozen
+  encoder and embedding of the trained run in target_workdir (config.model must be that
+  run's), and reads that run's vocabulary (vocab_from defaults to it)."""
+  d = ml_collections.ConfigDict()
+  d.target_workdir = ""
+  d.num_layers = 0  # 0 = a plain run, not a shallow draft
+  d.d_ff = 0  # the draft decoder's feed-forward width; 0 = model.d_ff
+  # Decoding scores only the shortlist_size target-side ids most frequent in the
+  # training data (0 = the whole vocabulary); `shortlist` holds them, most frequent
+  # first, and is filled when training starts.
+  d.shortlist_size = 0
+  d.shortlist = []
+  return d
+
+
 def mesh_config() -> ml_collections.ConfigDict:
   """The device mesh's axis sizes (transformer/training/sharding.py); -1 fills with the
   devices left over."""
@@ -157,6 +174,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.length_penalty_alpha = 0.6
   c.max_decode_extra_len = 50  # decode at most source length + this many tokens
 
+  c.draft = draft_config()
   c.mesh = mesh_config()
   # Model logical axis -> mesh axes (None: replicated). The model names logical axes
   # only; this maps them. Parameters: `embed` over fsdp (ZeRO-3 style), heads, mlp and
@@ -275,6 +293,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_data(config, flat)
   _check_optimization(config, flat)
   _check_loop_and_decoding(config)
+  _check_draft(config)
   _check_mesh(config, flat)
 
 
@@ -407,6 +426,31 @@ def _check_position_table(config: ml_collections.ConfigDict) -> None:
   for reader, needed in positions_used(config).items():
     _check(needed <= table, "model.positional",
            f"the learned position table has {table} rows but {reader} need {needed}")
+
+
+def _check_draft(config: ml_collections.ConfigDict) -> None:
+  d = config.draft
+  _check(d.num_layers >= 0, "draft.num_layers", f"must be >= 0 (0 = off), got {d.num_layers}")
+  _check(d.d_ff >= 0, "draft.d_ff", f"must be >= 0 (0 = model.d_ff), got {d.d_ff}")
+  _check(0 <= d.shortlist_size <= config.vocab_size, "draft.shortlist_size",
+         f"must be in [0, vocab_size={config.vocab_size}], got {d.shortlist_size}")
+  _check(all(0 <= i < config.vocab_size for i in d.shortlist), "draft.shortlist",
+         f"holds ids outside [0, vocab_size={config.vocab_size})")
+  if d.num_layers == 0:
+    _check(not (d.target_workdir or d.shortlist or d.shortlist_size or d.d_ff),
+           "draft.num_layers", "is 0 but other draft keys are set: set num_layers to train "
+           "a shallow draft")
+    return
+  _check(bool(d.target_workdir), "draft.target_workdir",
+         "is empty: name the trained target run whose encoder the draft reads")
+  _check(not config.model.decoder_only, "draft.num_layers",
+         "a shallow draft reads the target's encoder: model.decoder_only must be False")
+  _check(config.model.tie_embeddings, "draft.num_layers",
+         "a shallow draft reads the target's tied embedding: model.tie_embeddings must be True")
+  _check(config.weight_decay == 0, "weight_decay",
+         "must be 0 for a shallow draft: decay would move the frozen encoder and embedding")
+  _check(config.vocab_from in ("", d.target_workdir), "vocab_from",
+         f"a shallow draft reads draft.target_workdir's vocabulary; leave it empty")
 
 
 def _check_mesh(config: ml_collections.ConfigDict, flat: dict) -> None:

@@ -6,6 +6,7 @@
   transformer.py  the stacks (looped or scanned), Transformer, model_inputs
   decoding/       decode(model, params, prompts, search): beam search, greedy, sampling
                   and speculative decoding over one prefill and cache
+  draft.py        a shallow draft for speculative decoding on the target's encoder
 """
 
 from transformer.model.primitives import ModelConfig

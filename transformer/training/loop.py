@@ -27,8 +27,8 @@ from transformer import storage
 from transformer import data
 from transformer import versions
 from transformer.model import ModelConfig
-from transformer.training import (checkpoints, flops, metrics, prefetch, reporting, sharding,
-                                  state, steps)
+from transformer.training import (checkpoints, draft, flops, metrics, prefetch, reporting,
+                                  sharding, state, steps)
 
 
 class TrainingError(RuntimeError):
@@ -253,6 +253,7 @@ class TrainingRun:
                validation=ValidationLoss):
     self.config = config
     self.is_chief = jax.process_index() == 0
+    draft.prepare_config(config)  # a shallow draft reads its target run's settings
     # --- Mesh, model, optimizer and the sharded state's shapes.
     self.setup = state.setup(config)
     logging.info("mesh %s over %d devices, %d processes", dict(self.setup.mesh.shape),
@@ -286,7 +287,8 @@ class TrainingRun:
   def _restore_or_init(self) -> state.TrainState:
     latest = self.checkpointer.latest_step()
     if latest is None:
-      return self.setup.init_state(jax.random.key(self.config.seed))
+      fresh = self.setup.init_state(jax.random.key(self.config.seed))
+      return draft.init_from_target(self.setup, fresh)  # a shallow draft's frozen parts
     checkpoints.check_compatible(self.checkpointer.saved_config(latest), self.config)
     # The data first: a batch plan this mesh cannot split fails before the arrays load.
     self.train_iter.set_state(

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from transformer.config import ConfigError
 from transformer.model import ModelConfig, Transformer
+from transformer.model.draft import ShallowDraft, draft_decoder_config
 from transformer.training import sharding
 from transformer.training.optimizer import make_optimizer
 
@@ -34,8 +35,14 @@ class TrainState:
   opt_state: Any
 
 
-def build_model(config: ml_collections.ConfigDict) -> Transformer:
-  return Transformer(ModelConfig.from_config(config))
+def build_model(config: ml_collections.ConfigDict) -> Transformer | ShallowDraft:
+  """The config's Transformer, or with draft.num_layers its shallow draft (model/draft.py)."""
+  model_config = ModelConfig.from_config(config)
+  if config.draft.num_layers:
+    return ShallowDraft(
+        draft_decoder_config(model_config, config.draft.num_layers, config.draft.d_ff),
+        model_config, tuple(int(i) for i in config.draft.shortlist))
+  return Transformer(model_config)
 
 
 def dummy_inputs(config: ml_collections.ConfigDict) -> dict[str, Array | None]:
