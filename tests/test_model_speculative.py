@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.model_helpers import EXTRA, SOURCE, make_model, strip
+from tests.helpers.model_helpers import (EXTRA, MAX_POSITION, SOURCE, make_model, random_params,
+                                         strip, tiny_config)
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
 from transformer.model import Transformer, decoding, stack_layer_params
 from transformer.model.decoding import cache as cache_lib
@@ -283,6 +284,22 @@ def test_speculative_sampling_has_the_targets_distribution():
   always_accept = _distribution(
       outputs, np.concatenate([target_logprobs[:, :1], draft_logprobs[:, 1:]], axis=1))
   assert _total_variation(always_accept, exact) > 4 * bound  # 0.165
+
+
+def test_speculative_greedy_of_one_sentence_at_a_time_equals_greedy():
+  """A batch of one keeps one scalar cache position (one contiguous K/V write per call),
+  the path a user translating a line takes; its output is greedy's all the same."""
+  target, target_params = make_model(2)
+  draft, draft_params = make_model(9, num_layers=1)
+  accepted = 0
+  for row in range(SOURCE.shape[0]):
+    source = SOURCE[row:row + 1]
+    greedy = translate(target, target_params, decoding.Greedy(), source=source).tokens_BxO
+    out = translate(target, target_params, decoding.Speculative(draft, 3), draft_params,
+                    source=source)
+    np.testing.assert_array_equal(out.tokens_BxO, greedy)
+    accepted += int(out.accepted)
+  assert accepted > 0  # the rounds did keep draft tokens, not only the target's own
 
 
 # ----------------------------------------------------------------------------------
