@@ -19,3 +19,15 @@ from transformer.data.tokenizer import (
   load_or_train_tokenizer,
   load_workdir_tokenizer,
 )
+
+__all__ = [
+  "Tokenizer",
+  "get_tokenizer",
+  "load_or_train_tokenizer",
+  "load_raw_pairs",
+  "load_workdir_tokenizer",
+  "make_eval_batches",
+  "make_source",
+  "make_train_iterator",
+  "pad_batch",
+]

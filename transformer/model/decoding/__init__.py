@@ -24,7 +24,7 @@ saves). Shape letters: transformer/model/primitives.py.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import jax
 
