@@ -190,5 +190,10 @@ def _attention_maps(translator, args: argparse.Namespace) -> str:
   return f"wrote {len(files)} attention maps to {out_dir}"
 
 
+def _quiet_main(args: argparse.Namespace) -> None:
+  cli.quiet_library_logs()
+  main(args)
+
+
 if __name__ == "__main__":
-  app.run(lambda args: (cli.quiet_library_logs(), main(args)), flags_parser=parse)
+  app.run(_quiet_main, flags_parser=parse)

@@ -167,14 +167,14 @@ def _chunk_pattern(path: epath.Path) -> re.Pattern:
 def log_chunks(path: str | os.PathLike) -> list[epath.Path]:
   """The chunk objects of the log at `path` (metrics.jsonl: metrics-000000.jsonl, ...),
   in order."""
-  path = as_path(path)
-  if not path.parent.exists():
+  log_path = as_path(path)
+  if not log_path.parent.exists():
     return []
-  stem, suffix = os.path.splitext(path.name)
-  pattern = _chunk_pattern(path)
+  stem, suffix = os.path.splitext(log_path.name)
+  pattern = _chunk_pattern(log_path)
   numbered = [
     (int(m.group(1)), p)
-    for p in path.parent.glob(f"{stem}-*{suffix}")
+    for p in log_path.parent.glob(f"{stem}-*{suffix}")
     if (m := pattern.fullmatch(p.name))
   ]
   return [p for _, p in sorted(numbered)]
@@ -210,11 +210,11 @@ class AppendLog:
       stem, suffix = os.path.splitext(self.path.name)
       self._chunk_name = lambda index: f"{stem}-{index:06d}{suffix}"
       existing = log_chunks(self.path)
-      self._chunk_index = (
-        (int(_chunk_pattern(self.path).fullmatch(existing[-1].name).group(1)) + 1)
-        if existing
-        else 0
-      )
+      self._chunk_index = 0
+      if existing:
+        newest = _chunk_pattern(self.path).fullmatch(existing[-1].name)
+        assert newest is not None  # log_chunks lists only names the pattern matches
+        self._chunk_index = int(newest.group(1)) + 1
       self._chunk_text = ""
     elif self.path.exists():
       with open(self.path, "rb+") as f:

@@ -12,6 +12,8 @@ Batch format (numpy int32; the model and the trainer rely on it):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from transformer.config import BOS_ID, PAD_ID
@@ -57,7 +59,7 @@ def shift_right(target_BxT: np.ndarray, segment_ids_BxT: np.ndarray | None = Non
   return np.where(segment_ids_BxT != 0, decoder_input_BxT, PAD_ID).astype(np.int32)
 
 
-def pad_stack(arrays: list[np.ndarray], length: int) -> np.ndarray:
+def pad_stack(arrays: Sequence[np.ndarray | Sequence[int]], length: int) -> np.ndarray:
   """[len(arrays), length] int32, each row left-aligned and padded with PAD_ID."""
   out = np.full((len(arrays), length), PAD_ID, np.int32)
   for row, a in enumerate(arrays):
@@ -65,16 +67,18 @@ def pad_stack(arrays: list[np.ndarray], length: int) -> np.ndarray:
   return out
 
 
-def pad_batch(sequences: list[list[int]], rows: int, length: int | None = None) -> np.ndarray:
+def pad_batch(
+  sequences: Sequence[Sequence[int] | np.ndarray], rows: int, length: int | None = None
+) -> np.ndarray:
   """[rows, length] int32 from ragged id lists, fill rows all PAD_ID; length defaults to
   the longest sequence rounded up to a multiple of 8 (few shapes to compile)."""
   if len(sequences) > rows:
     raise ValueError(f"{len(sequences)} sequences do not fit {rows} rows")
   longest = max((len(s) for s in sequences), default=1)
   length = length or round_up(max(longest, 1), LENGTH_MULTIPLE)
-  return pad_stack(
-    [np.asarray(s, np.int32) for s in sequences] + [[]] * (rows - len(sequences)), length
-  )
+  padded_rows: list[np.ndarray | list[int]] = [np.asarray(s, np.int32) for s in sequences]
+  padded_rows += [[]] * (rows - len(sequences))
+  return pad_stack(padded_rows, length)
 
 
 def finalize(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -152,7 +156,7 @@ class TokenBucketer:
   def __init__(self, rows_by_length: dict[int, int]):
     self.rows = dict(sorted(rows_by_length.items()))
     self._lengths = list(self.rows)
-    self._waiting = {length: [] for length in self.rows}
+    self._waiting: dict[int, list[dict[str, np.ndarray]]] = {length: [] for length in self.rows}
 
   def add(self, example: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
     """Adds one example; returns a finished batch or None."""
@@ -176,8 +180,8 @@ class Packer:
     self.num_rows = rows
     self.row_len = row_len
     self.max_open_rows = max_open_rows
-    self._open = []  # rows being filled: lists of examples
-    self._done = []  # finished rows, waiting for a full batch
+    self._open: list[list[dict[str, np.ndarray]]] = []  # rows being filled: lists of examples
+    self._done: list[list[dict[str, np.ndarray]]] = []  # finished rows, waiting for a full batch
 
   def _fits(self, row: list[dict], example: dict) -> bool:
     return all(sum(len(ex[k]) for ex in row) + len(example[k]) <= self.row_len for k in example)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import numpy as np
 import tensorflow as tf
@@ -140,8 +140,8 @@ class TrainIterator:
     # Position: epoch, batches taken in it, the pair of the epoch's order its batching
     # started at (0 unless the plan changed mid-epoch), and the pairs read so far.
     self._epoch, self._batch_in_epoch, self._start_pair, self._pairs_read = 0, 0, 0, 0
-    self._batches = None
-    self._shapes_seen = set()
+    self._batches: Generator[tuple[dict[str, np.ndarray], int], None, None] | None = None
+    self._shapes_seen: set[tuple[tuple[str, tuple[int, ...]], ...]] = set()
 
   @property
   def rows_by_length(self) -> dict[int, int]:
@@ -180,7 +180,7 @@ class TrainIterator:
       rows_seen = {self._row_len: [b for b in map(packer.add, sample) if b is not None]}
     else:
       lengths = batching.bucket_lengths(self._row_len)
-      by_length = {length: [] for length in lengths}
+      by_length: dict[int, list[dict[str, np.ndarray]]] = {length: [] for length in lengths}
       for example in sample:
         longest = max(len(a) for k, a in example.items() if k != "loss_mask")
         by_length[batching.bucket_of(longest, lengths)].append(example)
@@ -310,7 +310,7 @@ class TrainIterator:
 
   def _epoch_batches(
     self, epoch: int, skip: int, start_pair: int = 0
-  ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+  ) -> Generator[tuple[dict[str, np.ndarray], int], None, None]:
     """(global batch, pairs of the epoch read when it was complete) of one epoch, batching
     from pair `start_pair` on, after the first `skip` batches (built, then dropped)."""
     batcher, produced = self._make_batcher(), 0
@@ -328,7 +328,9 @@ class TrainIterator:
       examples.close()  # on close() too: its tf.data iterator stops now, not at exit
     logging.info("Epoch %d of %s: %d batches", epoch, self._source.name, produced)
 
-  def _examples(self, epoch: int, log: bool = True) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+  def _examples(
+    self, epoch: int, log: bool = True
+  ) -> Generator[tuple[int, dict[str, np.ndarray]], None, None]:
     """Epoch `epoch`'s training examples in order, filtered or clipped to max_len, each
     with the count of the epoch's pairs read up to it (dropped ones included)."""
     config = self._config
@@ -344,9 +346,9 @@ class TrainIterator:
     for source_flat, source_lengths, target_flat, target_lengths in chunks:
       source_ids = np.split(source_flat, np.cumsum(source_lengths)[:-1])
       target_ids = np.split(target_flat, np.cumsum(target_lengths)[:-1])
-      for s, t in zip(source_ids, target_ids):
+      for source, target in zip(source_ids, target_ids):
         pairs_read += 1
-        s, t = _fit(s, config.max_len, clip), _fit(t, config.max_len, clip)
+        s, t = _fit(source, config.max_len, clip), _fit(target, config.max_len, clip)
         if s is None or t is None:
           dropped += 1
           continue
@@ -441,7 +443,8 @@ def make_eval_batches(
     for key in examples[0]:
       longest = max(len(examples[i][key]) for i in indices)
       length = batching.geometric_length(longest, max_lengths[key])
-      padded_rows = [examples[i][key] for i in indices] + [[]] * (rows - len(indices))
+      padded_rows: list[np.ndarray | list[int]] = [examples[i][key] for i in indices]
+      padded_rows += [[]] * (rows - len(indices))
       arrays[key] = batching.pad_stack(padded_rows, length)
     batch = batching.finalize(arrays)
     batch["index"] = np.array(indices + [-1] * (rows - len(indices)), np.int32)

@@ -77,11 +77,11 @@ class TsvSource:
     # Reading everything now turns a missing or empty file into an error before any
     # vocabulary training or compilation starts.
     main = tsv.read_tsv(path)
-    self._pairs = {split: [] for split in tsv.SPLITS}
+    indices_by_split: dict[str, list[int]] = {split: [] for split in tsv.SPLITS}
     for split, indices in tsv.split_indices(main.pairs).items():
       destination = "train" if self._files.get(split) else split
-      self._pairs[destination].extend(indices)
-    self._pairs = {s: [main.pairs[i] for i in sorted(ix)] for s, ix in self._pairs.items()}
+      indices_by_split[destination].extend(indices)
+    self._pairs = {s: [main.pairs[i] for i in sorted(ix)] for s, ix in indices_by_split.items()}
     for split, file in self._files.items():
       if file:
         self._pairs[split] = tsv.read_tsv(file).pairs

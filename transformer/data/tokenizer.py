@@ -84,7 +84,7 @@ class Tokenizer:
     return self._sp.id_to_piece(int(i))
 
 
-def with_eos(ids: Sequence[int], max_len: int) -> np.ndarray:
+def with_eos(ids: Sequence[int] | np.ndarray, max_len: int) -> np.ndarray:
   """int32 ids followed by EOS, clipped to max_len tokens keeping the EOS.
 
   Clipping is for inputs only: the model never saw sentences longer than max_len.

@@ -112,7 +112,7 @@ def split_of(source_sentence: str, fraction: float) -> str:
 def split_indices(pairs: list[tuple[str, str]]) -> dict[str, list[int]]:
   """Indices of `pairs` per split, in order; the split is decided by pair[0]."""
   fraction = heldout_fraction(len(pairs))
-  indices = {split: [] for split in SPLITS}
+  indices: dict[str, list[int]] = {split: [] for split in SPLITS}
   for i, (source, _) in enumerate(pairs):
     indices[split_of(source, fraction)].append(i)
   return indices

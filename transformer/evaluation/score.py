@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -114,7 +114,7 @@ def _translate_batches(
   missing = [i for i, h in enumerate(hypotheses) if h is None]
   if missing:
     raise RuntimeError(f"{len(missing)} sentences of {split} were not translated")
-  return hypotheses, generated_tokens
+  return cast(list[str], hypotheses), generated_tokens  # none is None: checked above
 
 
 def _translation_scores(hypotheses: list[str], references: list[str], config) -> dict:

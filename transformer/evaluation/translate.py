@@ -94,7 +94,8 @@ class Draft(NamedTuple):
   workdir: str
 
 
-class SearchStats(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class SearchStats:
   """What speculative decoding saved over some batches (fill rows included): see
   decoding.Generation."""
 
@@ -105,7 +106,9 @@ class SearchStats(NamedTuple):
   row_calls: int = 0  # rows still generating, summed over the target calls
 
   def __add__(self, other: SearchStats) -> SearchStats:
-    return SearchStats(*(a + b for a, b in zip(self, other)))
+    return SearchStats(
+      *(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other)))
+    )
 
   def summary(self) -> dict[str, float]:
     """acceptance_rate, and tokens_per_target_call per sentence (1 without a draft)."""

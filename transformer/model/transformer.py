@@ -271,6 +271,8 @@ class Transformer(nn.Module):
     """Teacher-forced forward pass -> f32 logits [B, T, V]."""
     encoded = None
     if not self.config.decoder_only:
+      if source is None:
+        raise ValueError("an encoder-decoder model needs a source")
       encoded = self.encode(source, source_segment_ids, source_positions, deterministic)
     return self.decode(
       encoded,

@@ -13,7 +13,10 @@ from transformer.training import flops, sharding, state
 def count_params(config: ml_collections.ConfigDict) -> int:
   """Parameters of the model (a tied embedding counted once), from shapes alone."""
   model = state.build_model(config)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), **state.dummy_inputs(config)))
+  inputs = state.dummy_inputs(config)
+  shapes = jax.eval_shape(
+    lambda: model.init(jax.random.key(0), inputs["source"], inputs["decoder_input"])
+  )
   return sum(x.size for x in jax.tree.leaves(shapes["params"]))
 
 

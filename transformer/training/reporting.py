@@ -16,6 +16,7 @@ import math
 import queue
 import threading
 import time
+from typing import Any
 
 from transformer import storage
 from transformer.messages import format_duration
@@ -53,7 +54,7 @@ class MetricsWriter:
     self._tf = tf
     self._tensorboard_dir = storage.join(workdir, "tensorboard")
     self._rotate = storage.is_remote(workdir)  # local files are appended to in place
-    self._tensorboard = None
+    self._tensorboard: Any = None  # a tf.summary.SummaryWriter once opened
     self._tensorboard_values = 0
     self._tensorboard_opened = 0.0
     self._scalar_metadata = tf.compat.v1.SummaryMetadata(
@@ -63,7 +64,8 @@ class MetricsWriter:
     self._submitted = self._written = 0
     self._progress = threading.Condition()
     self._error: BaseException | None = None
-    self._busy_with, self._busy_since = "", None  # the write in progress
+    self._busy_with = ""  # the write in progress
+    self._busy_since: float | None = None
     self._thread = threading.Thread(target=self._run, name="metrics-writer", daemon=True)
     self._thread.start()
 

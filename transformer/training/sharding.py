@@ -119,12 +119,15 @@ def logical_to_sharding(tree: Any, mesh: Mesh, rules) -> Any:
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
   """Rows (the leading axis) split over the mesh axes the 'batch' rule names."""
   spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules)
+  assert spec is not None  # None only for no names at all
   return NamedSharding(mesh, spec)
 
 
 def batch_row_shards(mesh: Mesh, rules) -> int:
   """How many slices a batch's rows are split into (the mesh axes the 'batch' rule names)."""
-  spec = nn.logical_to_mesh_axes(("batch",), rules)[0]
+  specs = nn.logical_to_mesh_axes(("batch",), rules)
+  assert specs is not None  # None only for no names at all
+  spec = specs[0]
   axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
   return math.prod(mesh.shape[a] for a in axes)
 

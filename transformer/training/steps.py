@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -111,8 +112,12 @@ def loss_fn(
   label_smoothing: float,
   nan_at_step: Array | None = None,
 ):
-  logits_BxTxV = model.apply(
-    {"params": params}, **model_inputs(batch), deterministic=False, rngs={"dropout": dropout_rng}
+  # apply without mutable= returns the model's output alone, not (output, variables).
+  logits_BxTxV = cast(
+    Array,
+    model.apply(
+      {"params": params}, **model_inputs(batch), deterministic=False, rngs={"dropout": dropout_rng}
+    ),
   )
   sums = cross_entropy_sums(logits_BxTxV, batch["target"], label_smoothing)
   loss = sums["loss_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
@@ -188,16 +193,21 @@ def train_step(
 def eval_step(
   params, batch: dict[str, Array], *, model: Transformer, config: ml_collections.ConfigDict
 ) -> dict[str, Array]:
-  logits_BxTxV = model.apply({"params": params}, **model_inputs(batch), deterministic=True)
+  logits_BxTxV = cast(  # the output alone: no mutable=
+    Array, model.apply({"params": params}, **model_inputs(batch), deterministic=True)
+  )
   return cross_entropy_sums(logits_BxTxV, batch["target"], config.label_smoothing)
 
 
 def jit_train_step(setup: Setup):
   """train_step compiled over the mesh: state sharded in and out, and donated."""
-  step = functools.partial(
-    train_step, model=setup.model, optimizer=setup.optimizer, config=setup.config
+  step = sharding.with_activation_sharding(
+    functools.partial(
+      train_step, model=setup.model, optimizer=setup.optimizer, config=setup.config
+    ),
+    setup.mesh,
+    setup.rules,
   )
-  step = sharding.with_activation_sharding(step, setup.mesh, setup.rules)
   batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
   return jax.jit(
     step,
@@ -209,8 +219,9 @@ def jit_train_step(setup: Setup):
 
 def jit_eval_step(setup: Setup):
   """eval_step over the mesh; batches hold only [B, L] arrays (drop 'index' first)."""
-  step = functools.partial(eval_step, model=setup.model, config=setup.config)
-  step = sharding.with_activation_sharding(step, setup.mesh, setup.rules)
+  step = sharding.with_activation_sharding(
+    functools.partial(eval_step, model=setup.model, config=setup.config), setup.mesh, setup.rules
+  )
   batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
   return jax.jit(
     step,

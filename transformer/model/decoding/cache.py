@@ -201,7 +201,8 @@ def _slot_axis(path) -> int | None:
   """A leaf's slot (position) axis: self-attention K is stored [.., H, K, C] and V
   [.., H, C, E] (transformer/model/attention.py), recomputation's tokens [N, C]; None
   for every other leaf."""
-  return {"key": -1, "value": -2, "tokens": -1}.get(_key(path))
+  slot_axes: dict[str | None, int] = {"key": -1, "value": -2, "tokens": -1}
+  return slot_axes.get(_key(path))
 
 
 def repeat_rows(state: DecoderState, copies: int) -> DecoderState:

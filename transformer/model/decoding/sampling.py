@@ -84,6 +84,8 @@ class Sampling(Greedy):
     return jax.nn.log_softmax(logits_NxV, axis=-1).reshape(shape)
 
   def choose(self, logits_BxV: Array, step: Array, rng: Array | None) -> Array:
+    if rng is None:
+      raise ValueError("Sampling draws at random: pass decode() an rng")
     return jax.random.categorical(
       jax.random.fold_in(rng, step), self.filtered_logprobs(logits_BxV), axis=-1
     ).astype(jnp.int32)

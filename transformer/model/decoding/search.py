@@ -17,10 +17,12 @@ the decoder state by parent hypothesis, on a cache that grows as it fills
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
@@ -54,7 +56,7 @@ class Prompts:
 
 
 def translation_prompts(
-  source_BxS: Array, max_decode_extra_len: int, decoder_only: bool
+  source_BxS: Array | np.ndarray, max_decode_extra_len: int, decoder_only: bool
 ) -> Prompts:
   """Translating padded source ids (each ending in EOS): a sentence may produce its own
   source length + max_decode_extra_len tokens, outputs are O = S + extra wide.
@@ -73,7 +75,7 @@ def translation_prompts(
   return Prompts(bos_Bx1, budget_B, source_BxS, out_len)
 
 
-def continuation_prompts(prompt_BxP: Array, max_new_tokens: int) -> Prompts:
+def continuation_prompts(prompt_BxP: Array | np.ndarray, max_new_tokens: int) -> Prompts:
   """A decoder-only model continuing each prompt (BOS + ids, right-padded) by up to
   max_new_tokens tokens."""
   batch = prompt_BxP.shape[0]
@@ -131,7 +133,8 @@ class StepSearch(Protocol):
   [N] (None: rows never move).
   """
 
-  width: int
+  @property
+  def width(self) -> int: ...
 
   def start(self, logits_BxV: Array, prompts: Prompts, rng: Array | None) -> Any: ...
 
@@ -196,7 +199,7 @@ def run_steps(
   for i, slots in enumerate(segments):
     if i:
       loop = loop._replace(decoder=cache_lib.grow(loop.decoder, slots))
-    loop = jax.lax.while_loop(lambda loop, slots=slots: going(loop, slots), body, loop)
+    loop = jax.lax.while_loop(functools.partial(going, slots=slots), body, loop)
   tokens_BxO, scores_B = search.finish(loop.search)
   zero = jnp.array(0, jnp.int32)
   return Generation(
