@@ -35,42 +35,53 @@ from transformer import cli
 from transformer.training import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (default: the run's own WORKDIR/config.json).",
-    lock_config=True)
+  "config", None, "Config file (default: the run's own WORKDIR/config.json).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["validation", "test"], "Split to evaluate.")
-_SOURCE_FILE = flags.DEFINE_string("source_file", None,
-                                   "Score this file's sentences instead of a split.")
-_REFERENCE_FILE = flags.DEFINE_string("reference_file", None,
-                                      "--source_file's references, line for line.")
-_AVERAGE_LAST = flags.DEFINE_integer("average_last", 1,
-                                     "Average the parameters of the last K checkpoints.")
+_SOURCE_FILE = flags.DEFINE_string(
+  "source_file", None, "Score this file's sentences instead of a split."
+)
+_REFERENCE_FILE = flags.DEFINE_string(
+  "reference_file", None, "--source_file's references, line for line."
+)
+_AVERAGE_LAST = flags.DEFINE_integer(
+  "average_last", 1, "Average the parameters of the last K checkpoints."
+)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _BEAM_SIZE = flags.DEFINE_integer("beam_size", None, "Beam size (default: config.beam_size).")
-_ALPHA = flags.DEFINE_float("alpha", None,
-                            "Length penalty alpha (default: config.length_penalty_alpha).")
-_SEARCH = flags.DEFINE_enum("search", "beam", ["beam", "greedy", "sample"],
-                            "How to generate: beam search (the paper's), greedy, or sampling.")
+_ALPHA = flags.DEFINE_float(
+  "alpha", None, "Length penalty alpha (default: config.length_penalty_alpha)."
+)
+_SEARCH = flags.DEFINE_enum(
+  "search",
+  "beam",
+  ["beam", "greedy", "sample"],
+  "How to generate: beam search (the paper's), greedy, or sampling.",
+)
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (> 0).")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the K most likely tokens (0 = all).")
-_TOP_P = flags.DEFINE_float("top_p", 1.0,
-                            "Sample from the smallest set of tokens reaching this mass.")
+_TOP_P = flags.DEFINE_float(
+  "top_p", 1.0, "Sample from the smallest set of tokens reaching this mass."
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _DRAFT_WORKDIR = flags.DEFINE_string(
-    "draft_workdir", None, "A second run (same vocabulary) as the draft model of "
-    "speculative decoding; with --search=greedy or sample.")
-_DRAFT_LEN = flags.DEFINE_integer("draft_len", 4,
-                                  "Tokens the draft proposes per target pass.")
+  "draft_workdir",
+  None,
+  "A second run (same vocabulary) as the draft model of "
+  "speculative decoding; with --search=greedy or sample.",
+)
+_DRAFT_LEN = flags.DEFINE_integer("draft_len", 4, "Tokens the draft proposes per target pass.")
 distributed.define_flags()
 
 # Flags of generation, which generate.py took over: each names its new home.
 MOVED_FLAGS = {
-    "translate": "python generate.py translate --workdir DIR \"TEXT\"",
-    "input_file": "python generate.py translate --workdir DIR --input_file FILE",
-    "prompt": "python generate.py continue --workdir DIR \"TEXT\"",
-    "max_new_tokens": "python generate.py continue --max_new_tokens N",
-    "attention_maps": "python generate.py attention --workdir DIR \"SENTENCE\"",
-    "output_dir": "python generate.py attention --output_dir OUT",
+  "translate": 'python generate.py translate --workdir DIR "TEXT"',
+  "input_file": "python generate.py translate --workdir DIR --input_file FILE",
+  "prompt": 'python generate.py continue --workdir DIR "TEXT"',
+  "max_new_tokens": "python generate.py continue --max_new_tokens N",
+  "attention_maps": 'python generate.py attention --workdir DIR "SENTENCE"',
+  "output_dir": "python generate.py attention --output_dir OUT",
 }
 
 
@@ -79,8 +90,7 @@ def check_moved_flags(argv: list[str]) -> None:
   for arg in argv[1:]:
     name = arg.lstrip("-").split("=", 1)[0]
     if arg.startswith("--") and name in MOVED_FLAGS:
-      sys.exit(f"error: eval.py only scores; --{name} moved to generate.py: "
-               f"{MOVED_FLAGS[name]}")
+      sys.exit(f"error: eval.py only scores; --{name} moved to generate.py: {MOVED_FLAGS[name]}")
 
 
 def main(argv):
@@ -89,6 +99,7 @@ def main(argv):
   distributed.initialize_from_flags()
   # Imported after jax.distributed is up: nothing may touch devices before that.
   import jax
+
   from transformer import config as config_lib
   from transformer.evaluation import score, translate
 
@@ -96,8 +107,13 @@ def main(argv):
     if (_SOURCE_FILE.value is None) != (_REFERENCE_FILE.value is None):
       raise config_lib.ConfigError("--source_file and --reference_file go together")
     settings = translate.SearchSettings(
-        _SEARCH.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-        seed=_SEED.value, draft_len=_DRAFT_LEN.value)
+      _SEARCH.value,
+      temperature=_TEMPERATURE.value,
+      top_k=_TOP_K.value,
+      top_p=_TOP_P.value,
+      seed=_SEED.value,
+      draft_len=_DRAFT_LEN.value,
+    )
     translator = load_translator(settings, _DRAFT_WORKDIR.value)
     if _SOURCE_FILE.value is not None:
       results = score.evaluate_files(translator, _SOURCE_FILE.value, _REFERENCE_FILE.value)
@@ -108,12 +124,16 @@ def main(argv):
   logging.info("results: %s", results)
   if jax.process_index() != 0:  # the same scores on every process: one prints them
     return
-  print(f"{results['split']} step {results['step']}: chrF {results['chrf']:.2f} | "
-        f"tokenized BLEU {results['bleu_tok']:.2f} | ppl {results['ppl']:.2f} | "
-        f"{results['sentences_per_sec']:.1f} sentences/s | {results['path']}")
+  print(
+    f"{results['split']} step {results['step']}: chrF {results['chrf']:.2f} | "
+    f"tokenized BLEU {results['bleu_tok']:.2f} | ppl {results['ppl']:.2f} | "
+    f"{results['sentences_per_sec']:.1f} sentences/s | {results['path']}"
+  )
   if "acceptance_rate" in results:
-    print(f"speculative: acceptance rate {results['acceptance_rate']:.3f} | "
-          f"{results['tokens_per_target_call']:.2f} tokens per target call")
+    print(
+      f"speculative: acceptance rate {results['acceptance_rate']:.3f} | "
+      f"{results['tokens_per_target_call']:.2f} tokens per target call"
+    )
   print(f"sacreBLEU {results['bleu']:.2f}  {results['bleu_signature']}")
 
 
@@ -137,9 +157,14 @@ def load_translator(settings, draft_workdir):
     config.beam_size = _BEAM_SIZE.value
   if _ALPHA.value is not None:
     config.length_penalty_alpha = _ALPHA.value
-  return translate.Translator(config, workdir, step=_STEP.value,
-                              average_last=_AVERAGE_LAST.value, settings=settings,
-                              draft_workdir=draft_workdir)
+  return translate.Translator(
+    config,
+    workdir,
+    step=_STEP.value,
+    average_last=_AVERAGE_LAST.value,
+    settings=settings,
+    draft_workdir=draft_workdir,
+  )
 
 
 if __name__ == "__main__":

@@ -29,52 +29,67 @@ distributed.define_flags()
 
 def _common(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--workdir", required=True, help="A training run's directory.")
-  parser.add_argument("--step", type=int, default=None,
-                      help="Checkpoint step (default: the newest).")
-  parser.add_argument("--average_last", type=int, default=1,
-                      help="Average the parameters of the last K checkpoints.")
+  parser.add_argument(
+    "--step", type=int, default=None, help="Checkpoint step (default: the newest)."
+  )
+  parser.add_argument(
+    "--average_last", type=int, default=1, help="Average the parameters of the last K checkpoints."
+  )
 
 
 def _search(parser: argparse.ArgumentParser, kinds: tuple[str, ...]) -> None:
-  parser.add_argument("--search", choices=kinds, default=kinds[0],
-                      help=f"How to generate (default {kinds[0]}).")
-  parser.add_argument("--temperature", type=float, default=1.0,
-                      help="Sampling temperature (> 0).")
-  parser.add_argument("--top_k", type=int, default=0,
-                      help="Sample from the K most likely tokens (0 = all).")
-  parser.add_argument("--top_p", type=float, default=1.0,
-                      help="Sample from the smallest set of tokens reaching this mass.")
+  parser.add_argument(
+    "--search", choices=kinds, default=kinds[0], help=f"How to generate (default {kinds[0]})."
+  )
+  parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
+  parser.add_argument(
+    "--top_k", type=int, default=0, help="Sample from the K most likely tokens (0 = all)."
+  )
+  parser.add_argument(
+    "--top_p",
+    type=float,
+    default=1.0,
+    help="Sample from the smallest set of tokens reaching this mass.",
+  )
   parser.add_argument("--seed", type=int, default=0, help="Sampling seed.")
-  parser.add_argument("--draft_workdir", default=None,
-                      help="A second run (same vocabulary) drafting for speculative "
-                      "decoding (greedy or sample).")
-  parser.add_argument("--draft_len", type=int, default=4,
-                      help="Tokens the draft proposes per target pass.")
+  parser.add_argument(
+    "--draft_workdir",
+    default=None,
+    help="A second run (same vocabulary) drafting for speculative decoding (greedy or sample).",
+  )
+  parser.add_argument(
+    "--draft_len", type=int, default=4, help="Tokens the draft proposes per target pass."
+  )
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
   parser = argparse_flags.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      epilog="Each job's flags: python generate.py JOB --help")
+    description=__doc__.splitlines()[0], epilog="Each job's flags: python generate.py JOB --help"
+  )
   jobs = parser.add_subparsers(dest="job", required=True, metavar="JOB")
-  translate = jobs.add_parser("translate", inherited_absl_flags=None,
-                              help="Translate text, a file or stdin.")
+  translate = jobs.add_parser(
+    "translate", inherited_absl_flags=None, help="Translate text, a file or stdin."
+  )
   _common(translate)
   translate.add_argument("text", nargs="?", help="The text to translate.")
   translate.add_argument("--input_file", help="Translate each line of this file (- = stdin).")
   translate.add_argument("--beam_size", type=int, help="Beam size (default: the config's).")
-  translate.add_argument("--alpha", type=float,
-                         help="Length penalty alpha (default: the config's).")
+  translate.add_argument(
+    "--alpha", type=float, help="Length penalty alpha (default: the config's)."
+  )
   _search(translate, ("beam", "greedy", "sample"))
-  continuation = jobs.add_parser("continue", inherited_absl_flags=None,
-                                 help="Continue text with a decoder-only run.")
+  continuation = jobs.add_parser(
+    "continue", inherited_absl_flags=None, help="Continue text with a decoder-only run."
+  )
   _common(continuation)
   continuation.add_argument("text", help="The text to continue.")
-  continuation.add_argument("--max_new_tokens", type=int, default=64,
-                            help="The most tokens to generate.")
+  continuation.add_argument(
+    "--max_new_tokens", type=int, default=64, help="The most tokens to generate."
+  )
   _search(continuation, ("greedy", "sample"))
-  attention = jobs.add_parser("attention", inherited_absl_flags=None,
-                              help="Plot attention maps for one sentence.")
+  attention = jobs.add_parser(
+    "attention", inherited_absl_flags=None, help="Plot attention maps for one sentence."
+  )
   _common(attention)
   attention.add_argument("text", help="The sentence to translate and plot.")
   attention.add_argument("--output_dir", help="Where to write (default WORKDIR/attention).")
@@ -88,11 +103,15 @@ def main(args: argparse.Namespace) -> None:
   distributed.initialize_from_flags()
   # Imported after jax.distributed is up: nothing may touch devices before that.
   import jax
+
   from transformer import config as config_lib
+
   try:
     if args.job == "attention" and jax.process_count() > 1:
-      raise config_lib.ConfigError("attention runs on one process (it plots one sentence); "
-                                   "start generate.py without the cluster flags")
+      raise config_lib.ConfigError(
+        "attention runs on one process (it plots one sentence); "
+        "start generate.py without the cluster flags"
+      )
     translator = _translator(args)
     if args.job == "translate":
       outputs = translator.translate_lines(_lines(args))  # every process takes part
@@ -113,46 +132,68 @@ def _translator(args: argparse.Namespace):
   from transformer import storage
   from transformer.evaluation import translate
   from transformer.training import checkpoints
+
   if not storage.is_dir(args.workdir):
     raise config_lib.ConfigError(f"--workdir {args.workdir} does not exist")
   config = checkpoints.load_run_config(args.workdir)
   if args.job == "continue" and not config.model.decoder_only:
-    raise config_lib.ConfigError("continue extends text with a decoder-only model; this run "
-                                 "is an encoder-decoder: use generate.py translate")
+    raise config_lib.ConfigError(
+      "continue extends text with a decoder-only model; this run "
+      "is an encoder-decoder: use generate.py translate"
+    )
   settings, draft = translate.BEAM, None
   if args.job != "attention":
-    settings = translate.SearchSettings(args.search, args.temperature, args.top_k,
-                                        args.top_p, args.seed, args.draft_len)
+    settings = translate.SearchSettings(
+      args.search, args.temperature, args.top_k, args.top_p, args.seed, args.draft_len
+    )
     draft = args.draft_workdir
   if getattr(args, "beam_size", None) is not None:
     config.beam_size = args.beam_size
   if getattr(args, "alpha", None) is not None:
     config.length_penalty_alpha = args.alpha
-  return translate.Translator(config, args.workdir, step=args.step,
-                              average_last=args.average_last, settings=settings,
-                              draft_workdir=draft)
+  return translate.Translator(
+    config,
+    args.workdir,
+    step=args.step,
+    average_last=args.average_last,
+    settings=settings,
+    draft_workdir=draft,
+  )
 
 
 def _lines(args: argparse.Namespace) -> list[str]:
   """The text, or the file's (stdin's) lines; bytes that are not UTF-8 become U+FFFD."""
   from transformer import storage
+
   if args.text is not None:
     return [args.text]
   if args.input_file == "-":
     return sys.stdin.buffer.read().decode("utf-8", errors="replace").splitlines()
-  return storage.as_path(args.input_file).read_bytes().decode(
-      "utf-8", errors="replace").splitlines()
+  return (
+    storage.as_path(args.input_file).read_bytes().decode("utf-8", errors="replace").splitlines()
+  )
 
 
 def _attention_maps(translator, args: argparse.Namespace) -> str:
   from transformer import storage
   from transformer.evaluation import attention_maps
+
   out_dir = args.output_dir or storage.join(args.workdir, "attention")
   files = attention_maps.plot_attention_maps(
-      translator.model, translator.params, translator.tokenizer, args.text, out_dir,
-      max_len=translator.config.max_len)
+    translator.model,
+    translator.params,
+    translator.tokenizer,
+    args.text,
+    out_dir,
+    max_len=translator.config.max_len,
+  )
   return f"wrote {len(files)} attention maps to {out_dir}"
 
 
+def _quiet_main(args: argparse.Namespace) -> None:
+  cli.quiet_library_logs()
+  main(args)
+
+
 if __name__ == "__main__":
-  app.run(lambda args: (cli.quiet_library_logs(), main(args)), flags_parser=parse)
+  app.run(_quiet_main, flags_parser=parse)

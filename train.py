@@ -15,12 +15,13 @@ from transformer import cli
 from transformer.config import DEFAULT_CONFIG
 from transformer.training import distributed
 
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
-                                          "Config file, optionally FILE:ARG.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", DEFAULT_CONFIG, "Config file, optionally FILE:ARG.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the vocabulary go.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False,
-                             "Print parameters, FLOPs per token and the mesh as JSON; exit.")
+_DRY_RUN = flags.DEFINE_bool(
+  "dry_run", False, "Print parameters, FLOPs per token and the mesh as JSON; exit."
+)
 distributed.define_flags()
 
 
@@ -44,8 +45,10 @@ def main(argv):
       raise app.UsageError("--workdir is required (where checkpoints and logs go)")
     from transformer.evaluation import validation
     from transformer.training import loop
-    result = loop.train_and_evaluate(config, _WORKDIR.value,
-                                     validation=validation.ValidationWithBleu)
+
+    result = loop.train_and_evaluate(
+      config, _WORKDIR.value, validation=validation.ValidationWithBleu
+    )
   except (config_lib.ConfigError, RuntimeError) as e:
     # After a stalled write its thread is still blocked in the storage client, and a
     # normal exit would wait for it.

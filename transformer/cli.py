@@ -24,8 +24,9 @@ UsageError = app.UsageError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_DIR = os.path.dirname(_PACKAGE_DIR)
-_ENTRY_POINTS = tuple(os.path.join(_REPO_DIR, name)
-                      for name in ("train.py", "eval.py", "generate.py"))
+_ENTRY_POINTS = tuple(
+  os.path.join(_REPO_DIR, name) for name in ("train.py", "eval.py", "generate.py")
+)
 
 
 def is_project_file(path: str) -> bool:

@@ -18,7 +18,8 @@ import json
 import os
 import re
 import uuid
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from etils import epath
 
@@ -68,8 +69,9 @@ def _check_bucket(path: epath.Path) -> None:
   scheme, _, rest = text.partition("://")
   bucket = f"{scheme}://{rest.split('/')[0]}"
   if not epath.Path(bucket).exists():
-    raise FileNotFoundError(f"bucket {bucket} does not exist or cannot be read with "
-                            "these credentials")
+    raise FileNotFoundError(
+      f"bucket {bucket} does not exist or cannot be read with these credentials"
+    )
 
 
 def makedirs(path: str | os.PathLike) -> None:
@@ -144,9 +146,11 @@ class StorageTimeout(RuntimeError):
 
 
 def timeout_message(what: str, seconds: float) -> str:
-  return (f"writing {what} did not finish within {seconds:g} s (config.storage_timeout_s): "
-          "the storage stalled; rerun the same command to resume from the newest "
-          "complete checkpoint")
+  return (
+    f"writing {what} did not finish within {seconds:g} s (config.storage_timeout_s): "
+    "the storage stalled; rerun the same command to resume from the newest "
+    "complete checkpoint"
+  )
 
 
 # A bucket's log is cut into objects of about this size: a flush re-uploads at most one
@@ -163,13 +167,16 @@ def _chunk_pattern(path: epath.Path) -> re.Pattern:
 def log_chunks(path: str | os.PathLike) -> list[epath.Path]:
   """The chunk objects of the log at `path` (metrics.jsonl: metrics-000000.jsonl, ...),
   in order."""
-  path = as_path(path)
-  if not path.parent.exists():
+  log_path = as_path(path)
+  if not log_path.parent.exists():
     return []
-  stem, suffix = os.path.splitext(path.name)
-  pattern = _chunk_pattern(path)
-  numbered = [(int(m.group(1)), p) for p in path.parent.glob(f"{stem}-*{suffix}")
-              if (m := pattern.fullmatch(p.name))]
+  stem, suffix = os.path.splitext(log_path.name)
+  pattern = _chunk_pattern(log_path)
+  numbered = [
+    (int(m.group(1)), p)
+    for p in log_path.parent.glob(f"{stem}-*{suffix}")
+    if (m := pattern.fullmatch(p.name))
+  ]
   return [p for _, p in sorted(numbered)]
 
 
@@ -203,8 +210,11 @@ class AppendLog:
       stem, suffix = os.path.splitext(self.path.name)
       self._chunk_name = lambda index: f"{stem}-{index:06d}{suffix}"
       existing = log_chunks(self.path)
-      self._chunk_index = (int(_chunk_pattern(self.path).fullmatch(existing[-1].name)
-                               .group(1)) + 1) if existing else 0
+      self._chunk_index = 0
+      if existing:
+        newest = _chunk_pattern(self.path).fullmatch(existing[-1].name)
+        assert newest is not None  # log_chunks lists only names the pattern matches
+        self._chunk_index = int(newest.group(1)) + 1
       self._chunk_text = ""
     elif self.path.exists():
       with open(self.path, "rb+") as f:

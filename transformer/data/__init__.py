@@ -11,11 +11,23 @@ Batch format and token ids: batching.py and docs/data.md.
 """
 
 from transformer.data.batching import pad_batch
-from transformer.data.pipeline import load_raw_pairs
-from transformer.data.pipeline import make_eval_batches
-from transformer.data.pipeline import make_train_iterator
+from transformer.data.pipeline import load_raw_pairs, make_eval_batches, make_train_iterator
 from transformer.data.sources import make_source
-from transformer.data.tokenizer import Tokenizer
-from transformer.data.tokenizer import get_tokenizer
-from transformer.data.tokenizer import load_or_train_tokenizer
-from transformer.data.tokenizer import load_workdir_tokenizer
+from transformer.data.tokenizer import (
+  Tokenizer,
+  get_tokenizer,
+  load_or_train_tokenizer,
+  load_workdir_tokenizer,
+)
+
+__all__ = [
+  "Tokenizer",
+  "get_tokenizer",
+  "load_or_train_tokenizer",
+  "load_raw_pairs",
+  "load_workdir_tokenizer",
+  "make_eval_batches",
+  "make_source",
+  "make_train_iterator",
+  "pad_batch",
+]

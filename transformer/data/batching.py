@@ -12,6 +12,8 @@ Batch format (numpy int32; the model and the trainer rely on it):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from transformer.config import BOS_ID, PAD_ID
@@ -57,23 +59,26 @@ def shift_right(target_BxT: np.ndarray, segment_ids_BxT: np.ndarray | None = Non
   return np.where(segment_ids_BxT != 0, decoder_input_BxT, PAD_ID).astype(np.int32)
 
 
-def pad_stack(arrays: list[np.ndarray], length: int) -> np.ndarray:
+def pad_stack(arrays: Sequence[np.ndarray | Sequence[int]], length: int) -> np.ndarray:
   """[len(arrays), length] int32, each row left-aligned and padded with PAD_ID."""
   out = np.full((len(arrays), length), PAD_ID, np.int32)
   for row, a in enumerate(arrays):
-    out[row, :len(a)] = a
+    out[row, : len(a)] = a
   return out
 
 
-def pad_batch(sequences: list[list[int]], rows: int, length: int | None = None) -> np.ndarray:
+def pad_batch(
+  sequences: Sequence[Sequence[int] | np.ndarray], rows: int, length: int | None = None
+) -> np.ndarray:
   """[rows, length] int32 from ragged id lists, fill rows all PAD_ID; length defaults to
   the longest sequence rounded up to a multiple of 8 (few shapes to compile)."""
   if len(sequences) > rows:
     raise ValueError(f"{len(sequences)} sequences do not fit {rows} rows")
   longest = max((len(s) for s in sequences), default=1)
   length = length or round_up(max(longest, 1), LENGTH_MULTIPLE)
-  return pad_stack([np.asarray(s, np.int32) for s in sequences] + [[]] * (rows - len(sequences)),
-                   length)
+  padded_rows: list[np.ndarray | list[int]] = [np.asarray(s, np.int32) for s in sequences]
+  padded_rows += [[]] * (rows - len(sequences))
+  return pad_stack(padded_rows, length)
 
 
 def finalize(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -88,8 +93,9 @@ def finalize(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 MAX_BUCKETS = 8  # training step shapes under length bucketing: each one is a compile
 
 
-def bucket_lengths(max_len: int, count: int = MAX_BUCKETS,
-                   smallest: int = LENGTH_MULTIPLE) -> list[int]:
+def bucket_lengths(
+  max_len: int, count: int = MAX_BUCKETS, smallest: int = LENGTH_MULTIPLE
+) -> list[int]:
   """At most `count` padded lengths from `smallest` to max_len (rounded up to a multiple
   of 8), spaced geometrically: every bucket wastes about the same fraction of its slots,
   where equal steps of 8 would give max_len / 8 shapes (32 at 256), each a compile.
@@ -100,8 +106,12 @@ def bucket_lengths(max_len: int, count: int = MAX_BUCKETS,
   if top <= smallest or count < 2:
     return [top]
   ratio = top / smallest
-  return sorted({min(top, round_up(round(smallest * ratio**(i / (count - 1))), LENGTH_MULTIPLE))
-                 for i in range(count)})
+  return sorted(
+    {
+      min(top, round_up(round(smallest * ratio ** (i / (count - 1))), LENGTH_MULTIPLE))
+      for i in range(count)
+    }
+  )
 
 
 def bucket_of(length: int, lengths: list[int]) -> int:
@@ -109,8 +119,9 @@ def bucket_of(length: int, lengths: list[int]) -> int:
   return lengths[int(np.searchsorted(lengths, length))]
 
 
-def rows_for_real_tokens(tokens_per_batch: int, real_tokens_per_row: float,
-                         row_multiple: int) -> int:
+def rows_for_real_tokens(
+  tokens_per_batch: int, real_tokens_per_row: float, row_multiple: int
+) -> int:
   """The most rows, a multiple of row_multiple, whose expected real (non-pad) tokens stay
   within the budget (0 when even row_multiple rows would exceed it): the paper's batch
   counts the tokens the model reads, not the padding. Never over budget, so at most one
@@ -127,8 +138,11 @@ def real_tokens_per_row(batches: list[dict[str, np.ndarray]]) -> float:
   if not batches:
     return 0.0
   rows = sum(len(b["decoder_input"]) for b in batches)
-  return max(sum(int((b[side] != PAD_ID).sum()) for b in batches) / rows
-             for side in ("source", "decoder_input") if side in batches[0])
+  return max(
+    sum(int((b[side] != PAD_ID).sum()) for b in batches) / rows
+    for side in ("source", "decoder_input")
+    if side in batches[0]
+  )
 
 
 class TokenBucketer:
@@ -142,7 +156,7 @@ class TokenBucketer:
   def __init__(self, rows_by_length: dict[int, int]):
     self.rows = dict(sorted(rows_by_length.items()))
     self._lengths = list(self.rows)
-    self._waiting = {length: [] for length in self.rows}
+    self._waiting: dict[int, list[dict[str, np.ndarray]]] = {length: [] for length in self.rows}
 
   def add(self, example: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
     """Adds one example; returns a finished batch or None."""
@@ -166,12 +180,11 @@ class Packer:
     self.num_rows = rows
     self.row_len = row_len
     self.max_open_rows = max_open_rows
-    self._open = []  # rows being filled: lists of examples
-    self._done = []  # finished rows, waiting for a full batch
+    self._open: list[list[dict[str, np.ndarray]]] = []  # rows being filled: lists of examples
+    self._done: list[list[dict[str, np.ndarray]]] = []  # finished rows, waiting for a full batch
 
   def _fits(self, row: list[dict], example: dict) -> bool:
-    return all(sum(len(ex[k]) for ex in row) + len(example[k]) <= self.row_len
-               for k in example)
+    return all(sum(len(ex[k]) for ex in row) + len(example[k]) <= self.row_len for k in example)
 
   def add(self, example: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
     for row in self._open:
@@ -184,14 +197,15 @@ class Packer:
       self._open.append([example])
     if len(self._done) < self.num_rows:
       return None
-    rows, self._done = self._done[:self.num_rows], self._done[self.num_rows:]
+    rows, self._done = self._done[: self.num_rows], self._done[self.num_rows :]
     return self._batch(rows)
 
   def _batch(self, rows: list[list[dict]]) -> dict[str, np.ndarray]:
     arrays = {}
     for key in rows[0][0]:
-      arrays[key] = pad_stack([np.concatenate([ex[key] for ex in row]) for row in rows],
-                              self.row_len)
+      arrays[key] = pad_stack(
+        [np.concatenate([ex[key] for ex in row]) for row in rows], self.row_len
+      )
       side = side_of(key)
       if f"{side}_segment_ids" in arrays:
         continue

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator
+from collections.abc import Generator
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
-from transformer.config import ConfigError, EOS_ID
-from transformer.data import batching
-from transformer.data import sources
+from transformer.config import EOS_ID, ConfigError
+from transformer.data import batching, sources
 from transformer.data.tokenizer import Tokenizer, with_eos
 
 TOKENIZE_CHUNK = 1024  # sentences per SentencePiece call
@@ -41,11 +40,18 @@ def _encode_chunk(tokenizer: Tokenizer):
     lengths_N = np.array([len(x) + 1 for x in ids], np.int32)  # + EOS
     flat = np.fromiter((i for x in ids for i in (*x, EOS_ID)), np.int32, lengths_N.sum())
     return flat, lengths_N
+
   return encode
 
 
-def tokenized_chunks(source, tokenizer: Tokenizer, split: str, *,
-                     shuffle_seed: int | None = None, shuffle_buffer_size: int = 0):
+def tokenized_chunks(
+  source,
+  tokenizer: Tokenizer,
+  split: str,
+  *,
+  shuffle_seed: int | None = None,
+  shuffle_buffer_size: int = 0,
+):
   """Numpy chunks (source_flat, source_lengths, target_flat, target_lengths), EOS included.
 
   tf.data reads, shuffles and groups the text on its own C++ threads; each chunk is then
@@ -75,8 +81,9 @@ def _fit(ids: np.ndarray, max_len: int, clip: bool) -> np.ndarray | None:
   return with_eos(ids[:-1], max_len) if clip else None
 
 
-def make_example(source_ids: np.ndarray, target_ids: np.ndarray,
-                 decoder_only: bool, lm_loss: str = "target") -> dict[str, np.ndarray]:
+def make_example(
+  source_ids: np.ndarray, target_ids: np.ndarray, decoder_only: bool, lm_loss: str = "target"
+) -> dict[str, np.ndarray]:
   """Translation example, or an LM sequence source+EOS+target+EOS.
 
   lm_loss (config.lm_loss, decoder-only only): "target" puts the loss on the target
@@ -88,8 +95,10 @@ def make_example(source_ids: np.ndarray, target_ids: np.ndarray,
   if lm_loss not in ("target", "sequence"):
     raise ConfigError(f"lm_loss: {lm_loss!r} must be 'target' or 'sequence'")
   source_weight = np.zeros_like if lm_loss == "target" else np.ones_like
-  return {"target": np.concatenate([source_ids, target_ids]),
-          "loss_mask": np.concatenate([source_weight(source_ids), np.ones_like(target_ids)])}
+  return {
+    "target": np.concatenate([source_ids, target_ids]),
+    "loss_mask": np.concatenate([source_weight(source_ids), np.ones_like(target_ids)]),
+  }
 
 
 # The config keys a batch plan is made from, besides the mesh (row_multiple).
@@ -103,11 +112,20 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 class TrainIterator:
   """Endless training batches (this process's rows), with a JSON-able resume state."""
 
-  def __init__(self, config, tokenizer: Tokenizer, source, *, process_index: int,
-               process_count: int, row_multiple: int):
+  def __init__(
+    self,
+    config,
+    tokenizer: Tokenizer,
+    source,
+    *,
+    process_index: int,
+    process_count: int,
+    row_multiple: int,
+  ):
     if row_multiple % process_count:
-      raise ValueError(f"row_multiple {row_multiple} must be a multiple of "
-                       f"process_count {process_count}")
+      raise ValueError(
+        f"row_multiple {row_multiple} must be a multiple of process_count {process_count}"
+      )
     self._config, self._tokenizer, self._source = config, tokenizer, source
     self._process_index, self._process_count = process_index, process_count
     self._decoder_only = bool(config.model.decoder_only)
@@ -122,8 +140,8 @@ class TrainIterator:
     # Position: epoch, batches taken in it, the pair of the epoch's order its batching
     # started at (0 unless the plan changed mid-epoch), and the pairs read so far.
     self._epoch, self._batch_in_epoch, self._start_pair, self._pairs_read = 0, 0, 0, 0
-    self._batches = None
-    self._shapes_seen = set()
+    self._batches: Generator[tuple[dict[str, np.ndarray], int], None, None] | None = None
+    self._shapes_seen: set[tuple[tuple[str, tuple[int, ...]], ...]] = set()
 
   @property
   def rows_by_length(self) -> dict[int, int]:
@@ -162,13 +180,20 @@ class TrainIterator:
       rows_seen = {self._row_len: [b for b in map(packer.add, sample) if b is not None]}
     else:
       lengths = batching.bucket_lengths(self._row_len)
-      by_length = {length: [] for length in lengths}
+      by_length: dict[int, list[dict[str, np.ndarray]]] = {length: [] for length in lengths}
       for example in sample:
         longest = max(len(a) for k, a in example.items() if k != "loss_mask")
         by_length[batching.bucket_of(longest, lengths)].append(example)
-      rows_seen = {length: [batching.finalize(
-          {k: batching.pad_stack([ex[k] for ex in examples], length) for k in examples[0]})]
-          if examples else [] for length, examples in by_length.items()}
+      rows_seen = {
+        length: [
+          batching.finalize(
+            {k: batching.pad_stack([ex[k] for ex in examples], length) for k in examples[0]}
+          )
+        ]
+        if examples
+        else []
+        for length, examples in by_length.items()
+      }
     plan = {}
     for length in lengths:
       batches = rows_seen[length]
@@ -178,21 +203,31 @@ class TrainIterator:
       plan[length] = batching.rows_for_real_tokens(self._budget, real, row_multiple)
       if plan[length] == 0:
         raise ConfigError(
-            f"tokens_per_batch: {config.tokens_per_batch} holds no multiple of "
-            f"{row_multiple} rows of length {length} (about {real:.0f} real tokens each)")
-      logging.info("Batches of length %d: %d rows, about %.0f real tokens per side (%.0f%% "
-                   "of slots)", length, plan[length], plan[length] * real,
-                   100 * real / length)
+          f"tokens_per_batch: {config.tokens_per_batch} holds no multiple of "
+          f"{row_multiple} rows of length {length} (about {real:.0f} real tokens each)"
+        )
+      logging.info(
+        "Batches of length %d: %d rows, about %.0f real tokens per side (%.0f%% of slots)",
+        length,
+        plan[length],
+        plan[length] * real,
+        100 * real / length,
+      )
     return plan
 
   def get_state(self) -> dict:
     """JSON-able: the position and the batch plan, with the config values it was made
     from, so that a resumed run can go on with the same batches on any mesh."""
-    return {"epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch,
-            "start_pair": self._start_pair, "pairs_read": self._pairs_read,
-            "plan": {"rows_by_length": [[length, rows] for length, rows
-                                        in self.rows_by_length.items()],
-                     **{key: self._config[key] for key in PLAN_KEYS}}}
+    return {
+      "epoch": self._epoch,
+      "batch_in_epoch": self._batch_in_epoch,
+      "start_pair": self._start_pair,
+      "pairs_read": self._pairs_read,
+      "plan": {
+        "rows_by_length": [[length, rows] for length, rows in self.rows_by_length.items()],
+        **{key: self._config[key] for key in PLAN_KEYS},
+      },
+    }
 
   def set_state(self, state: dict, layout: str = "") -> None:
     """Goes on from `state` (get_state's, or an older checkpoint's without a plan).
@@ -212,25 +247,33 @@ class TrainIterator:
     if saved is None:  # a checkpoint from before plans were saved: plan as it did
       return
     saved_rows = {int(length): int(rows) for length, rows in saved["rows_by_length"]}
-    changed = [f"{key} {saved[key]!r} -> {self._config[key]!r}" for key in PLAN_KEYS
-               if saved[key] != self._config[key]]
+    changed = [
+      f"{key} {saved[key]!r} -> {self._config[key]!r}"
+      for key in PLAN_KEYS
+      if saved[key] != self._config[key]
+    ]
     if changed:
       logging.warning(
-          "%s since the checkpoint: batches planned again (rows by length %s, were %s); "
-          "the stream goes on at pair %d of epoch %d", ", ".join(changed),
-          self.rows_by_length, saved_rows, self._pairs_read, self._epoch)
+        "%s since the checkpoint: batches planned again (rows by length %s, were %s); "
+        "the stream goes on at pair %d of epoch %d",
+        ", ".join(changed),
+        self.rows_by_length,
+        saved_rows,
+        self._pairs_read,
+        self._epoch,
+      )
       self._start_pair, self._batch_in_epoch = self._pairs_read, 0
       return
-    uneven = {length: rows for length, rows in saved_rows.items()
-              if rows % self._row_multiple}
+    uneven = {length: rows for length, rows in saved_rows.items() if rows % self._row_multiple}
     if uneven:
       common = math.gcd(*saved_rows.values())
       raise ConfigError(
-          f"the checkpoint's batches have {uneven} rows by length, which do not split "
-          f"over the {self._row_multiple} row shards of this run "
-          f"({layout or f'{self._process_count} processes'}); use a mesh whose "
-          f"data-parallel devices times processes divide {common}, or change "
-          f"tokens_per_batch to plan the batches again")
+        f"the checkpoint's batches have {uneven} rows by length, which do not split "
+        f"over the {self._row_multiple} row shards of this run "
+        f"({layout or f'{self._process_count} processes'}); use a mesh whose "
+        f"data-parallel devices times processes divide {common}, or change "
+        f"tokens_per_batch to plan the batches again"
+      )
     self._plan = saved_rows
 
   def close(self) -> None:
@@ -245,14 +288,17 @@ class TrainIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     while True:
       if self._batches is None:
-        self._batches = self._epoch_batches(self._epoch, skip=self._batch_in_epoch,
-                                            start_pair=self._start_pair)
+        self._batches = self._epoch_batches(
+          self._epoch, skip=self._batch_in_epoch, start_pair=self._start_pair
+        )
       batch, pairs_read = next(self._batches, (None, 0))
       if batch is not None:
         break
       if self._batch_in_epoch == 0:
-        raise ConfigError(f"tokens_per_batch: {self._config.tokens_per_batch} is more than "
-                          f"one epoch of {self._source.name} yields")
+        raise ConfigError(
+          f"tokens_per_batch: {self._config.tokens_per_batch} is more than "
+          f"one epoch of {self._source.name} yields"
+        )
       self._epoch, self._batch_in_epoch, self._batches = self._epoch + 1, 0, None
       self._start_pair, self._pairs_read = 0, 0
     self._batch_in_epoch += 1
@@ -260,10 +306,11 @@ class TrainIterator:
     self._log_new_shape(batch)
     rows = len(batch["target"]) // self._process_count
     start = self._process_index * rows
-    return {k: v[start:start + rows] for k, v in batch.items()}
+    return {k: v[start : start + rows] for k, v in batch.items()}
 
-  def _epoch_batches(self, epoch: int, skip: int, start_pair: int = 0
-                     ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+  def _epoch_batches(
+    self, epoch: int, skip: int, start_pair: int = 0
+  ) -> Generator[tuple[dict[str, np.ndarray], int], None, None]:
     """(global batch, pairs of the epoch read when it was complete) of one epoch, batching
     from pair `start_pair` on, after the first `skip` batches (built, then dropped)."""
     batcher, produced = self._make_batcher(), 0
@@ -281,49 +328,71 @@ class TrainIterator:
       examples.close()  # on close() too: its tf.data iterator stops now, not at exit
     logging.info("Epoch %d of %s: %d batches", epoch, self._source.name, produced)
 
-  def _examples(self, epoch: int, log: bool = True
-                ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+  def _examples(
+    self, epoch: int, log: bool = True
+  ) -> Generator[tuple[int, dict[str, np.ndarray]], None, None]:
     """Epoch `epoch`'s training examples in order, filtered or clipped to max_len, each
     with the count of the epoch's pairs read up to it (dropped ones included)."""
     config = self._config
-    chunks = tokenized_chunks(self._source, self._tokenizer, "train",
-                              shuffle_seed=_epoch_seed(config.seed, epoch),
-                              shuffle_buffer_size=config.shuffle_buffer_size)
+    chunks = tokenized_chunks(
+      self._source,
+      self._tokenizer,
+      "train",
+      shuffle_seed=_epoch_seed(config.seed, epoch),
+      shuffle_buffer_size=config.shuffle_buffer_size,
+    )
     clip = not config.drop_long_examples
     dropped, pairs_read = 0, 0
     for source_flat, source_lengths, target_flat, target_lengths in chunks:
       source_ids = np.split(source_flat, np.cumsum(source_lengths)[:-1])
       target_ids = np.split(target_flat, np.cumsum(target_lengths)[:-1])
-      for s, t in zip(source_ids, target_ids):
+      for source, target in zip(source_ids, target_ids):
         pairs_read += 1
-        s, t = _fit(s, config.max_len, clip), _fit(t, config.max_len, clip)
+        s, t = _fit(source, config.max_len, clip), _fit(target, config.max_len, clip)
         if s is None or t is None:
           dropped += 1
           continue
         yield pairs_read, make_example(s, t, self._decoder_only, self._lm_loss)
     if log and dropped:
-      logging.info("Epoch %d of %s: %d pairs longer than max_len %d dropped", epoch,
-                   self._source.name, dropped, config.max_len)
+      logging.info(
+        "Epoch %d of %s: %d pairs longer than max_len %d dropped",
+        epoch,
+        self._source.name,
+        dropped,
+        config.max_len,
+      )
 
   def _log_new_shape(self, batch: dict[str, np.ndarray]) -> None:
     shape = tuple((k, v.shape) for k, v in sorted(batch.items()) if k in ("source", "target"))
     if shape not in self._shapes_seen:
       self._shapes_seen.add(shape)
-      logging.info("New global batch shape %s: %d distinct so far", dict(shape),
-                   len(self._shapes_seen))
+      logging.info(
+        "New global batch shape %s: %d distinct so far", dict(shape), len(self._shapes_seen)
+      )
 
 
-def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
-                        process_count: int = 1, row_multiple: int = 1,
-                        source=None) -> TrainIterator:
+def make_train_iterator(
+  config,
+  tokenizer: Tokenizer,
+  *,
+  process_index: int = 0,
+  process_count: int = 1,
+  row_multiple: int = 1,
+  source=None,
+) -> TrainIterator:
   """This process's part of every global training batch, forever.
 
   row_multiple: the global row count is a multiple of it; pass process_count times the
   data-parallel devices per process so batches split evenly.
   """
-  return TrainIterator(config, tokenizer, source or sources.make_source(config),
-                       process_index=process_index, process_count=process_count,
-                       row_multiple=row_multiple)
+  return TrainIterator(
+    config,
+    tokenizer,
+    source or sources.make_source(config),
+    process_index=process_index,
+    process_count=process_count,
+    row_multiple=row_multiple,
+  )
 
 
 def load_raw_pairs(config, split: str, *, source=None) -> list[tuple[str, str]]:
@@ -340,8 +409,9 @@ def spread_over(items: list, count: int) -> list:
   return [items[int((k + 0.5) * len(items) / count)] for k in range(count)]
 
 
-def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, source=None,
-                      max_batches: int = 0) -> list[dict[str, np.ndarray]]:
+def make_eval_batches(
+  config, tokenizer: Tokenizer, split: str, *, source=None, max_batches: int = 0
+) -> list[dict[str, np.ndarray]]:
   """Every sentence of a split once, in padded batches of eval_batch_size rows; or, with
   max_batches > 0, that many of those batches spread over the length order
   (`spread_over`), a fixed subset from the shortest sentences to the longest.
@@ -368,12 +438,13 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, source=None,
   by_length = sorted(range(len(examples)), key=lambda i: len(examples[i]["source"]))
   batches = []
   for start in range(0, len(examples), rows):
-    indices = by_length[start:start + rows]
+    indices = by_length[start : start + rows]
     arrays = {}
     for key in examples[0]:
       longest = max(len(examples[i][key]) for i in indices)
       length = batching.geometric_length(longest, max_lengths[key])
-      padded_rows = [examples[i][key] for i in indices] + [[]] * (rows - len(indices))
+      padded_rows: list[np.ndarray | list[int]] = [examples[i][key] for i in indices]
+      padded_rows += [[]] * (rows - len(indices))
       arrays[key] = batching.pad_stack(padded_rows, length)
     batch = batching.finalize(arrays)
     batch["index"] = np.array(indices + [-1] * (rows - len(indices)), np.int32)
@@ -381,14 +452,13 @@ def make_eval_batches(config, tokenizer: Tokenizer, split: str, *, source=None,
   return spread_over(batches, max_batches)
 
 
-def _eval_examples(config, tokenizer: Tokenizer, split: str,
-                   source) -> list[dict[str, np.ndarray]]:
+def _eval_examples(config, tokenizer: Tokenizer, split: str, source) -> list[dict[str, np.ndarray]]:
   """The split's examples in order, each with 'source' (the model's input) as well."""
   pairs = load_raw_pairs(config, split, source=source)
   decoder_only = bool(config.model.decoder_only)
   examples, clipped = [], 0
   for i in range(0, len(pairs), TOKENIZE_CHUNK):
-    chunk = pairs[i:i + TOKENIZE_CHUNK]
+    chunk = pairs[i : i + TOKENIZE_CHUNK]
     for source_ids, target_ids in zip(*[tokenizer.encode_batch(texts) for texts in zip(*chunk)]):
       clipped += max(len(source_ids), len(target_ids)) + 1 > config.max_len  # + EOS
       s, t = with_eos(source_ids, config.max_len), with_eos(target_ids, config.max_len)
@@ -396,6 +466,12 @@ def _eval_examples(config, tokenizer: Tokenizer, split: str,
       example["source"] = s
       examples.append(example)
   if clipped:
-    logging.warning("%s %s: %d of %d pairs clipped to max_len %d for the model input",
-                    config.dataset, split, clipped, len(pairs), config.max_len)
+    logging.warning(
+      "%s %s: %d of %d pairs clipped to max_len %d for the model input",
+      config.dataset,
+      split,
+      clipped,
+      len(pairs),
+      config.max_len,
+    )
   return examples

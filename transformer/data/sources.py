@@ -10,13 +10,15 @@ from __future__ import annotations
 import functools
 import hashlib
 
-from absl import logging
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from absl import logging
 
 from transformer.config import ConfigError, parse_direction
-from transformer.data import tatoeba  # registers `tatoeba_en_es` with tfds
-from transformer.data import tsv
+from transformer.data import (
+  tatoeba,  # registers `tatoeba_en_es` with tfds
+  tsv,
+)
 
 del tatoeba  # imported for its registration only
 
@@ -37,8 +39,9 @@ class TfdsSource:
     self._manual_dir = manual_dir
     languages = set(self.builder.info.features.keys())
     if not {self.source_lang, self.target_lang} <= languages:
-      raise ConfigError(f"direction: {direction!r} needs languages {sorted(languages)} "
-                        f"of dataset {name!r}")
+      raise ConfigError(
+        f"direction: {direction!r} needs languages {sorted(languages)} of dataset {name!r}"
+      )
 
   @property
   def cache_key(self) -> str:
@@ -53,10 +56,12 @@ class TfdsSource:
     """(source, target) string scalars; `shuffle_seed` shuffles the order of the files."""
     self.prepare()
     read_config = tfds.ReadConfig(shuffle_seed=shuffle_seed, try_autocache=False)
-    ds = self.builder.as_dataset(split=split, shuffle_files=shuffle_seed is not None,
-                                 read_config=read_config)
-    return ds.map(lambda ex: (ex[self.source_lang], ex[self.target_lang]),
-                  num_parallel_calls=tf.data.AUTOTUNE)
+    ds = self.builder.as_dataset(
+      split=split, shuffle_files=shuffle_seed is not None, read_config=read_config
+    )
+    return ds.map(
+      lambda ex: (ex[self.source_lang], ex[self.target_lang]), num_parallel_calls=tf.data.AUTOTUNE
+    )
 
 
 class TsvSource:
@@ -72,11 +77,11 @@ class TsvSource:
     # Reading everything now turns a missing or empty file into an error before any
     # vocabulary training or compilation starts.
     main = tsv.read_tsv(path)
-    self._pairs = {split: [] for split in tsv.SPLITS}
+    indices_by_split: dict[str, list[int]] = {split: [] for split in tsv.SPLITS}
     for split, indices in tsv.split_indices(main.pairs).items():
       destination = "train" if self._files.get(split) else split
-      self._pairs[destination].extend(indices)
-    self._pairs = {s: [main.pairs[i] for i in sorted(ix)] for s, ix in self._pairs.items()}
+      indices_by_split[destination].extend(indices)
+    self._pairs = {s: [main.pairs[i] for i in sorted(ix)] for s, ix in indices_by_split.items()}
     for split, file in self._files.items():
       if file:
         self._pairs[split] = tsv.read_tsv(file).pairs
@@ -97,8 +102,9 @@ class TsvSource:
     pairs = self._pairs[split]
     sources = [s for s, _ in pairs]
     targets = [t for _, t in pairs]
-    return tf.data.Dataset.from_tensor_slices((tf.constant(sources, tf.string),
-                                               tf.constant(targets, tf.string)))
+    return tf.data.Dataset.from_tensor_slices(
+      (tf.constant(sources, tf.string), tf.constant(targets, tf.string))
+    )
 
 
 def _file_head_digest(path: str, num_bytes: int = 1 << 20) -> bytes:
@@ -115,15 +121,21 @@ def make_source(config) -> TfdsSource | TsvSource:
 
   Cached per setting, so that every evaluation does not re-read a large TSV.
   """
-  return _make_source(config.dataset, config.direction, config.data_dir, config.manual_dir,
-                      config.validation_file, config.test_file)
+  return _make_source(
+    config.dataset,
+    config.direction,
+    config.data_dir,
+    config.manual_dir,
+    config.validation_file,
+    config.test_file,
+  )
 
 
 @functools.lru_cache(maxsize=8)
 def _make_source(dataset, direction, data_dir, manual_dir, validation_file, test_file):
   if dataset.startswith(TSV_PREFIX):
     parse_direction(direction)  # only labels here, but still well-formed
-    return TsvSource(dataset[len(TSV_PREFIX):], validation_file, test_file)
+    return TsvSource(dataset[len(TSV_PREFIX) :], validation_file, test_file)
   if validation_file or test_file:
     raise ConfigError("validation_file / test_file only apply to dataset=tsv:PATH")
   return TfdsSource(dataset, direction, data_dir, manual_dir)
@@ -133,5 +145,7 @@ def raw_pairs(source: TfdsSource | TsvSource, split: str) -> list[tuple[str, str
   """Every (source_text, target_text) of a split, in the split's fixed order."""
   if isinstance(source, TsvSource):
     return list(source.pairs(split))
-  return [(s.decode("utf-8"), t.decode("utf-8"))
-          for s, t in source.text_dataset(split).as_numpy_iterator()]
+  return [
+    (s.decode("utf-8"), t.decode("utf-8"))
+    for s, t in source.text_dataset(split).as_numpy_iterator()
+  ]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import pathlib
 
-from etils import epath
 import tensorflow_datasets as tfds
+from etils import epath
 
 from transformer.data import tsv
 
@@ -34,16 +34,18 @@ class TatoebaEnEs(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description="Tatoeba English-Spanish pairs (CC-BY 2.0 France, tatoeba.org).",
-        features=tfds.features.FeaturesDict({
-            "en": tfds.features.Text(),
-            "es": tfds.features.Text(),
-            "attribution": tfds.features.Text(),
-        }),
-        supervised_keys=("en", "es"),
-        homepage="https://tatoeba.org",
-        license="CC-BY 2.0 (France)",
+      builder=self,
+      description="Tatoeba English-Spanish pairs (CC-BY 2.0 France, tatoeba.org).",
+      features=tfds.features.FeaturesDict(
+        {
+          "en": tfds.features.Text(),
+          "es": tfds.features.Text(),
+          "attribution": tfds.features.Text(),
+        }
+      ),
+      supervised_keys=("en", "es"),
+      homepage="https://tatoeba.org",
+      license="CC-BY 2.0 (France)",
     )
 
   def _split_generators(self, dl_manager):
@@ -56,13 +58,11 @@ class TatoebaEnEs(tfds.core.GeneratorBasedBuilder):
       raise ValueError(f"{path} has sha256 {sha256}, expected {CORPUS_SHA256}")
     contents = tsv.read_tsv(path)
     return {
-        split: self._generate_examples(contents, indices)
-        for split, indices in tsv.split_indices(contents.pairs).items()
+      split: self._generate_examples(contents, indices)
+      for split, indices in tsv.split_indices(contents.pairs).items()
     }
 
   def _generate_examples(self, contents: tsv.TsvContents, indices: list[int]):
     for i in indices:
       en, es = contents.pairs[i]
       yield contents.line_numbers[i], {"en": en, "es": es, "attribution": contents.extras[i]}
-
-

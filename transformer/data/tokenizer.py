@@ -15,15 +15,14 @@ import io
 import itertools
 import os
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from absl import logging
 import numpy as np
 import sentencepiece as spm
 import tensorflow as tf
+from absl import logging
 
-from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer.config import ConfigError
+from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ConfigError
 from transformer.data import sources
 
 WORKDIR_VOCAB_NAME = "vocab.model"
@@ -37,11 +36,13 @@ class Tokenizer:
     self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     fixed = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
     if fixed != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
-      raise ValueError(f"SentencePiece model has pad/eos/bos/unk ids {fixed}, "
-                       f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
+      raise ValueError(
+        f"SentencePiece model has pad/eos/bos/unk ids {fixed}, "
+        f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}"
+      )
 
   @classmethod
-  def load(cls, path: str) -> "Tokenizer":
+  def load(cls, path: str) -> Tokenizer:
     with tf.io.gfile.GFile(path, "rb") as f:
       return cls(f.read())
 
@@ -83,28 +84,30 @@ class Tokenizer:
     return self._sp.id_to_piece(int(i))
 
 
-def with_eos(ids: Sequence[int], max_len: int) -> np.ndarray:
+def with_eos(ids: Sequence[int] | np.ndarray, max_len: int) -> np.ndarray:
   """int32 ids followed by EOS, clipped to max_len tokens keeping the EOS.
 
   Clipping is for inputs only: the model never saw sentences longer than max_len.
   """
-  return np.asarray(list(ids[:max_len - 1]) + [EOS_ID], np.int32)
+  return np.asarray(list(ids[: max_len - 1]) + [EOS_ID], np.int32)
 
 
-def train_tokenizer(sentences: Iterable[str], *, vocab_size: int,
-                    vocab_type: str) -> Tokenizer:
+def train_tokenizer(sentences: Iterable[str], *, vocab_size: int, vocab_type: str) -> Tokenizer:
   """Trains a SentencePiece model in memory with the fixed special ids."""
   writer = io.BytesIO()
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(sentences),
-      model_writer=writer,
-      model_type=vocab_type,
-      vocab_size=vocab_size,
-      pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
-      character_coverage=0.9995,
-      hard_vocab_limit=False,  # a small corpus gets a slightly smaller vocabulary, not an error
-      num_threads=os.cpu_count() or 1,
-      minloglevel=2,
+    sentence_iterator=iter(sentences),
+    model_writer=writer,
+    model_type=vocab_type,
+    vocab_size=vocab_size,
+    pad_id=PAD_ID,
+    eos_id=EOS_ID,
+    bos_id=BOS_ID,
+    unk_id=UNK_ID,
+    character_coverage=0.9995,
+    hard_vocab_limit=False,  # a small corpus gets a slightly smaller vocabulary, not an error
+    num_threads=os.cpu_count() or 1,
+    minloglevel=2,
   )
   return Tokenizer(writer.getvalue())
 
@@ -116,8 +119,10 @@ def default_cache_dir(config) -> str:
 
 def vocab_cache_path(config, source) -> str:
   """Cache file for this vocabulary; the hash covers every setting it depends on."""
-  settings = (f"{source.cache_key}|{config.direction}|{config.vocab_type}|"
-              f"{config.vocab_size}|{config.vocab_max_sentences}")
+  settings = (
+    f"{source.cache_key}|{config.direction}|{config.vocab_type}|"
+    f"{config.vocab_size}|{config.vocab_max_sentences}"
+  )
   digest = hashlib.sha256(settings.encode()).hexdigest()[:12]
   readable = "".join(c if c.isalnum() else "_" for c in source.name.split("/")[-1])[-40:]
   name = f"{readable}_{config.direction}_{config.vocab_type}{config.vocab_size}_{digest}.model"
@@ -146,16 +151,22 @@ def load_or_train_tokenizer(config, *, source=None) -> Tokenizer:
   if tf.io.gfile.exists(path):
     logging.info("Vocabulary: reusing %s", path)
     return Tokenizer.load(path)
-  logging.info("Vocabulary: training %s %d on %s (%s)", config.vocab_type,
-               config.vocab_size, source.name, config.direction)
+  logging.info(
+    "Vocabulary: training %s %d on %s (%s)",
+    config.vocab_type,
+    config.vocab_size,
+    source.name,
+    config.direction,
+  )
   start = time.time()
-  sentences = itertools.islice(training_sentences(source, config.vocab_max_sentences),
-                               2 * config.vocab_max_sentences)
-  tokenizer = train_tokenizer(sentences, vocab_size=config.vocab_size,
-                              vocab_type=config.vocab_type)
+  sentences = itertools.islice(
+    training_sentences(source, config.vocab_max_sentences), 2 * config.vocab_max_sentences
+  )
+  tokenizer = train_tokenizer(sentences, vocab_size=config.vocab_size, vocab_type=config.vocab_type)
   tokenizer.save(path)
-  logging.info("Vocabulary: %d pieces in %.1fs -> %s", tokenizer.vocab_size,
-               time.time() - start, path)
+  logging.info(
+    "Vocabulary: %d pieces in %.1fs -> %s", tokenizer.vocab_size, time.time() - start, path
+  )
   return tokenizer
 
 
@@ -189,12 +200,15 @@ def vocab_from_run(workdir: str, vocab_size: int) -> Tokenizer:
   """
   path = os.path.join(workdir, WORKDIR_VOCAB_NAME)
   if not tf.io.gfile.exists(path):
-    raise ConfigError(f"config.vocab_from: no {WORKDIR_VOCAB_NAME} in {workdir} "
-                      "(was a run trained there?)")
+    raise ConfigError(
+      f"config.vocab_from: no {WORKDIR_VOCAB_NAME} in {workdir} (was a run trained there?)"
+    )
   tokenizer = Tokenizer.load(path)
   if tokenizer.vocab_size > vocab_size:
-    raise ConfigError(f"config.vocab_from: {path} has {tokenizer.vocab_size} pieces, more "
-                      f"than config.vocab_size={vocab_size}; set vocab_size to the run's")
+    raise ConfigError(
+      f"config.vocab_from: {path} has {tokenizer.vocab_size} pieces, more "
+      f"than config.vocab_size={vocab_size}; set vocab_size to the run's"
+    )
   logging.info("Vocabulary: %s (config.vocab_from)", path)
   return tokenizer
 

@@ -18,8 +18,8 @@ import gzip
 import hashlib
 import io
 
-from absl import logging
 import tensorflow as tf
+from absl import logging
 
 from transformer.config import ConfigError
 
@@ -32,6 +32,7 @@ MAX_LINE_BYTES = 1 << 20  # longer lines are skipped and counted
 @dataclasses.dataclass
 class TsvContents:
   """The usable lines of a TSV, in file order."""
+
   pairs: list[tuple[str, str]]
   extras: list[str]  # the third column ("" if absent), e.g. the corpus attribution
   line_numbers: list[int]  # 1-based, for stable example keys
@@ -79,12 +80,15 @@ def read_tsv(path: str) -> TsvContents:
     contents.line_numbers.append(line_number)
 
   if contents.skipped:
-    logging.warning("%s: skipped %d lines (%s)", path, sum(contents.skipped.values()),
-                    ", ".join(f"{n} {why}" for why, n in sorted(contents.skipped.items())))
+    logging.warning(
+      "%s: skipped %d lines (%s)",
+      path,
+      sum(contents.skipped.values()),
+      ", ".join(f"{n} {why}" for why, n in sorted(contents.skipped.items())),
+    )
   if not contents.pairs:
     why = ", ".join(f"{n} {why}" for why, n in sorted(contents.skipped.items()))
-    raise ConfigError(f"TSV file has no usable source<TAB>target line: {path} "
-                      f"(skipped: {why})")
+    raise ConfigError(f"TSV file has no usable source<TAB>target line: {path} (skipped: {why})")
   logging.info("%s: %d usable pairs", path, len(contents.pairs))
   return contents
 
@@ -108,7 +112,7 @@ def split_of(source_sentence: str, fraction: float) -> str:
 def split_indices(pairs: list[tuple[str, str]]) -> dict[str, list[int]]:
   """Indices of `pairs` per split, in order; the split is decided by pair[0]."""
   fraction = heldout_fraction(len(pairs))
-  indices = {split: [] for split in SPLITS}
+  indices: dict[str, list[int]] = {split: [] for split in SPLITS}
   for i, (source, _) in enumerate(pairs):
     indices[split_of(source, fraction)].append(i)
   return indices

@@ -1,10 +1,10 @@
 """Using a trained run: scoring (eval.py), generation for people (generate.py), metrics.
 
-  translate.py       Translator (restore + vocabulary + a search), SearchSettings,
-                     run_search (one batch through any search), translate_lines
-  score.py           evaluate_split / evaluate_files: every sentence once, in order;
-                     BLEU, chrF, perplexity
-  bleu.py            sacreBLEU, the paper's tokenized BLEU, chrF
-  attention_maps.py  heatmaps of every head for one sentence
-  validation.py      training's periodic validation: loss, perplexity and BLEU
+translate.py       Translator (restore + vocabulary + a search), SearchSettings,
+                   run_search (one batch through any search), translate_lines
+score.py           evaluate_split / evaluate_files: every sentence once, in order;
+                   BLEU, chrF, perplexity
+bleu.py            sacreBLEU, the paper's tokenized BLEU, chrF
+attention_maps.py  heatmaps of every head for one sentence
+validation.py      training's periodic validation: loss, perplexity and BLEU
 """

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 import io
 import math
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -24,39 +25,45 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from transformer import storage
-from transformer.model import decoding
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
+from transformer.model import decoding
 
 # (file name prefix, stack, module name) for each attention kind.
 ATTENTION_KINDS = (
-    ("encoder_self_attention", "encoder", "self_attention"),
-    ("decoder_self_attention", "decoder", "self_attention"),
-    ("decoder_cross_attention", "decoder", "cross_attention"),
+  ("encoder_self_attention", "encoder", "self_attention"),
+  ("decoder_self_attention", "decoder", "self_attention"),
+  ("decoder_cross_attention", "decoder", "cross_attention"),
 )
 
 
 class Tokenizer(Protocol):
+  def encode_for_model(self, texts: Sequence[str], max_len: int) -> list[np.ndarray]: ...
 
-  def encode_for_model(self, texts: Sequence[str], max_len: int) -> list[np.ndarray]:
-    ...
-
-  def id_to_piece(self, token_id: int) -> str:
-    ...
+  def id_to_piece(self, token_id: int) -> str: ...
 
 
-def translate(model, params, source_ids: Sequence[int], *, beam_size: int, alpha: float,
-              max_decode_extra_len: int) -> list[int]:
+def translate(
+  model,
+  params,
+  source_ids: Sequence[int],
+  *,
+  beam_size: int,
+  alpha: float,
+  max_decode_extra_len: int,
+) -> list[int]:
   """One sentence -> its translation's ids, EOS included when the model produced one."""
-  prompts = decoding.translation_prompts(jnp.asarray([source_ids], jnp.int32),
-                                         max_decode_extra_len, model.config.decoder_only)
+  prompts = decoding.translation_prompts(
+    jnp.asarray([source_ids], jnp.int32), max_decode_extra_len, model.config.decoder_only
+  )
   search = decoding.BeamSearch(beam_size, alpha) if beam_size > 1 else decoding.Greedy()
   tokens_1xO = decoding.decode(model, params, prompts, search).tokens_BxO
   output = [int(t) for t in np.asarray(tokens_1xO)[0] if t != PAD_ID]
-  return output[:output.index(EOS_ID) + 1] if EOS_ID in output else output
+  return output[: output.index(EOS_ID) + 1] if EOS_ID in output else output
 
 
-def attention_weights(model, params, source_ids: Sequence[int],
-                      target_ids: Sequence[int]) -> dict[tuple[str, int, str], np.ndarray]:
+def attention_weights(
+  model, params, source_ids: Sequence[int], target_ids: Sequence[int]
+) -> dict[tuple[str, int, str], np.ndarray]:
   """Teacher-forced pass -> {(stack, layer, module): weights [H, Lq, Lk]}."""
   source_1xS = jnp.asarray([source_ids], jnp.int32)
   decoder_input_1xT = jnp.asarray([[BOS_ID] + list(target_ids[:-1])], jnp.int32)
@@ -77,8 +84,13 @@ def attention_weights(model, params, source_ids: Sequence[int],
   return weights
 
 
-def _plot_heads(weights_HxQxK: np.ndarray, query_labels: Sequence[str],
-                key_labels: Sequence[str], title: str, path: str) -> None:
+def _plot_heads(
+  weights_HxQxK: np.ndarray,
+  query_labels: Sequence[str],
+  key_labels: Sequence[str],
+  title: str,
+  path: str,
+) -> None:
   num_heads, num_queries, num_keys = weights_HxQxK.shape
   columns = min(num_heads, 4)
   rows = math.ceil(num_heads / columns)
@@ -99,9 +111,18 @@ def _plot_heads(weights_HxQxK: np.ndarray, query_labels: Sequence[str],
   storage.write_bytes(path, png.getvalue())
 
 
-def plot_attention_maps(model, params: Any, tokenizer: Tokenizer, source_text: str,
-                        out_dir: str, *, max_len: int, beam_size: int = 1, alpha: float = 0.6,
-                        max_decode_extra_len: int = 50) -> list[str]:
+def plot_attention_maps(
+  model,
+  params: Any,
+  tokenizer: Tokenizer,
+  source_text: str,
+  out_dir: str,
+  *,
+  max_len: int,
+  beam_size: int = 1,
+  alpha: float = 0.6,
+  max_decode_extra_len: int = 50,
+) -> list[str]:
   """Translates `source_text` and writes one heatmap PNG per layer and attention kind.
 
   Args:
@@ -114,17 +135,23 @@ def plot_attention_maps(model, params: Any, tokenizer: Tokenizer, source_text: s
   if model.config.decoder_only:
     raise ValueError("attention maps need the encoder-decoder model (decoder_only=False)")
   source_ids = tokenizer.encode_for_model([source_text], max_len)[0].tolist()
-  target_ids = translate(model, params, source_ids, beam_size=beam_size, alpha=alpha,
-                         max_decode_extra_len=max_decode_extra_len)
+  target_ids = translate(
+    model,
+    params,
+    source_ids,
+    beam_size=beam_size,
+    alpha=alpha,
+    max_decode_extra_len=max_decode_extra_len,
+  )
   weights = attention_weights(model, params, source_ids, target_ids)
 
   piece = lambda ids: [tokenizer.id_to_piece(int(i)) for i in ids]
   source_pieces, target_pieces = piece(source_ids), piece(target_ids)
   decoder_input_pieces = piece([BOS_ID] + target_ids[:-1])
   labels = {  # (query labels, key labels) per kind
-      "encoder_self_attention": (source_pieces, source_pieces),
-      "decoder_self_attention": (target_pieces, decoder_input_pieces),
-      "decoder_cross_attention": (target_pieces, source_pieces),
+    "encoder_self_attention": (source_pieces, source_pieces),
+    "decoder_self_attention": (target_pieces, decoder_input_pieces),
+    "decoder_cross_attention": (target_pieces, source_pieces),
   }
   storage.makedirs(out_dir)
   written = []

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import sacrebleu
 import sacremoses
@@ -31,7 +32,7 @@ def sacre_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> Score:
   return Score(result.score, str(metric.get_signature()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _moses_tokenizer(lang: str) -> sacremoses.MosesTokenizer:
   return sacremoses.MosesTokenizer(lang=lang)
 
@@ -55,8 +56,9 @@ def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: s
   # force: the text is tokenized on purpose, so sacrebleu's warning that it "looks
   # tokenized" is noise here (it does not change the score).
   metric = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none", force=True)
-  result = metric.corpus_score([paper_tokenize(h, lang) for h in hypotheses],
-                               [[paper_tokenize(r, lang) for r in references]])
+  result = metric.corpus_score(
+    [paper_tokenize(h, lang) for h in hypotheses], [[paper_tokenize(r, lang) for r in references]]
+  )
   return Score(result.score, str(metric.get_signature()))
 
 

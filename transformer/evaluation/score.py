@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 
 from transformer import config as config_lib
-from transformer import data
-from transformer import storage, versions
+from transformer import data, storage, versions
 from transformer.data import sources
 from transformer.evaluation import bleu
 from transformer.evaluation.translate import SearchStats, Translator
@@ -35,14 +34,14 @@ class _FilePairs(sources.TsvSource):
     references = storage.read_text(reference_path).splitlines()
     if len(source_lines) != len(references):
       raise config_lib.ConfigError(
-          f"reference_file: {reference_path} has {len(references)} lines, "
-          f"{source_path} has {len(source_lines)}")
+        f"reference_file: {reference_path} has {len(references)} lines, "
+        f"{source_path} has {len(source_lines)}"
+      )
     self.name = f"files:{source_path}"
     self._pairs = {"files": list(zip(source_lines, references))}
 
 
-def evaluate_files(translator: Translator, source_path: str,
-                   reference_path: str) -> dict[str, Any]:
+def evaluate_files(translator: Translator, source_path: str, reference_path: str) -> dict[str, Any]:
   """`evaluate_split` on a source file (one sentence per line) and its references, line
   for line; the outputs are named after the source file."""
   pairs = _FilePairs(source_path, reference_path)
@@ -50,8 +49,9 @@ def evaluate_files(translator: Translator, source_path: str,
   return evaluate_split(translator, "files", pairs=pairs, name=name)
 
 
-def evaluate_split(translator: Translator, split: str, *, pairs=None,
-                   name: str | None = None) -> dict[str, Any]:
+def evaluate_split(
+  translator: Translator, split: str, *, pairs=None, name: str | None = None
+) -> dict[str, Any]:
   """Translates `split` once, in order; writes hypotheses and scores; returns scores.
 
   pairs: the pair source to read the split from (default the config's dataset); name:
@@ -67,14 +67,25 @@ def evaluate_split(translator: Translator, split: str, *, pairs=None,
   elapsed = time.time() - started
 
   references = [r for _, r in texts]
-  results = {"split": split, "step": translator.step, "average_last": translator.average_last,
-             **_translation_scores(hypotheses, references, config),
-             "num_sentences": len(texts), "sentences_per_sec": len(texts) / elapsed,
-             "tokens_per_sec": generated_tokens / elapsed, **_search_settings(translator),
-             "versions": versions.library_versions()}
+  results = {
+    "split": split,
+    "step": translator.step,
+    "average_last": translator.average_last,
+    **_translation_scores(hypotheses, references, config),
+    "num_sentences": len(texts),
+    "sentences_per_sec": len(texts) / elapsed,
+    "tokens_per_sec": generated_tokens / elapsed,
+    **_search_settings(translator),
+    "versions": versions.library_versions(),
+  }
   # Perplexity with teacher forcing, unsmoothed, on the same batches.
-  loss = metrics.evaluate_loss(steps.jit_eval_step(translator.setup), translator.params,
-                               batches, translator.mesh, translator.rules)
+  loss = metrics.evaluate_loss(
+    steps.jit_eval_step(translator.setup),
+    translator.params,
+    batches,
+    translator.mesh,
+    translator.rules,
+  )
   results["ppl"], results["ce"] = loss["ppl"], loss["ce"]
   json_path = _output_stem(translator, name or split) + ".json"
   if jax.process_index() == 0:  # the files are the same on every process: one writer
@@ -85,8 +96,9 @@ def evaluate_split(translator: Translator, split: str, *, pairs=None,
   return results
 
 
-def _translate_batches(translator: Translator, batches: list[dict], num_sentences: int,
-                       split: str) -> tuple[list[str], int]:
+def _translate_batches(
+  translator: Translator, batches: list[dict], num_sentences: int, split: str
+) -> tuple[list[str], int]:
   """(hypotheses in the split's order, generated tokens with EOS) of every batch."""
   hypotheses: list[str | None] = [None] * num_sentences
   generated_tokens = 0
@@ -95,37 +107,46 @@ def _translate_batches(translator: Translator, batches: list[dict], num_sentence
     for row, index in enumerate(batch["index"]):
       if index >= 0:
         ids = tokens[row].tolist()
-        generated_tokens += (ids.index(config_lib.EOS_ID) + 1
-                             if config_lib.EOS_ID in ids else len(ids))
+        generated_tokens += (
+          ids.index(config_lib.EOS_ID) + 1 if config_lib.EOS_ID in ids else len(ids)
+        )
         hypotheses[index] = translator.tokenizer.decode(ids)
   missing = [i for i, h in enumerate(hypotheses) if h is None]
   if missing:
     raise RuntimeError(f"{len(missing)} sentences of {split} were not translated")
-  return hypotheses, generated_tokens
+  return cast(list[str], hypotheses), generated_tokens  # none is None: checked above
 
 
 def _translation_scores(hypotheses: list[str], references: list[str], config) -> dict:
   """sacreBLEU with its signature, the paper's tokenized BLEU, and chrF."""
   _, target_lang = config_lib.parse_direction(config.direction)
   sacre = bleu.sacre_bleu(hypotheses, references)
-  return {"bleu": sacre.score, "bleu_signature": sacre.signature,
-          "bleu_tok": bleu.tokenized_bleu(hypotheses, references, target_lang).score,
-          "chrf": bleu.chrf(hypotheses, references).score}
+  return {
+    "bleu": sacre.score,
+    "bleu_signature": sacre.signature,
+    "bleu_tok": bleu.tokenized_bleu(hypotheses, references, target_lang).score,
+    "chrf": bleu.chrf(hypotheses, references).score,
+  }
 
 
 def _search_settings(translator: Translator) -> dict[str, Any]:
   """The JSON's record of how the hypotheses were generated (and, speculative, of what
   the draft saved over the whole split: see translate.SearchStats)."""
   config, search = translator.config, translator.settings
-  settings: dict[str, Any] = {"search": search.kind, "decoder_only":
-                              bool(config.model.decoder_only)}
+  settings: dict[str, Any] = {
+    "search": search.kind,
+    "decoder_only": bool(config.model.decoder_only),
+  }
   if search.kind == "beam":
     settings.update(beam_size=config.beam_size, alpha=config.length_penalty_alpha)
   elif search.kind == "sample":
     settings.update(seed=search.seed, **search.sampling)
   if translator.draft is not None:
-    settings.update(draft_workdir=translator.draft.workdir, draft_len=search.draft_len,
-                    **translator.stats.summary())
+    settings.update(
+      draft_workdir=translator.draft.workdir,
+      draft_len=search.draft_len,
+      **translator.stats.summary(),
+    )
   return settings
 
 
@@ -136,12 +157,14 @@ def _output_stem(translator: Translator, split: str) -> str:
   kind = translator.settings.kind
   search = "" if kind == "beam" else f"-{kind}"
   speculative = "-spec" if translator.draft is not None else ""
-  return storage.join(translator.workdir, "eval",
-                      f"{split}-{translator.step}{averaged}{search}{speculative}")
+  return storage.join(
+    translator.workdir, "eval", f"{split}-{translator.step}{averaged}{search}{speculative}"
+  )
 
 
-def _write_outputs(json_path: str, sources: list[str], references: list[str],
-                   hypotheses: list[str], results: dict) -> None:
+def _write_outputs(
+  json_path: str, sources: list[str], references: list[str], hypotheses: list[str], results: dict
+) -> None:
   """The .src/.ref/.hyp.txt files, one sentence per line in the split's order, then the
   .json (last, so that its presence means the evaluation is complete)."""
   stem = json_path.removesuffix(".json")

@@ -16,7 +16,8 @@ sentence producing at most its source length + max_decode_extra_len tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, NamedTuple, Optional
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -24,8 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer import config as config_lib
-from transformer import data
-from transformer import storage
+from transformer import data, storage
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.model import decoding
 from transformer.training import checkpoints, sharding
@@ -39,6 +39,7 @@ class SearchSettings:
   """How hypotheses are generated: beam search (the config's beam size and alpha),
   greedy decoding, or sampling from the filtered distribution (decoding.filter_logits);
   with a draft model, draft_len tokens are proposed per target pass."""
+
   kind: str = "beam"
   temperature: float = 1.0
   top_k: int = 0
@@ -59,16 +60,20 @@ class SearchSettings:
     if self.draft_len < 1:
       raise config_lib.ConfigError(f"draft_len: must be >= 1, got {self.draft_len}")
     if with_draft and self.kind == "beam":
-      raise config_lib.ConfigError("draft_workdir: speculative decoding is offered for "
-                                   "greedy and sampling (--search=greedy|sample), not beam")
+      raise config_lib.ConfigError(
+        "draft_workdir: speculative decoding is offered for "
+        "greedy and sampling (--search=greedy|sample), not beam"
+      )
 
-  def build(self, config: ml_collections.ConfigDict,
-            draft_model: Any = None) -> decoding.Search:
+  def build(self, config: ml_collections.ConfigDict, draft_model: Any = None) -> decoding.Search:
     """The decoding search these settings describe."""
     if self.kind == "beam":
       return decoding.BeamSearch(config.beam_size, config.length_penalty_alpha)
-    search = (decoding.Greedy() if self.kind == "greedy" else
-              decoding.Sampling(self.temperature, self.top_k, self.top_p))
+    search = (
+      decoding.Greedy()
+      if self.kind == "greedy"
+      else decoding.Sampling(self.temperature, self.top_k, self.top_p)
+    )
     if draft_model is None:
       return search
     return decoding.Speculative(draft_model, self.draft_len, search)
@@ -83,27 +88,34 @@ BEAM = SearchSettings()
 
 class Draft(NamedTuple):
   """The draft model of speculative decoding: a second run with the same vocabulary."""
+
   model: Any
   params: Any
   workdir: str
 
 
-class SearchStats(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class SearchStats:
   """What speculative decoding saved over some batches (fill rows included): see
   decoding.Generation."""
+
   target_calls: int = 0
   proposed: int = 0
   accepted: int = 0
   generated: int = 0  # tokens the target calls produced, EOS included
   row_calls: int = 0  # rows still generating, summed over the target calls
 
-  def __add__(self, other: "SearchStats") -> "SearchStats":
-    return SearchStats(*(a + b for a, b in zip(self, other)))
+  def __add__(self, other: SearchStats) -> SearchStats:
+    return SearchStats(
+      *(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other)))
+    )
 
   def summary(self) -> dict[str, float]:
     """acceptance_rate, and tokens_per_target_call per sentence (1 without a draft)."""
-    return {"acceptance_rate": self.accepted / max(self.proposed, 1),
-            "tokens_per_target_call": self.generated / max(self.row_calls, 1)}
+    return {
+      "acceptance_rate": self.accepted / max(self.proposed, 1),
+      "tokens_per_target_call": self.generated / max(self.row_calls, 1),
+    }
 
 
 def check_draft_vocabulary(workdir: str, draft_workdir: str) -> None:
@@ -114,13 +126,24 @@ def check_draft_vocabulary(workdir: str, draft_workdir: str) -> None:
     if not storage.exists(path):
       raise config_lib.ConfigError(f"draft_workdir: {path} is missing (was it trained?)")
   if storage.as_path(paths[0]).read_bytes() != storage.as_path(paths[1]).read_bytes():
-    raise config_lib.ConfigError(f"draft_workdir: {paths[1]} differs from {paths[0]}; "
-                                 "the draft must share the target's vocabulary")
+    raise config_lib.ConfigError(
+      f"draft_workdir: {paths[1]} differs from {paths[0]}; "
+      "the draft must share the target's vocabulary"
+    )
 
 
-def run_search(model, params, mesh, rules, prompts: decoding.Prompts,
-               search: decoding.Search, *, seed: int = 0, batch_number: int = 0,
-               draft_params: Any = None) -> tuple[np.ndarray, SearchStats]:
+def run_search(
+  model,
+  params,
+  mesh,
+  rules,
+  prompts: decoding.Prompts,
+  search: decoding.Search,
+  *,
+  seed: int = 0,
+  batch_number: int = 0,
+  draft_params: Any = None,
+) -> tuple[np.ndarray, SearchStats]:
   """`search` on one batch every process holds whole -> (tokens [B, O], stats).
 
   Each device searches only its own rows, and the gather follows the global array's
@@ -131,11 +154,13 @@ def run_search(model, params, mesh, rules, prompts: decoding.Prompts,
   if prompts.source_BxS is not None:
     arrays["source_BxS"] = prompts.source_BxS
   arrays = sharding.global_batch_from_whole(
-      {k: np.asarray(v, np.int32) for k, v in arrays.items()}, mesh, rules)
+    {k: np.asarray(v, np.int32) for k, v in arrays.items()}, mesh, rules
+  )
   prompts = decoding.Prompts(**arrays, out_len=prompts.out_len)
   key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), batch_number))
-  rng = jax.make_array_from_callback(key.shape, sharding.replicated(mesh),
-                                     lambda index: key[index])  # the same everywhere
+  rng = jax.make_array_from_callback(
+    key.shape, sharding.replicated(mesh), lambda index: key[index]
+  )  # the same everywhere
   with sharding.activation_sharding(mesh, rules):  # traced with the activations' axes
     out = decoding.decode(model, params, prompts, search, rng, draft_params)
   if jax.process_count() > 1:
@@ -144,14 +169,29 @@ def run_search(model, params, mesh, rules, prompts: decoding.Prompts,
     tokens = np.asarray(jax.device_get(out.tokens_BxO))
   stats = SearchStats()
   if isinstance(search, decoding.Speculative):  # scalars, the same on every process
-    stats = SearchStats(int(out.calls), int(out.proposed), int(out.accepted),
-                        int(np.sum(tokens != config_lib.PAD_ID)), int(out.row_calls))
+    stats = SearchStats(
+      int(out.calls),
+      int(out.proposed),
+      int(out.accepted),
+      int(np.sum(tokens != config_lib.PAD_ID)),
+      int(out.row_calls),
+    )
   return tokens, stats
 
 
-def translate_lines(model, params, tokenizer, config: ml_collections.ConfigDict, mesh, rules,
-                    lines: list[str], search: Optional[decoding.Search] = None, *,
-                    seed: int = 0, draft_params: Any = None) -> tuple[list[str], SearchStats]:
+def translate_lines(
+  model,
+  params,
+  tokenizer,
+  config: ml_collections.ConfigDict,
+  mesh,
+  rules,
+  lines: list[str],
+  search: decoding.Search | None = None,
+  *,
+  seed: int = 0,
+  draft_params: Any = None,
+) -> tuple[list[str], SearchStats]:
   """Translations of raw sentences, in order, and the speculative stats; an empty line
   stays empty. Inputs longer than max_len are clipped to it (the model never saw longer
   ones). The search defaults to the config's beam search."""
@@ -161,13 +201,22 @@ def translate_lines(model, params, tokenizer, config: ml_collections.ConfigDict,
   rows = config.eval_batch_size
   todo = [i for i, line in enumerate(lines) if line.strip()]
   for number, start in enumerate(range(0, len(todo), rows)):
-    chunk = todo[start:start + rows]
+    chunk = todo[start : start + rows]
     ids = tokenizer.encode_for_model([lines[i] for i in chunk], config.max_len)
-    prompts = decoding.translation_prompts(data.pad_batch(ids, rows=rows),
-                                           config.max_decode_extra_len,
-                                           bool(config.model.decoder_only))
-    tokens, batch_stats = run_search(model, params, mesh, rules, prompts, search, seed=seed,
-                                     batch_number=number, draft_params=draft_params)
+    prompts = decoding.translation_prompts(
+      data.pad_batch(ids, rows=rows), config.max_decode_extra_len, bool(config.model.decoder_only)
+    )
+    tokens, batch_stats = run_search(
+      model,
+      params,
+      mesh,
+      rules,
+      prompts,
+      search,
+      seed=seed,
+      batch_number=number,
+      draft_params=draft_params,
+    )
     stats += batch_stats
     for row, i in enumerate(chunk):
       outputs[i] = tokenizer.decode(tokens[row].tolist())
@@ -177,9 +226,16 @@ def translate_lines(model, params, tokenizer, config: ml_collections.ConfigDict,
 class Translator:
   """Restored parameters + tokenizer + a search (and its draft model), on the run's mesh."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
-               step: int | None = None, average_last: int = 1,
-               settings: SearchSettings = BEAM, draft_workdir: str | None = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    step: int | None = None,
+    average_last: int = 1,
+    settings: SearchSettings = BEAM,
+    draft_workdir: str | None = None,
+  ):
     config_lib.validate(config)
     settings.check(with_draft=draft_workdir is not None)
     self.config = config
@@ -192,7 +248,8 @@ class Translator:
       self.draft = self._restore_draft(draft_workdir)
     self.settings = settings
     self.params, self.step = checkpoints.restore_params(
-        workdir, self.setup, step=step, average_last=average_last)
+      workdir, self.setup, step=step, average_last=average_last
+    )
     self.average_last = average_last
     self.stats = SearchStats()  # accumulated over every search this translator ran
 
@@ -204,8 +261,9 @@ class Translator:
     draft_config = checkpoints.load_run_config(draft_workdir)
     config_lib.validate(draft_config)
     if bool(draft_config.model.decoder_only) != bool(self.config.model.decoder_only):
-      raise config_lib.ConfigError("draft_workdir: the draft must be of the target's kind "
-                                   "(decoder-only or encoder-decoder)")
+      raise config_lib.ConfigError(
+        "draft_workdir: the draft must be of the target's kind (decoder-only or encoder-decoder)"
+      )
     draft_config.eval_batch_size = self.config.eval_batch_size  # rows split as the target's
     draft_setup = state_lib.setup(draft_config, mesh=self.mesh)
     draft_params, _ = checkpoints.restore_params(draft_workdir, draft_setup)
@@ -217,25 +275,43 @@ class Translator:
     return self.settings.build(self.config, self.draft and self.draft.model)
 
   def _run(self, prompts: decoding.Prompts, batch_number: int) -> np.ndarray:
-    tokens, stats = run_search(self.model, self.params, self.mesh, self.rules, prompts,
-                               self.search, seed=self.settings.seed,
-                               batch_number=batch_number,
-                               draft_params=self.draft and self.draft.params)
+    tokens, stats = run_search(
+      self.model,
+      self.params,
+      self.mesh,
+      self.rules,
+      prompts,
+      self.search,
+      seed=self.settings.seed,
+      batch_number=batch_number,
+      draft_params=self.draft and self.draft.params,
+    )
     self.stats += stats
     return tokens
 
   def generate(self, source_BxS: np.ndarray, batch_number: int = 0) -> np.ndarray:
     """The search on one padded source batch -> tokens [B, S + max_decode_extra_len]."""
-    return self._run(decoding.translation_prompts(
-        source_BxS, self.config.max_decode_extra_len, bool(self.config.model.decoder_only)),
-        batch_number)
+    return self._run(
+      decoding.translation_prompts(
+        source_BxS, self.config.max_decode_extra_len, bool(self.config.model.decoder_only)
+      ),
+      batch_number,
+    )
 
   def translate_lines(self, lines: Iterable[str]) -> list[str]:
     """Detokenized translations of raw sentences, in order (an empty line stays empty)."""
     outputs, stats = translate_lines(
-        self.model, self.params, self.tokenizer, self.config, self.mesh, self.rules,
-        list(lines), self.search, seed=self.settings.seed,
-        draft_params=self.draft and self.draft.params)
+      self.model,
+      self.params,
+      self.tokenizer,
+      self.config,
+      self.mesh,
+      self.rules,
+      list(lines),
+      self.search,
+      seed=self.settings.seed,
+      draft_params=self.draft and self.draft.params,
+    )
     self.stats += stats
     return outputs
 
@@ -244,8 +320,10 @@ class Translator:
     goes on rather than being translated), detokenized up to EOS. Greedy unless the
     search samples; speculative with a draft. Prompts are clipped to max_len tokens."""
     if not self.config.model.decoder_only:
-      raise config_lib.ConfigError("config.model.decoder_only: continuing text needs a "
-                                   "decoder-only model; translate with this run")
+      raise config_lib.ConfigError(
+        "config.model.decoder_only: continuing text needs a "
+        "decoder-only model; translate with this run"
+      )
     if self.settings.kind == "beam":
       raise config_lib.ConfigError("search: text continuation is greedy or sampled")
     check_generation_length(self.config, self.config.max_len + 1, max_new_tokens)
@@ -253,17 +331,20 @@ class Translator:
     outputs = []
     rows = self.config.eval_batch_size
     for number, start in enumerate(range(0, len(texts), rows)):
-      ids = [[config_lib.BOS_ID, *x[:self.config.max_len]]
-             for x in self.tokenizer.encode_batch(texts[start:start + rows])]
+      ids = [
+        [config_lib.BOS_ID, *x[: self.config.max_len]]
+        for x in self.tokenizer.encode_batch(texts[start : start + rows])
+      ]
       prompt_BxP = data.pad_batch(ids, rows=rows)
-      prompt_BxP[len(ids):, 0] = config_lib.BOS_ID  # fill rows: a one-token prompt
+      prompt_BxP[len(ids) :, 0] = config_lib.BOS_ID  # fill rows: a one-token prompt
       tokens = self._run(decoding.continuation_prompts(prompt_BxP, max_new_tokens), number)
       outputs += [self.tokenizer.decode(tokens[row].tolist()) for row in range(len(ids))]
     return outputs
 
 
-def check_generation_length(config: ml_collections.ConfigDict, prompt_len: int,
-                            max_new_tokens: int) -> None:
+def check_generation_length(
+  config: ml_collections.ConfigDict, prompt_len: int, max_new_tokens: int
+) -> None:
   """One-line ConfigError unless max_new_tokens >= 1 and, with a learned position table,
   a prompt of prompt_len tokens and its continuation fit in the table."""
   if max_new_tokens < 1:
@@ -271,5 +352,6 @@ def check_generation_length(config: ml_collections.ConfigDict, prompt_len: int,
   table = config_lib.position_table_size(config)
   if config.model.positional == "learned" and prompt_len + max_new_tokens > table:
     raise config_lib.ConfigError(
-        f"max_new_tokens: {max_new_tokens} after a prompt of up to {prompt_len} tokens "
-        f"passes the {table} learned positions; use at most {table - prompt_len}")
+      f"max_new_tokens: {max_new_tokens} after a prompt of up to {prompt_len} tokens "
+      f"passes the {table} learned positions; use at most {table - prompt_len}"
+    )

@@ -16,19 +16,25 @@ from transformer.training.loop import ValidationLoss
 
 
 class ValidationWithBleu(ValidationLoss):
-
   def __init__(self, config, run_setup, tokenizer):
     super().__init__(config, run_setup, tokenizer)
     self._bleu_pairs = []
     # Either kind of model: a decoder-only one continues BOS + source + EOS (translate.py).
     if config.eval_bleu_sentences:
-      self._bleu_pairs = data.load_raw_pairs(config, "validation")[:config.eval_bleu_sentences]
+      self._bleu_pairs = data.load_raw_pairs(config, "validation")[: config.eval_bleu_sentences]
 
   def __call__(self, params) -> dict[str, Any]:
     result = super().__call__(params)
     if self._bleu_pairs:
       s = self.setup
-      hypotheses, _ = translate.translate_lines(s.model, params, self.tokenizer, self.config,
-                                                s.mesh, s.rules, [x for x, _ in self._bleu_pairs])
+      hypotheses, _ = translate.translate_lines(
+        s.model,
+        params,
+        self.tokenizer,
+        self.config,
+        s.mesh,
+        s.rules,
+        [x for x, _ in self._bleu_pairs],
+      )
       result["bleu"] = bleu.sacre_bleu(hypotheses, [r for _, r in self._bleu_pairs]).score
     return result

@@ -18,16 +18,26 @@ rows over the batch axes, heads over the tensor axis, under the config's rules.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from transformer.model.primitives import (BATCH, BLD, BLHK, HEADS, KV, LENGTH,
-                                          MASKED_LOGIT, Array, ModelConfig, apply_rope,
-                                          attention_mask, constrain)
+from transformer.model.primitives import (
+  BATCH,
+  BLD,
+  BLHK,
+  HEADS,
+  KV,
+  LENGTH,
+  MASKED_LOGIT,
+  Array,
+  ModelConfig,
+  apply_rope,
+  attention_mask,
+  constrain,
+)
 
 # The decoding cache's layouts: K as [B, H, K, S], V as [B, H, S, E].
 _BHKL = (BATCH, HEADS, KV, LENGTH)
@@ -43,6 +53,7 @@ class Projection(nn.Module):
   rules (transformer/training/sharding.py) the flat draw meets the kernel's 3-axis
   sharding and fails. This kernel is drawn in its final shape.
   """
+
   config: ModelConfig
   features: tuple[int, ...]
   axes: tuple[str, ...]  # the kernel's logical axes: contracted dimensions, then features
@@ -51,11 +62,13 @@ class Projection(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     cfg = self.config
-    shape = x.shape[x.ndim - self.num_in:] + self.features
-    init = nn.initializers.xavier_uniform(in_axis=tuple(range(self.num_in)),
-                                          out_axis=tuple(range(self.num_in, len(shape))))
-    kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), shape,
-                        cfg.param_dtype)
+    shape = x.shape[x.ndim - self.num_in :] + self.features
+    init = nn.initializers.xavier_uniform(
+      in_axis=tuple(range(self.num_in)), out_axis=tuple(range(self.num_in, len(shape)))
+    )
+    kernel = self.param(
+      "kernel", nn.with_logical_partitioning(init, self.axes), shape, cfg.param_dtype
+    )
     x, kernel = promote_dtype(x, kernel, dtype=cfg.dtype)
     return jnp.tensordot(x, kernel, axes=self.num_in)
 
@@ -66,17 +79,26 @@ class MultiHeadAttention(nn.Module):
   Self-attention projects Q, K and V with one fused matmul ([D, H, 2K+E]);
   cross-attention projects Q alone and K, V fused ([D, H, K+E]) from the encoder output.
   """
+
   config: ModelConfig
   self_attention: bool = True
 
   @nn.compact
-  def __call__(self, x_BxLxD: Array, mask_Bx1xLxS: Optional[Array], *,
-               positions_BxL: Optional[Array] = None, memory_BxSxD: Optional[Array] = None,
-               deterministic: bool = True, use_cache: bool = False,
-               cache_position: Optional[Array] = None) -> Array:
+  def __call__(
+    self,
+    x_BxLxD: Array,
+    mask_Bx1xLxS: Array | None,
+    *,
+    positions_BxL: Array | None = None,
+    memory_BxSxD: Array | None = None,
+    deterministic: bool = True,
+    use_cache: bool = False,
+    cache_position: Array | None = None,
+  ) -> Array:
     if self.self_attention:
       q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS = self._self_qkv(
-          x_BxLxD, mask_Bx1xLxS, positions_BxL, use_cache, cache_position)
+        x_BxLxD, mask_Bx1xLxS, positions_BxL, use_cache, cache_position
+      )
     else:
       q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache)
     if q_BxLxHxK is None:  # the call that creates the cache only sizes it
@@ -84,14 +106,14 @@ class MultiHeadAttention(nn.Module):
     if use_cache:  # K [R, H, K, S] and V [R, H, S, E], as the cache stores them
       out_BxLxHxE = self._attend_cached(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS)
     else:
-      out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS,
-                                 deterministic)
+      out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic)
     out_BxLxHxE = constrain(out_BxLxHxE, BLHK)
-    out_BxLxD = self._dense(self.config.d_model, ("heads", "kv", "embed"), "out",
-                            axis=(-2, -1))(out_BxLxHxE)
+    out_BxLxD = self._dense(self.config.d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(
+      out_BxLxHxE
+    )
     return constrain(out_BxLxD, BLD)
 
-  def _dense(self, features, axes: tuple[str, ...], name: str, axis=-1) -> "Projection":
+  def _dense(self, features, axes: tuple[str, ...], name: str, axis=-1) -> Projection:
     features = features if isinstance(features, tuple) else (features,)
     num_in = len(axis) if isinstance(axis, tuple) else 1
     return Projection(self.config, features, axes, num_in, name=name)
@@ -100,7 +122,8 @@ class MultiHeadAttention(nn.Module):
     """Q, K, V (and the mask) of self-attention; with the cache, K/V of all written slots."""
     h, k, e = self.config.num_heads, self.config.d_k, self.config.d_v
     qkv_BxLxHx2KE = constrain(
-        self._dense((h, 2 * k + e), ("embed", "heads", "kv"), "qkv")(x_BxLxD), BLHK)
+      self._dense((h, 2 * k + e), ("embed", "heads", "kv"), "qkv")(x_BxLxD), BLHK
+    )
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = jnp.split(qkv_BxLxHx2KE, [k, 2 * k], axis=-1)
     if self.config.positional == "rope":
       q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL)
@@ -123,22 +146,25 @@ class MultiHeadAttention(nn.Module):
     if cache_position.ndim == 0:
       # One shared position (greedy, sampling, beam search): one contiguous write.
       write = lambda buffer, new, axis: jax.lax.dynamic_update_slice_in_dim(
-          buffer, new, cache_position, axis)
+        buffer, new, cache_position, axis
+      )
     else:
       # A position per row [B]: speculative decoding rolls rows back by different
       # amounts, so each row writes at its own slot.
       write = lambda buffer, new, axis: jax.vmap(
-          lambda row_buffer, row_new, at: jax.lax.dynamic_update_slice_in_dim(
-              row_buffer, row_new, at, axis - 1))(buffer, new, cache_position)
+        lambda row_buffer, row_new, at: jax.lax.dynamic_update_slice_in_dim(
+          row_buffer, row_new, at, axis - 1
+        )
+      )(buffer, new, cache_position)
     # Constrained as they are stored: the buffers are the loop carry of the search.
     key_cache.value = constrain(write(key_cache.value, k_BxHxKxL, 3), _BHKL)
     value_cache.value = constrain(write(value_cache.value, v_BxHxLxE, 2), _BHLK)
     cache_len = key_cache.value.shape[3]
     if cache_position.ndim == 0 and length == 1:
-      written_BxC = jnp.broadcast_to(jnp.arange(cache_len) <= cache_position,
-                                     (batch, cache_len)).astype(jnp.int32)
-      mask_Bx1x1xC = attention_mask(jnp.ones((batch, 1), jnp.int32), written_BxC,
-                                    causal=False)
+      written_BxC = jnp.broadcast_to(
+        jnp.arange(cache_len) <= cache_position, (batch, cache_len)
+      ).astype(jnp.int32)
+      mask_Bx1x1xC = attention_mask(jnp.ones((batch, 1), jnp.int32), written_BxC, causal=False)
       return q_BxLxHxK, key_cache.value, value_cache.value, mask_Bx1x1xC
     # Query i of row b sits at position_b + i and sees the slots up to it: the prefix
     # written before, its own block causally, and none of the stale slots behind it
@@ -162,13 +188,18 @@ class MultiHeadAttention(nn.Module):
       # stored as `_attend_cached` reads them, so no step splits or transposes them.
       kv_BxSxHxKE = constrain(project_kv(memory_BxSxD), BLHK)
       k_BxSxHxK, v_BxSxHxE = jnp.split(kv_BxSxHxKE, [k], axis=-1)
-      self.variable("cache", "cross_key",
-                    lambda: constrain(jnp.transpose(k_BxSxHxK, (0, 2, 3, 1)), _BHKL))
-      self.variable("cache", "cross_value",
-                    lambda: constrain(jnp.transpose(v_BxSxHxE, (0, 2, 1, 3)), _BHLK))
+      self.variable(
+        "cache", "cross_key", lambda: constrain(jnp.transpose(k_BxSxHxK, (0, 2, 3, 1)), _BHKL)
+      )
+      self.variable(
+        "cache", "cross_value", lambda: constrain(jnp.transpose(v_BxSxHxE, (0, 2, 1, 3)), _BHLK)
+      )
       return None, None, None
-    return (q_BxLxHxK, self.get_variable("cache", "cross_key"),
-            self.get_variable("cache", "cross_value"))
+    return (
+      q_BxLxHxK,
+      self.get_variable("cache", "cross_key"),
+      self.get_variable("cache", "cross_value"),
+    )
 
   def _attend_cached(self, q_BxLxHxK, k_RxHxKxS, v_RxHxSxE, mask_Bx1xLxS):
     """softmax(Q K^T / sqrt(d_k)) V over the cache, whose K [R, H, K, S] and V
@@ -189,10 +220,12 @@ class MultiHeadAttention(nn.Module):
     rows, source_len = k_RxHxKxS.shape[0], k_RxHxKxS.shape[-1]
     group_rows = batch // rows * length  # M
     q_RxHxMxK = q_BxLxHxK.reshape(rows, group_rows, heads, -1).transpose(0, 2, 1, 3)
-    logits_RxHxMxS = jnp.einsum("rhmk,rhks->rhms", q_RxHxMxK, k_RxHxKxS,
-                                preferred_element_type=jnp.float32) / math.sqrt(cfg.d_k)
+    logits_RxHxMxS = jnp.einsum(
+      "rhmk,rhks->rhms", q_RxHxMxK, k_RxHxKxS, preferred_element_type=jnp.float32
+    ) / math.sqrt(cfg.d_k)
     mask_Rx1xMxS = jnp.broadcast_to(mask_Bx1xLxS, (batch, 1, length, source_len)).reshape(
-        rows, 1, group_rows, source_len)
+      rows, 1, group_rows, source_len
+    )
     logits_RxHxMxS = jnp.where(mask_Rx1xMxS, logits_RxHxMxS, MASKED_LOGIT)
     weights_RxHxMxS = jax.nn.softmax(logits_RxHxMxS, axis=-1).astype(cfg.dtype)
     out_RxHxMxE = jnp.einsum("rhms,rhse->rhme", weights_RxHxMxS, v_RxHxSxE)
@@ -213,12 +246,18 @@ class MultiHeadAttention(nn.Module):
       # softmax, and cuDNN's flash attention keeps the scores in f32 inside the kernel;
       # both cast the weights to V's dtype, as below.
       return jax.nn.dot_product_attention(
-          q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask=mask_Bx1xLxS, scale=1.0 / math.sqrt(cfg.d_k),
-          implementation=cfg.attention_kernel)
+        q_BxLxHxK,
+        k_BxSxHxK,
+        v_BxSxHxE,
+        mask=mask_Bx1xLxS,
+        scale=1.0 / math.sqrt(cfg.d_k),
+        implementation=cfg.attention_kernel,
+      )
     # Explicit weights: sown for attention maps, and dropout-able. Scaled in f32, where
     # 1/sqrt(d_k) costs no rounding of q, and fused by XLA with the mask and softmax.
-    logits_BxHxLxS = constrain(attention_scores(q_BxLxHxK, k_BxSxHxK),
-                               (BATCH, HEADS, LENGTH, None)) / math.sqrt(cfg.d_k)
+    logits_BxHxLxS = constrain(
+      attention_scores(q_BxLxHxK, k_BxSxHxK), (BATCH, HEADS, LENGTH, None)
+    ) / math.sqrt(cfg.d_k)
     logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS, MASKED_LOGIT)
     weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
     self.sow("intermediates", "attention_weights", weights_BxHxLxS)
@@ -227,7 +266,8 @@ class MultiHeadAttention(nn.Module):
     weights_BxHxLxS = weights_BxHxLxS.astype(cfg.dtype)
     if cfg.attention_dropout_rate > 0:
       weights_BxHxLxS = nn.Dropout(cfg.attention_dropout_rate)(
-          weights_BxHxLxS, deterministic=deterministic)
+        weights_BxHxLxS, deterministic=deterministic
+      )
     return jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
 
 
@@ -251,10 +291,12 @@ def _attention_scores_forward(q_BxLxHxK, k_BxSxHxK):
 def _attention_scores_backward(residuals, grad_BxHxLxS):
   q_BxLxHxK, k_BxSxHxK = residuals
   grad_BxHxLxS = grad_BxHxLxS.astype(q_BxLxHxK.dtype)
-  grad_q_BxLxHxK = jnp.einsum("bhls,bshk->blhk", grad_BxHxLxS, k_BxSxHxK,
-                              preferred_element_type=jnp.float32)
-  grad_k_BxSxHxK = jnp.einsum("bhls,blhk->bshk", grad_BxHxLxS, q_BxLxHxK,
-                              preferred_element_type=jnp.float32)
+  grad_q_BxLxHxK = jnp.einsum(
+    "bhls,bshk->blhk", grad_BxHxLxS, k_BxSxHxK, preferred_element_type=jnp.float32
+  )
+  grad_k_BxSxHxK = jnp.einsum(
+    "bhls,blhk->bshk", grad_BxHxLxS, q_BxLxHxK, preferred_element_type=jnp.float32
+  )
   return grad_q_BxLxHxK.astype(q_BxLxHxK.dtype), grad_k_BxSxHxK.astype(k_BxSxHxK.dtype)
 
 

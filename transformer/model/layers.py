@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -22,22 +21,34 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
 from transformer.model.attention import MultiHeadAttention
-from transformer.model.primitives import (BLD, BLF, Array, ModelConfig, constrain,
-                                          dense_init, layer_norm, sinusoidal_encoding,
-                                          zeros_init)
+from transformer.model.primitives import (
+  BLD,
+  BLF,
+  Array,
+  ModelConfig,
+  constrain,
+  dense_init,
+  layer_norm,
+  sinusoidal_encoding,
+  zeros_init,
+)
 
 
 class Embed(nn.Module):
   """Token embedding; `attend` is the tied pre-softmax projection x @ E^T."""
+
   config: ModelConfig
 
   def setup(self):
     cfg = self.config
     self.embedding = self.param(
-        "embedding",
-        nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.d_model**-0.5),
-                                     ("vocab", "embed")),
-        (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+      "embedding",
+      nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")
+      ),
+      (cfg.vocab_size, cfg.d_model),
+      cfg.param_dtype,
+    )
 
   def __call__(self, ids_BxL: Array) -> Array:
     table_VxD = jnp.asarray(self.embedding, self.config.dtype)
@@ -56,13 +67,15 @@ class OutputProjection(nn.Module):
   The parameter is nn.DenseGeneral's without bias ('kernel', [D, V], the same initial
   values), so checkpoints are unchanged; the matmul is `untied_projection`'s.
   """
+
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x_BxLxD: Array) -> Array:
     cfg = self.config
-    kernel_DxV = self.param("kernel", dense_init(("embed", "vocab")),
-                            (cfg.d_model, cfg.vocab_size), cfg.param_dtype)
+    kernel_DxV = self.param(
+      "kernel", dense_init(("embed", "vocab")), (cfg.d_model, cfg.vocab_size), cfg.param_dtype
+    )
     x_BxLxD, kernel_DxV = promote_dtype(x_BxLxD, kernel_DxV, dtype=cfg.dtype)
     batch, length, d_model = x_BxLxD.shape
     logits_NxV = untied_projection(x_BxLxD.reshape(batch * length, d_model), kernel_DxV)
@@ -104,8 +117,7 @@ def _logits_backward(weight_is_VxD, residuals, grad_NxV):
   grad_NxV = grad_NxV.astype(x_NxD.dtype)  # bf16 matmuls in mixed precision, f32 sums
   spec = "nv,vd->nd" if weight_is_VxD else "nv,dv->nd"
   grad_x_NxD = jnp.einsum(spec, grad_NxV, weight, preferred_element_type=jnp.float32)
-  grad_weight_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV,
-                               preferred_element_type=jnp.float32)
+  grad_weight_DxV = jnp.einsum("nd,nv->dv", x_NxD, grad_NxV, preferred_element_type=jnp.float32)
   grad_weight = grad_weight_DxV.T if weight_is_VxD else grad_weight_DxV
   return grad_x_NxD.astype(x_NxD.dtype), grad_weight.astype(weight.dtype)
 
@@ -115,6 +127,7 @@ _logits.defvjp(_logits_forward, _logits_backward)
 
 class InputEmbedding(nn.Module):
   """ids -> embedding * sqrt(D) + positions, then dropout (the paper's input sum)."""
+
   config: ModelConfig
   embed: Embed
 
@@ -126,9 +139,11 @@ class InputEmbedding(nn.Module):
       x_BxLxD = x_BxLxD + sinusoidal_encoding(positions_BxL, cfg.d_model).astype(x_BxLxD.dtype)
     elif cfg.positional == "learned":
       table_PxD = self.param(
-          "position_embedding",
-          nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
-          (cfg.max_position, cfg.d_model), cfg.param_dtype)
+        "position_embedding",
+        nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("length", "embed")),
+        (cfg.max_position, cfg.d_model),
+        cfg.param_dtype,
+      )
       x_BxLxD = x_BxLxD + jnp.take(table_PxD, positions_BxL, axis=0).astype(x_BxLxD.dtype)
     # rope: positions enter inside attention, nothing is added here.
     # Fixed here because the gather from the table (vocab over tensor, embed over fsdp)
@@ -139,14 +154,21 @@ class InputEmbedding(nn.Module):
 
 class FeedForward(nn.Module):
   """max(0, x W1 + b1) W2 + b2 (paper), or with GELU, or SwiGLU (gated, no biases)."""
+
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x_BxLxD: Array) -> Array:
     cfg = self.config
     dense = lambda features, axes, name, use_bias=True: nn.Dense(
-        features, use_bias=use_bias, name=name, kernel_init=dense_init(axes),
-        bias_init=zeros_init(axes[-1:]), dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+      features,
+      use_bias=use_bias,
+      name=name,
+      kernel_init=dense_init(axes),
+      bias_init=zeros_init(axes[-1:]),
+      dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype,
+    )
     gated = cfg.activation == "swiglu"
     if gated:
       gate_BxLxF = dense(cfg.d_ff, ("embed", "mlp"), "wi_gate", use_bias=False)(x_BxLxD)
@@ -162,6 +184,7 @@ class FeedForward(nn.Module):
 
 class Sublayer(nn.Module):
   """Residual wrapper: post-LN `LN(x + Dropout(F(x)))` or pre-LN `x + Dropout(F(LN(x)))`."""
+
   config: ModelConfig
 
   @nn.compact
@@ -183,6 +206,7 @@ class Sublayer(nn.Module):
 
 class EncoderLayer(nn.Module):
   """Self-attention, then feed-forward, each in a residual sublayer."""
+
   config: ModelConfig
   deterministic: bool = True
 
@@ -191,32 +215,59 @@ class EncoderLayer(nn.Module):
     cfg, deterministic = self.config, self.deterministic
     attention = MultiHeadAttention(cfg, self_attention=True, name="self_attention")
     x_BxSxD = Sublayer(cfg, name="attention_block")(
-        x_BxSxD, lambda y: attention(y, mask_Bx1xSxS, positions_BxL=positions_BxS,
-                                     deterministic=deterministic), deterministic)
+      x_BxSxD,
+      lambda y: attention(
+        y, mask_Bx1xSxS, positions_BxL=positions_BxS, deterministic=deterministic
+      ),
+      deterministic,
+    )
     return Sublayer(cfg, name="ffn_block")(x_BxSxD, FeedForward(cfg, name="ffn"), deterministic)
 
 
 class DecoderLayer(nn.Module):
   """Causal self-attention, cross-attention to the final encoder output, feed-forward."""
+
   config: ModelConfig
   deterministic: bool = True
   use_cache: bool = False
 
   @nn.compact
-  def __call__(self, y_BxTxD, self_mask_Bx1xTxT, positions_BxT, memory_BxSxD,
-               cross_mask_Bx1xTxS, cache_position: Optional[Array] = None):
+  def __call__(
+    self,
+    y_BxTxD,
+    self_mask_Bx1xTxT,
+    positions_BxT,
+    memory_BxSxD,
+    cross_mask_Bx1xTxS,
+    cache_position: Array | None = None,
+  ):
     cfg, deterministic = self.config, self.deterministic
     self_attention = MultiHeadAttention(cfg, self_attention=True, name="self_attention")
     y_BxTxD = Sublayer(cfg, name="self_attention_block")(
-        y_BxTxD, lambda z: self_attention(
-            z, self_mask_Bx1xTxT, positions_BxL=positions_BxT, deterministic=deterministic,
-            use_cache=self.use_cache, cache_position=cache_position), deterministic)
+      y_BxTxD,
+      lambda z: self_attention(
+        z,
+        self_mask_Bx1xTxT,
+        positions_BxL=positions_BxT,
+        deterministic=deterministic,
+        use_cache=self.use_cache,
+        cache_position=cache_position,
+      ),
+      deterministic,
+    )
     if not cfg.decoder_only:
       # Queries come from the decoder state after its self-attention sublayer; keys and
       # values are this layer's own projections of the final encoder output.
       cross_attention = MultiHeadAttention(cfg, self_attention=False, name="cross_attention")
       y_BxTxD = Sublayer(cfg, name="cross_attention_block")(
-          y_BxTxD, lambda z: cross_attention(
-              z, cross_mask_Bx1xTxS, memory_BxSxD=memory_BxSxD, deterministic=deterministic,
-              use_cache=self.use_cache), deterministic)
+        y_BxTxD,
+        lambda z: cross_attention(
+          z,
+          cross_mask_Bx1xTxS,
+          memory_BxSxD=memory_BxSxD,
+          deterministic=deterministic,
+          use_cache=self.use_cache,
+        ),
+        deterministic,
+      )
     return Sublayer(cfg, name="ffn_block")(y_BxTxD, FeedForward(cfg, name="ffn"), deterministic)

@@ -57,6 +57,7 @@ class ModelConfig:
   `dtype` is the compute dtype of activations and matmuls, `param_dtype` that of the
   parameters (and so of the optimizer state), as flax's layers name them.
   """
+
   vocab_size: int
   max_position: int  # rows of the learned position table (config.position_table_size)
   num_layers: int = 6
@@ -85,12 +86,12 @@ class ModelConfig:
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
+  def from_config(cls, config: ml_collections.ConfigDict) -> ModelConfig:
     """Reads `config.model`'s keys that are fields here, plus the vocabulary and lengths."""
-    model = {f.name: config.model[f.name] for f in dataclasses.fields(cls)
-             if f.name in config.model}
-    return cls(vocab_size=config.vocab_size, max_position=position_table_size(config),
-               **model)
+    model = {
+      f.name: config.model[f.name] for f in dataclasses.fields(cls) if f.name in config.model
+    }
+    return cls(vocab_size=config.vocab_size, max_position=position_table_size(config), **model)
 
 
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -103,10 +104,14 @@ def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
-  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
-                      param_dtype=cfg.param_dtype, name=name,
-                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                      bias_init=zeros_init(("embed",)))
+  return nn.LayerNorm(
+    epsilon=cfg.layer_norm_epsilon,
+    dtype=cfg.dtype,
+    param_dtype=cfg.param_dtype,
+    name=name,
+    scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+    bias_init=zeros_init(("embed",)),
+  )
 
 
 def dense_init(axes: tuple[str, ...]):
@@ -121,8 +126,7 @@ def zeros_init(axes: tuple[str, ...]):
 # Masks and positions.
 
 
-def attention_mask(q_segment_ids_BxL: Array, kv_segment_ids_BxS: Array,
-                   causal: bool) -> Array:
+def attention_mask(q_segment_ids_BxL: Array, kv_segment_ids_BxS: Array, causal: bool) -> Array:
   """The one mask for every attention: padding, packed segments and causality.
 
   A query may attend to a key when both lie in the same segment and the key is not
@@ -144,8 +148,7 @@ def segment_ids_from_tokens(tokens_BxL: Array) -> Array:
 
 
 def default_positions(tokens_BxL: Array) -> Array:
-  return jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1], dtype=jnp.int32),
-                          tokens_BxL.shape)
+  return jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1], dtype=jnp.int32), tokens_BxL.shape)
 
 
 def sinusoidal_encoding(positions_BxL: Array, d_model: int) -> Array:
@@ -155,7 +158,7 @@ def sinusoidal_encoding(positions_BxL: Array, d_model: int) -> Array:
   [B, L, D].
   """
   two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)
-  angles_BxLxHalf = positions_BxL[..., None].astype(jnp.float32) / (10000.0**(two_i / d_model))
+  angles_BxLxHalf = positions_BxL[..., None].astype(jnp.float32) / (10000.0 ** (two_i / d_model))
   interleaved = jnp.stack([jnp.sin(angles_BxLxHalf), jnp.cos(angles_BxLxHalf)], axis=-1)
   return interleaved.reshape(*positions_BxL.shape, d_model)
 
@@ -163,7 +166,7 @@ def sinusoidal_encoding(positions_BxL: Array, d_model: int) -> Array:
 def apply_rope(x_BxLxHxK: Array, positions_BxL: Array) -> Array:
   """Rotary position embedding (Su et al. 2021), rotating the two halves of each head."""
   half = x_BxLxHxK.shape[-1] // 2
-  inv_freq = 1.0 / (10000.0**(jnp.arange(half, dtype=jnp.float32) / half))
+  inv_freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
   angles_BxLx1xHalf = (positions_BxL[..., None].astype(jnp.float32) * inv_freq)[:, :, None, :]
   sin, cos = jnp.sin(angles_BxLx1xHalf), jnp.cos(angles_BxLx1xHalf)
   x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)

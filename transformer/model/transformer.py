@@ -15,22 +15,35 @@ caller may set back to roll a row back (speculative.py).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.model.layers import (DecoderLayer, Embed, EncoderLayer, InputEmbedding,
-                                      OutputProjection)
-from transformer.model.primitives import (BLD, BLV, Array, ModelConfig, attention_mask,
-                                          constrain, default_positions,
-                                          layer_norm, segment_ids_from_tokens)
+from transformer.model.layers import (
+  DecoderLayer,
+  Embed,
+  EncoderLayer,
+  InputEmbedding,
+  OutputProjection,
+)
+from transformer.model.primitives import (
+  BLD,
+  BLV,
+  Array,
+  ModelConfig,
+  attention_mask,
+  constrain,
+  default_positions,
+  layer_norm,
+  segment_ids_from_tokens,
+)
 
 _REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute every activation in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  "full": None,  # save nothing: recompute every activation in the backward pass
+  "dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
 
@@ -38,15 +51,13 @@ def _rematted(layer_class, cfg: ModelConfig):
   """The layer under jax.checkpoint with cfg.remat's policy ('none': unchanged)."""
   if cfg.remat == "none":
     return layer_class
-  return nn.remat(layer_class, policy=_REMAT_POLICIES[cfg.remat],
-                  prevent_cse=not cfg.scan_layers)
+  return nn.remat(layer_class, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
 
 def _carried(layer_class):
   """Wraps a layer as nn.scan wants it: (carry, *broadcast) -> (carry, None)."""
 
   class Carried(layer_class):
-
     def __call__(self, x, *args):
       return super().__call__(x, *args), None
 
@@ -68,30 +79,33 @@ def layer_stack(layer_class, cfg: ModelConfig, x_BxLxD: Array, *args, **attribut
       x_BxLxD = layer(cfg, name=f"layer_{i}", **attributes)(x_BxLxD, *args)
     return x_BxLxD
   scanned = nn.scan(
-      _rematted(_carried(layer_class), cfg),
-      variable_axes={"params": 0, "cache": 0, "intermediates": 0},
-      split_rngs={"params": True, "dropout": True},
-      in_axes=(nn.broadcast,) * len(args),
-      length=cfg.num_layers,
-      metadata_params={nn.PARTITION_NAME: "layers"})
+    _rematted(_carried(layer_class), cfg),
+    variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+    split_rngs={"params": True, "dropout": True},
+    in_axes=(nn.broadcast,) * len(args),
+    length=cfg.num_layers,
+    metadata_params={nn.PARTITION_NAME: "layers"},
+  )
   x_BxLxD, _ = scanned(cfg, name="layers", **attributes)(x_BxLxD, *args)
   return x_BxLxD
 
 
 class Encoder(nn.Module):
   """Source tokens -> the final encoder output [B, S, D] (the decoder's memory)."""
+
   config: ModelConfig
   embed: Embed
 
   @nn.compact
-  def __call__(self, source_BxS, source_segment_ids_BxS, source_positions_BxS,
-               deterministic=True):
+  def __call__(self, source_BxS, source_segment_ids_BxS, source_positions_BxS, deterministic=True):
     cfg = self.config
     x_BxSxD = InputEmbedding(cfg, self.embed, name="input")(
-        source_BxS, source_positions_BxS, deterministic)
+      source_BxS, source_positions_BxS, deterministic
+    )
     mask_Bx1xSxS = attention_mask(source_segment_ids_BxS, source_segment_ids_BxS, causal=False)
-    x_BxSxD = layer_stack(EncoderLayer, cfg, x_BxSxD, mask_Bx1xSxS, source_positions_BxS,
-                          deterministic=deterministic)
+    x_BxSxD = layer_stack(
+      EncoderLayer, cfg, x_BxSxD, mask_Bx1xSxS, source_positions_BxS, deterministic=deterministic
+    )
     if cfg.norm == "pre":
       x_BxSxD = constrain(layer_norm(cfg, "final_norm")(x_BxSxD), BLD)
     return x_BxSxD
@@ -99,13 +113,21 @@ class Encoder(nn.Module):
 
 class Decoder(nn.Module):
   """Target (or, decoder-only, the whole sequence) -> logits over the vocabulary."""
+
   config: ModelConfig
   embed: Embed
 
   @nn.compact
-  def __call__(self, decoder_input_BxT, target_segment_ids_BxT, target_positions_BxT,
-               memory_BxSxD=None, source_segment_ids_BxS=None, deterministic=True,
-               use_cache=False):
+  def __call__(
+    self,
+    decoder_input_BxT,
+    target_segment_ids_BxT,
+    target_positions_BxT,
+    memory_BxSxD=None,
+    source_segment_ids_BxS=None,
+    deterministic=True,
+    use_cache=False,
+  ):
     cfg = self.config
     cache_position = None
     if use_cache:
@@ -123,8 +145,9 @@ class Decoder(nn.Module):
         else:
           # L tokens per row: token i of row b sits at position_b + i.
           target_positions_BxT = jnp.broadcast_to(
-              jnp.reshape(cache_position, (-1, 1)) + jnp.arange(length, dtype=jnp.int32),
-              decoder_input_BxT.shape)
+            jnp.reshape(cache_position, (-1, 1)) + jnp.arange(length, dtype=jnp.int32),
+            decoder_input_BxT.shape,
+          )
           if cfg.positional == "learned":
             # A speculative round may score draft tokens past the table, tokens it never
             # emits; an out-of-range lookup would put NaN in their K/V slots, and a NaN
@@ -132,14 +155,24 @@ class Decoder(nn.Module):
             target_positions_BxT = jnp.minimum(target_positions_BxT, cfg.max_position - 1)
         position.value = cache_position + length
     y_BxTxD = InputEmbedding(cfg, self.embed, name="input")(
-        decoder_input_BxT, target_positions_BxT, deterministic)
+      decoder_input_BxT, target_positions_BxT, deterministic
+    )
     self_mask = attention_mask(target_segment_ids_BxT, target_segment_ids_BxT, causal=True)
     cross_mask = None
     if not cfg.decoder_only:
       cross_mask = attention_mask(target_segment_ids_BxT, source_segment_ids_BxS, causal=False)
-    y_BxTxD = layer_stack(DecoderLayer, cfg, y_BxTxD, self_mask, target_positions_BxT,
-                          memory_BxSxD, cross_mask, cache_position,
-                          deterministic=deterministic, use_cache=use_cache)
+    y_BxTxD = layer_stack(
+      DecoderLayer,
+      cfg,
+      y_BxTxD,
+      self_mask,
+      target_positions_BxT,
+      memory_BxSxD,
+      cross_mask,
+      cache_position,
+      deterministic=deterministic,
+      use_cache=use_cache,
+    )
     if cfg.norm == "pre":
       y_BxTxD = constrain(layer_norm(cfg, "final_norm")(y_BxTxD), BLD)
     if cfg.tie_embeddings:
@@ -157,6 +190,7 @@ class Transformer(nn.Module):
   `decoder_input` [B, T] (the target shifted right behind BOS), `target` [B, T], and
   for packed batches `{source,target}_{segment_ids,positions}`.
   """
+
   config: ModelConfig
 
   def setup(self):
@@ -172,8 +206,13 @@ class Transformer(nn.Module):
       self.encoder = Encoder(cfg, source_embed)
     self.decoder = Decoder(cfg, target_embed)
 
-  def encode(self, source_BxS: Array, source_segment_ids: Optional[Array] = None,
-             source_positions: Optional[Array] = None, deterministic: bool = True) -> Array:
+  def encode(
+    self,
+    source_BxS: Array,
+    source_segment_ids: Array | None = None,
+    source_positions: Array | None = None,
+    deterministic: bool = True,
+  ) -> Array:
     """Source tokens -> final encoder output [B, S, D]."""
     if source_segment_ids is None:
       source_segment_ids = segment_ids_from_tokens(source_BxS)
@@ -181,11 +220,17 @@ class Transformer(nn.Module):
       source_positions = default_positions(source_BxS)
     return self.encoder(source_BxS, source_segment_ids, source_positions, deterministic)
 
-  def decode(self, encoded_BxSxD: Optional[Array], source_BxS: Optional[Array],
-             decoder_input_BxT: Array, source_segment_ids: Optional[Array] = None,
-             target_segment_ids: Optional[Array] = None,
-             target_positions: Optional[Array] = None, deterministic: bool = True,
-             use_cache: bool = False) -> Array:
+  def decode(
+    self,
+    encoded_BxSxD: Array | None,
+    source_BxS: Array | None,
+    decoder_input_BxT: Array,
+    source_segment_ids: Array | None = None,
+    target_segment_ids: Array | None = None,
+    target_positions: Array | None = None,
+    deterministic: bool = True,
+    use_cache: bool = False,
+  ) -> Array:
     """Decoder inputs (+ encoder output) -> f32 logits [B, T, V].
 
     With `use_cache=True` and `mutable=['cache']`: the first call creates the cache (its
@@ -202,21 +247,42 @@ class Transformer(nn.Module):
         target_segment_ids = jnp.ones_like(decoder_input_BxT)
     if target_positions is None:
       target_positions = default_positions(decoder_input_BxT)
-    return self.decoder(decoder_input_BxT, target_segment_ids, target_positions,
-                        encoded_BxSxD, source_segment_ids, deterministic, use_cache)
+    return self.decoder(
+      decoder_input_BxT,
+      target_segment_ids,
+      target_positions,
+      encoded_BxSxD,
+      source_segment_ids,
+      deterministic,
+      use_cache,
+    )
 
-  def __call__(self, source: Optional[Array], decoder_input: Array, *,
-               source_segment_ids: Optional[Array] = None,
-               source_positions: Optional[Array] = None,
-               target_segment_ids: Optional[Array] = None,
-               target_positions: Optional[Array] = None,
-               deterministic: bool = True) -> Array:
+  def __call__(
+    self,
+    source: Array | None,
+    decoder_input: Array,
+    *,
+    source_segment_ids: Array | None = None,
+    source_positions: Array | None = None,
+    target_segment_ids: Array | None = None,
+    target_positions: Array | None = None,
+    deterministic: bool = True,
+  ) -> Array:
     """Teacher-forced forward pass -> f32 logits [B, T, V]."""
     encoded = None
     if not self.config.decoder_only:
+      if source is None:
+        raise ValueError("an encoder-decoder model needs a source")
       encoded = self.encode(source, source_segment_ids, source_positions, deterministic)
-    return self.decode(encoded, source, decoder_input, source_segment_ids,
-                       target_segment_ids, target_positions, deterministic)
+    return self.decode(
+      encoded,
+      source,
+      decoder_input,
+      source_segment_ids,
+      target_segment_ids,
+      target_positions,
+      deterministic,
+    )
 
 
 def stack_layer_params(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -249,8 +315,14 @@ def unstack_layer_params(params: dict[str, Any], num_layers: int) -> dict[str, A
   return unstacked
 
 
-_MODEL_INPUT_KEYS = ("source", "decoder_input", "source_segment_ids", "source_positions",
-                     "target_segment_ids", "target_positions")
+_MODEL_INPUT_KEYS = (
+  "source",
+  "decoder_input",
+  "source_segment_ids",
+  "source_positions",
+  "target_segment_ids",
+  "target_positions",
+)
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

@@ -34,8 +34,13 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
   report = storage.join(workdir, "eval", f"validation-{num_train_steps}.json")
   if storage.exists(report):
     found = storage.read_json(report)
-    return {"ppl": found["ppl"], "bleu": found["bleu"], "bleu_tok": found.get("bleu_tok"),
-            "bleu_sentences": found.get("num_sentences"), "source": "eval.py"}
+    return {
+      "ppl": found["ppl"],
+      "bleu": found["bleu"],
+      "bleu_tok": found.get("bleu_tok"),
+      "bleu_sentences": found.get("num_sentences"),
+      "source": "eval.py",
+    }
   last = None
   for record in reporting.read_metrics(workdir, kind="validation"):
     if record.get("step") == num_train_steps:

@@ -30,12 +30,12 @@ def time_beam_search(
 ) -> dict[str, float]:
   """Compiles, runs once untimed (first-call allocations), then times `repeats` runs;
   returns the median run's seconds and rates."""
-  prompts = decoding.translation_prompts(source_BxS, steps - source_BxS.shape[1],
-                                         model.config.decoder_only)
+  prompts = decoding.translation_prompts(
+    source_BxS, steps - source_BxS.shape[1], model.config.decoder_only
+  )
   search = decoding.BeamSearch(beam_size, alpha=0.6, early_stop=False)
   start = time.perf_counter()
-  compiled = decoding.decode.lower(model, params, prompts, search,
-                                   use_cache=use_cache).compile()
+  compiled = decoding.decode.lower(model, params, prompts, search, use_cache=use_cache).compile()
   compile_s = time.perf_counter() - start
 
   jax.block_until_ready(compiled(params, prompts))

@@ -12,7 +12,8 @@ import json
 import os
 import statistics
 import textwrap
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS_DIR = os.path.join(REPO_ROOT, "docs", "results")
@@ -97,8 +98,12 @@ def source(name: str, records: Sequence[Record]) -> str:
 
   machines, dates, commits = distinct("machine"), distinct("date"), distinct("commit")
   commands = distinct("command")
-  parts = [f"`docs/results/{name}.jsonl`", "; ".join(machines),
-           ", ".join(dates), "commit " + ", ".join(commits)]
+  parts = [
+    f"`docs/results/{name}.jsonl`",
+    "; ".join(machines),
+    ", ".join(dates),
+    "commit " + ", ".join(commits),
+  ]
   if len(commands) == 1:
     parts.append(f"`{commands[0]}`")
   else:
@@ -111,8 +116,10 @@ def source(name: str, records: Sequence[Record]) -> str:
       if commit not in quoted[where]:
         quoted[where].append(commit)
   if quoted:
-    parts.append("figures first quoted in " + "; ".join(
-        f"{where} at {', '.join(commits)}" for where, commits in quoted.items()))
+    parts.append(
+      "figures first quoted in "
+      + "; ".join(f"{where} at {', '.join(commits)}" for where, commits in quoted.items())
+    )
   return "<sub>Records: " + "; ".join(parts) + ".</sub>"
 
 
@@ -127,40 +134,52 @@ def make_train() -> str:
   r = _make_train()
   low, high = r["tokens_per_sec_windows"]
   rows = [
-      ("time (install done, vocabulary cached)",
-       f"{_minutes(r['wall_time_s'])}, of which training {_minutes(r['train_time_s'])} "
-       f"({r['num_train_steps']:,} steps of about "
-       f"{_thousands(round(r['tokens_per_sec'] / r['steps_per_sec'], -2))} real target tokens)"),
-      ("training throughput (median logged window)",
-       f"{_thousands(r['tokens_per_sec'])} target tokens/s ({_thousands(low)} to "
-       f"{_thousands(high)}), MFU {_percent(r['mfu'])}, HFU {_percent(r['hfu'])}"),
-      ("final validation perplexity (unsmoothed)", f"{r['validation_ppl']:.2f}"),
-      (f"{r['split']} split ({r['num_sentences']:,} sentences), beam {r['beam_size']}, "
-       f"alpha {r['alpha']}",
-       f"**sacreBLEU {r['bleu']:.2f}**, tokenized BLEU {r['bleu_tok']:.2f}, "
-       f"chrF {r['chrf']:.2f}"),
-      ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s"),
+    (
+      "time (install done, vocabulary cached)",
+      f"{_minutes(r['wall_time_s'])}, of which training {_minutes(r['train_time_s'])} "
+      f"({r['num_train_steps']:,} steps of about "
+      f"{_thousands(round(r['tokens_per_sec'] / r['steps_per_sec'], -2))} real target tokens)",
+    ),
+    (
+      "training throughput (median logged window)",
+      f"{_thousands(r['tokens_per_sec'])} target tokens/s ({_thousands(low)} to "
+      f"{_thousands(high)}), MFU {_percent(r['mfu'])}, HFU {_percent(r['hfu'])}",
+    ),
+    ("final validation perplexity (unsmoothed)", f"{r['validation_ppl']:.2f}"),
+    (
+      f"{r['split']} split ({r['num_sentences']:,} sentences), beam {r['beam_size']}, "
+      f"alpha {r['alpha']}",
+      f"**sacreBLEU {r['bleu']:.2f}**, tokenized BLEU {r['bleu_tok']:.2f}, chrF {r['chrf']:.2f}",
+    ),
+    ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s"),
   ]
   last_line = f"sacreBLEU {r['bleu']:.2f}  {r['bleu_signature']}"
-  return (table(("`make train`", "result"), rows) + f"\n\nIts last line: `{last_line}`\n\n"
-          + source("make_train", [r]))
+  return (
+    table(("`make train`", "result"), rows)
+    + f"\n\nIts last line: `{last_line}`\n\n"
+    + source("make_train", [r])
+  )
 
 
 def make_train_expected() -> str:
   r = _make_train()
   return textwrap.fill(
-      f"sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
-      f"{r['num_sentences']:,}-sentence test split, validation perplexity "
-      f"{r['validation_ppl']:.2f}; {r['num_train_steps']:,} steps in "
-      f"{_minutes(r['train_time_s'])} on a {r['machine']} ({r['date']}, commit "
-      f"{r['commit']}; docs/results/make_train.jsonl).", width=88)
+    f"sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
+    f"{r['num_sentences']:,}-sentence test split, validation perplexity "
+    f"{r['validation_ppl']:.2f}; {r['num_train_steps']:,} steps in "
+    f"{_minutes(r['train_time_s'])} on a {r['machine']} ({r['date']}, commit "
+    f"{r['commit']}; docs/results/make_train.jsonl).",
+    width=88,
+  )
 
 
 def make_test() -> str:
   r = read_records("make_test")[-1]
   low, high = r["wall_time_min_range"]
-  return (f"It ran {r['tests']} tests in {low} to {high} minutes, install included, on a "
-          f"{r['machine']} ({r['date']}, commit {r['commit']}; `docs/results/make_test.jsonl`).")
+  return (
+    f"It ran {r['tests']} tests in {low} to {high} minutes, install included, on a "
+    f"{r['machine']} ({r['date']}, commit {r['commit']}; `docs/results/make_test.jsonl`)."
+  )
 
 
 # docs/performance.md.
@@ -175,21 +194,26 @@ def _by_label(name: str, kind: str) -> dict[str, Record]:
 # bench/cpu.sh's. Until cpu.sh ran with configs/wmt14.py scanning its layers, the option
 # rows were measured on the unscanned base; a record under today's label replaces them.
 _CPU_STEP_ROWS = (
-    ("base", "wmt14 base (`configs/wmt14.py`, scanned layers)", None),
-    ("base-glibc_default", "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`", None),
-    ("base-unscanned", "wmt14 base, `model.scan_layers=false`", None),
-    ("base-unsafe_rbg", "wmt14 base, `dropout_rng_impl=unsafe_rbg`", None),
-    ("base-attention_xla", "wmt14 base, `model.attention_kernel=xla`", None),
-    ("base-remat_full", "wmt14 base, `model.remat=full`", None),
-    ("base-unscanned-unsafe_rbg", "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
-     "base-unsafe_rbg"),
-    ("base-unscanned-attention_xla", "wmt14 base, unscanned, `model.attention_kernel=xla`",
-     "base-attention_xla"),
-    ("base-unscanned-remat_full", "wmt14 base, unscanned, `model.remat=full`",
-     "base-remat_full"),
-    ("big", "wmt14 big, 4 x 64 tokens", None),
-    ("default", "default (Tatoeba), 16 x 64 tokens", None),
-    ("default-train-shape", "default, 17 x 64 tokens: the step `make train` runs", None),
+  ("base", "wmt14 base (`configs/wmt14.py`, scanned layers)", None),
+  ("base-glibc_default", "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`", None),
+  ("base-unscanned", "wmt14 base, `model.scan_layers=false`", None),
+  ("base-unsafe_rbg", "wmt14 base, `dropout_rng_impl=unsafe_rbg`", None),
+  ("base-attention_xla", "wmt14 base, `model.attention_kernel=xla`", None),
+  ("base-remat_full", "wmt14 base, `model.remat=full`", None),
+  (
+    "base-unscanned-unsafe_rbg",
+    "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
+    "base-unsafe_rbg",
+  ),
+  (
+    "base-unscanned-attention_xla",
+    "wmt14 base, unscanned, `model.attention_kernel=xla`",
+    "base-attention_xla",
+  ),
+  ("base-unscanned-remat_full", "wmt14 base, unscanned, `model.remat=full`", "base-remat_full"),
+  ("big", "wmt14 big, 4 x 64 tokens", None),
+  ("default", "default (Tatoeba), 16 x 64 tokens", None),
+  ("default-train-shape", "default, 17 x 64 tokens: the step `make train` runs", None),
 )
 
 
@@ -203,30 +227,56 @@ def _median_of(record: Record, key: str) -> float | None:
 
 def cpu_train_step() -> str:
   by_label = _by_label("cpu", "train_step")
-  shown = [(what, by_label[label]) for label, what, replaced_by in _CPU_STEP_ROWS
-           if label in by_label and (replaced_by is None or replaced_by not in by_label)]
+  shown = [
+    (what, by_label[label])
+    for label, what, replaced_by in _CPU_STEP_ROWS
+    if label in by_label and (replaced_by is None or replaced_by not in by_label)
+  ]
   chosen = [r for _, r in shown]
 
   def cell(value: float | None, fmt: Callable[[float], str]) -> str:
     return "" if value is None else fmt(value)
 
-  rows = [(what, f"{r['date']}, {r['commit']}", cell(r.get("compile_s"), lambda v: f"{v:.1f} s"),
-           cell(_median_of(r, "step_time_s"), lambda v: f"{_thousands(1e3 * v)} ms"),
-           cell(_median_of(r, "tokens_per_sec"), _thousands), cell(r.get("mfu"), _percent),
-           cell(r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"),
-           "kept" if r["host_memory_retained"] else "returned")
-          for what, r in shown]
-  return table(("run", "measured", "compile", "step (median)", "target tokens/s", "MFU",
-                "peak in that run", "freed host memory"), rows) + "\n\n" + source("cpu", chosen)
+  rows = [
+    (
+      what,
+      f"{r['date']}, {r['commit']}",
+      cell(r.get("compile_s"), lambda v: f"{v:.1f} s"),
+      cell(_median_of(r, "step_time_s"), lambda v: f"{_thousands(1e3 * v)} ms"),
+      cell(_median_of(r, "tokens_per_sec"), _thousands),
+      cell(r.get("mfu"), _percent),
+      cell(r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"),
+      "kept" if r["host_memory_retained"] else "returned",
+    )
+    for what, r in shown
+  ]
+  return (
+    table(
+      (
+        "run",
+        "measured",
+        "compile",
+        "step (median)",
+        "target tokens/s",
+        "MFU",
+        "peak in that run",
+        "freed host memory",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("cpu", chosen)
+  )
 
 
 def cpu_default_beam_search() -> str:
   beam = _by_label("cpu", "beam_search")["default"]
-  return (f"Beam search on the default model (beam {beam['beam_size']}, {beam['sentences']} "
-          f"sentences, {beam['decode_steps']} output tokens each, with the cache): "
-          f"{1e3 * beam['step_time_s']:.0f} ms per step, {_thousands(beam['tokens_per_sec'])} "
-          f"output tokens/s, {beam['sentences_per_sec']:.1f} sentences/s.\n\n"
-          + source("cpu", [beam]))
+  return (
+    f"Beam search on the default model (beam {beam['beam_size']}, {beam['sentences']} "
+    f"sentences, {beam['decode_steps']} output tokens each, with the cache): "
+    f"{1e3 * beam['step_time_s']:.0f} ms per step, {_thousands(beam['tokens_per_sec'])} "
+    f"output tokens/s, {beam['sentences_per_sec']:.1f} sentences/s.\n\n" + source("cpu", [beam])
+  )
 
 
 def compile_depth() -> str:
@@ -236,15 +286,17 @@ def compile_depth() -> str:
     unrolled = by_label[f"compile-N{layers}-scan_false"]
     scanned = by_label[f"compile-N{layers}-scan_true"]
     used += [unrolled, scanned]
-    rows.append((f"N = {layers}", f"{unrolled['compile_s']:.1f} s",
-                 f"{scanned['compile_s']:.1f} s"))
+    rows.append(
+      (f"N = {layers}", f"{unrolled['compile_s']:.1f} s", f"{scanned['compile_s']:.1f} s")
+    )
   deep_unrolled = by_label["compile-N12-scan_false"]
   deep_scanned = by_label["compile-N12-scan_true"]
-  return (table(("layers per stack", "compile, unrolled layers", "compile, `scan_layers=true`"),
-                rows)
-          + f"\n\nAt N = 12 the scanned step also ran faster: "
-          f"{_thousands(1e3 * deep_scanned['step_time_s'])} ms against "
-          f"{_thousands(1e3 * deep_unrolled['step_time_s'])} ms.\n\n" + source("cpu", used))
+  return (
+    table(("layers per stack", "compile, unrolled layers", "compile, `scan_layers=true`"), rows)
+    + f"\n\nAt N = 12 the scanned step also ran faster: "
+    f"{_thousands(1e3 * deep_scanned['step_time_s'])} ms against "
+    f"{_thousands(1e3 * deep_unrolled['step_time_s'])} ms.\n\n" + source("cpu", used)
+  )
 
 
 def host_memory() -> str:
@@ -254,20 +306,37 @@ def host_memory() -> str:
   def row(what: str, r: Record) -> tuple:
     low, high = r["host_kernel_s_per_step"]
     kernel = f"{low:.2f} s" if low == high else f"{low:.2f} to {high:.2f} s"
-    return (what, _runs(r["step_time_s_runs"], lambda s: _thousands(1e3 * s), "ms"),
-            _runs(r["tokens_per_sec_runs"], _thousands),
-            _thousands(r["host_page_faults_per_step"]), kernel,
-            f"{r['peak_rss_bytes'] / 1e9:.2f} GB")
+    return (
+      what,
+      _runs(r["step_time_s_runs"], lambda s: _thousands(1e3 * s), "ms"),
+      _runs(r["tokens_per_sec_runs"], _thousands),
+      _thousands(r["host_page_faults_per_step"]),
+      kernel,
+      f"{r['peak_rss_bytes'] / 1e9:.2f} GB",
+    )
 
-  gain = 1 - (statistics.median(kept["step_time_s_runs"]) /
-              statistics.median(returned["step_time_s_runs"]))
-  return (table(("freed memory", "step: median (each run)", "target tokens/s",
-                 "host page faults per step", "kernel time per step", "peak resident memory"),
-                [row("kept (the default on CPU)", kept),
-                 row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned)])
-          + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
-          f"{100 * (kept['peak_rss_bytes'] / returned['peak_rss_bytes'] - 1):.0f}% more peak "
-          "resident memory.\n\n" + source("cpu", [kept, returned]))
+  gain = 1 - (
+    statistics.median(kept["step_time_s_runs"]) / statistics.median(returned["step_time_s_runs"])
+  )
+  return (
+    table(
+      (
+        "freed memory",
+        "step: median (each run)",
+        "target tokens/s",
+        "host page faults per step",
+        "kernel time per step",
+        "peak resident memory",
+      ),
+      [
+        row("kept (the default on CPU)", kept),
+        row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned),
+      ],
+    )
+    + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
+    f"{100 * (kept['peak_rss_bytes'] / returned['peak_rss_bytes'] - 1):.0f}% more peak "
+    "resident memory.\n\n" + source("cpu", [kept, returned])
+  )
 
 
 def host_memory_input_pipeline() -> str:
@@ -275,28 +344,47 @@ def host_memory_input_pipeline() -> str:
   kept, returned = pipelines["default-retain_freed_memory"], pipelines["default-glibc_default"]
   kept_median = statistics.median(kept["tokens_per_sec_runs"])
   returned_median = statistics.median(returned["tokens_per_sec_runs"])
-  return (f"The default's input pipeline delivered {_runs(kept['tokens_per_sec_runs'], _thousands)}"
-          f" tokens/s with the options and {_runs(returned['tokens_per_sec_runs'], _thousands)} "
-          f"without: {100 * (1 - kept_median / returned_median):.0f}% less with the single "
-          "arena.\n\n" + source("host_memory", [kept, returned]))
+  return (
+    f"The default's input pipeline delivered {_runs(kept['tokens_per_sec_runs'], _thousands)}"
+    f" tokens/s with the options and {_runs(returned['tokens_per_sec_runs'], _thousands)} "
+    f"without: {100 * (1 - kept_median / returned_median):.0f}% less with the single "
+    "arena.\n\n" + source("host_memory", [kept, returned])
+  )
 
 
 def train_loop() -> str:
   records = [r for r in read_records("host_memory") if r["name"] == "train_loop"]
   rows = []
-  for label, what in (("default-train_loop", "kept (the default on CPU)"),
-                      ("default-train_loop-glibc_default",
-                       "returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)")):
+  for label, what in (
+    ("default-train_loop", "kept (the default on CPU)"),
+    ("default-train_loop-glibc_default", "returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)"),
+  ):
     runs = [r for r in records if r["label"] == label]
     ratios = sorted(r["efficiency"] for r in runs)
-    rows.append((what, len(runs),
-                 f"{statistics.median(r['loop_steps_per_sec'] for r in runs):.2f}",
-                 f"{statistics.median(r['bare_steps_per_sec'] for r in runs):.2f}",
-                 f"{100 * statistics.median(ratios):.0f}% ({100 * ratios[0]:.0f}% to "
-                 f"{100 * ratios[-1]:.0f}%)"))
-  return (table(("freed host memory", "runs", "loop, steps/s (median)",
-                 "bare step, steps/s (median)", "loop / bare: median (range)"), rows)
-          + "\n\n" + source("host_memory", records))
+    rows.append(
+      (
+        what,
+        len(runs),
+        f"{statistics.median(r['loop_steps_per_sec'] for r in runs):.2f}",
+        f"{statistics.median(r['bare_steps_per_sec'] for r in runs):.2f}",
+        f"{100 * statistics.median(ratios):.0f}% ({100 * ratios[0]:.0f}% to "
+        f"{100 * ratios[-1]:.0f}%)",
+      )
+    )
+  return (
+    table(
+      (
+        "freed host memory",
+        "runs",
+        "loop, steps/s (median)",
+        "bare step, steps/s (median)",
+        "loop / bare: median (range)",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("host_memory", records)
+  )
 
 
 def memory_per_mesh() -> str:
@@ -305,13 +393,30 @@ def memory_per_mesh() -> str:
   def mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
-  rows = [(r["data"], r["fsdp"], r["tensor"], mib(r["state"]), mib(r["argument"]),
-           mib(r["output"]), mib(r["temp"]), mib(r["temp_propagated"])) for r in records]
+  rows = [
+    (
+      r["data"],
+      r["fsdp"],
+      r["tensor"],
+      mib(r["state"]),
+      mib(r["argument"]),
+      mib(r["output"]),
+      mib(r["temp"]),
+      mib(r["temp_propagated"]),
+    )
+    for r in records
+  ]
   first = records[0]
-  return (f"{first['rows']} x {first['seq_len']} source and target tokens per step; MiB per "
-          "device:\n\n"
-          + table(("data", "fsdp", "tensor", "state", "argument", "output", "temp",
-                   "temp, propagation only"), rows) + "\n\n" + source("memory", records))
+  return (
+    f"{first['rows']} x {first['seq_len']} source and target tokens per step; MiB per "
+    "device:\n\n"
+    + table(
+      ("data", "fsdp", "tensor", "state", "argument", "output", "temp", "temp, propagation only"),
+      rows,
+    )
+    + "\n\n"
+    + source("memory", records)
+  )
 
 
 def _side_by_side(kind: str) -> str:
@@ -322,8 +427,12 @@ def _side_by_side(kind: str) -> str:
   rows = []
   for r in chosen:
     ours, flax = statistics.median(r["project_runs"]), statistics.median(r["flax_runs"])
-    row = [f"{r['layers']}", _runs(r["project_runs"], fmt), _runs(r["flax_runs"], fmt),
-           f"**{ours / flax:.2f}x**"]
+    row = [
+      f"{r['layers']}",
+      _runs(r["project_runs"], fmt),
+      _runs(r["flax_runs"], fmt),
+      f"**{ours / flax:.2f}x**",
+    ]
     if "flax_same_glibc_runs" in r:
       same = statistics.median(r["flax_same_glibc_runs"])
       row += [_runs(r["flax_same_glibc_runs"], fmt), f"{ours / same:.2f}x"]
@@ -361,23 +470,48 @@ def _training_flops(record: Record, tokens_per_step: float = 25_000) -> float:
 
 def table3() -> str:
   from transformer.sweeps.spec import load_sweep
+
   paper = {row.name: row for row in load_sweep("configs/sweeps/table3.py").rows}
   records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
-  rows = [(r["name"], f"`{_overrides(r['overrides'])}`", _paper(paper[r["name"]].paper_ppl, 2),
-           _paper(paper[r["name"]].paper_bleu, 1),
-           "" if r["paper_params_m"] is None else f"{r['paper_params_m']}M",
-           f"{r['num_params'] / 1e6:.1f}M", _scientific(r["flops_per_token"])) for r in records]
-  return (table(("row", "train.py overrides of `configs/wmt14.py:base`", "paper PPL",
-                 "paper BLEU", "paper params", "our params", "FLOPs / target token"), rows)
-          + "\n\n" + source("table3_dry_run", records))
+  rows = [
+    (
+      r["name"],
+      f"`{_overrides(r['overrides'])}`",
+      _paper(paper[r["name"]].paper_ppl, 2),
+      _paper(paper[r["name"]].paper_bleu, 1),
+      "" if r["paper_params_m"] is None else f"{r['paper_params_m']}M",
+      f"{r['num_params'] / 1e6:.1f}M",
+      _scientific(r["flops_per_token"]),
+    )
+    for r in records
+  ]
+  return (
+    table(
+      (
+        "row",
+        "train.py overrides of `configs/wmt14.py:base`",
+        "paper PPL",
+        "paper BLEU",
+        "paper params",
+        "our params",
+        "FLOPs / target token",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("table3_dry_run", records)
+  )
 
 
 def table3_cost() -> str:
   """Parameter counts against the paper's, and training FLOPs, from the dry run."""
   records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
   by_name = {r["name"]: r for r in records}
-  compared = [(r["num_params"] / (r["paper_params_m"] * 1e6) - 1, r["name"]) for r in records
-              if r["paper_params_m"]]
+  compared = [
+    (r["num_params"] / (r["paper_params_m"] * 1e6) - 1, r["name"])
+    for r in records
+    if r["paper_params_m"]
+  ]
   furthest, furthest_name = max(compared, key=lambda c: abs(c[0]))
   hundred_k = [r for r in records if "num_train_steps" not in r["overrides"]]
   cheapest = min(hundred_k, key=_training_flops)
@@ -385,22 +519,25 @@ def table3_cost() -> str:
   total = sum(_training_flops(r) for r in records)
   # 8 A100s at an assumed 40% of their dense bf16 peak (312 TFLOP/s each).
   sustained = 8 * 312e12 * 0.4
-  return (f"Every row's parameter count is within {100 * abs(furthest):.0f}% of the paper's "
-          f"({furthest_name} is the furthest, {100 * furthest:+.1f}%). By our FLOP count a "
-          f"100K-step row at 25,000 target tokens per step is about "
-          f"{_scientific(_training_flops(by_name['base']))} FLOPs (base; from "
-          f"{_scientific(_training_flops(cheapest))} for {cheapest['name']} to "
-          f"{_scientific(_training_flops(dearest))} for {dearest['name']}), big about "
-          f"{_scientific(_training_flops(by_name['big']))}, and the whole table about "
-          f"{_scientific(total)}. At an assumed 40% of bf16 peak "
-          f"(`--config.model.dtype=bfloat16`), one machine with 8 A100s would need about "
-          f"{_training_flops(by_name['base']) / sustained / 60:.0f} minutes per 100K-step base "
-          f"row and about {total / sustained / 3600:.0f} hours for the table: estimates from "
-          "FLOPs, not measurements.\n\n" + source("table3_dry_run", records))
+  return (
+    f"Every row's parameter count is within {100 * abs(furthest):.0f}% of the paper's "
+    f"({furthest_name} is the furthest, {100 * furthest:+.1f}%). By our FLOP count a "
+    f"100K-step row at 25,000 target tokens per step is about "
+    f"{_scientific(_training_flops(by_name['base']))} FLOPs (base; from "
+    f"{_scientific(_training_flops(cheapest))} for {cheapest['name']} to "
+    f"{_scientific(_training_flops(dearest))} for {dearest['name']}), big about "
+    f"{_scientific(_training_flops(by_name['big']))}, and the whole table about "
+    f"{_scientific(total)}. At an assumed 40% of bf16 peak "
+    f"(`--config.model.dtype=bfloat16`), one machine with 8 A100s would need about "
+    f"{_training_flops(by_name['base']) / sustained / 60:.0f} minutes per 100K-step base "
+    f"row and about {total / sustained / 3600:.0f} hours for the table: estimates from "
+    "FLOPs, not measurements.\n\n" + source("table3_dry_run", records)
+  )
 
 
 def table3_small() -> str:
   from transformer.sweeps.spec import load_sweep
+
   paper = {row.name: row for row in load_sweep("configs/sweeps/table3_small.py").rows}
   records = latest(read_records("table3_small"), key=lambda r: r["row"])
   base = next(r for r in records if r["row"] == "base")
@@ -409,23 +546,58 @@ def table3_small() -> str:
   def change(value: float | None, reference: float | None) -> str:
     return "" if value is None or reference is None else f"{100 * (value / reference - 1):+.0f}%"
 
-  rows = [(r["row"], r["changed"], f"{r['num_params'] / 1e6:.1f}", f"{r['ppl']:.2f}",
-           change(r["ppl"], base["ppl"]), f"{r['bleu']:.2f}",
-           _paper(paper[r["row"]].paper_ppl, 2), change(paper[r["row"]].paper_ppl, paper_base),
-           _paper(paper[r["row"]].paper_bleu, 1)) for r in records]
-  return (table(("row", "changed values", "params (M)", "validation ppl", "ppl vs base",
-                 f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
-                 "paper ppl", "paper ppl vs base", "paper BLEU"), rows)
-          + "\n\n" + source("table3_small", records))
+  rows = [
+    (
+      r["row"],
+      r["changed"],
+      f"{r['num_params'] / 1e6:.1f}",
+      f"{r['ppl']:.2f}",
+      change(r["ppl"], base["ppl"]),
+      f"{r['bleu']:.2f}",
+      _paper(paper[r["row"]].paper_ppl, 2),
+      change(paper[r["row"]].paper_ppl, paper_base),
+      _paper(paper[r["row"]].paper_bleu, 1),
+    )
+    for r in records
+  ]
+  return (
+    table(
+      (
+        "row",
+        "changed values",
+        "params (M)",
+        "validation ppl",
+        "ppl vs base",
+        f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
+        "paper ppl",
+        "paper ppl vs base",
+        "paper BLEU",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("table3_small", records)
+  )
 
 
 def decoder_only_vs_encoder_decoder() -> str:
   records = latest(read_records("decoder_only_vs_encoder_decoder"), key=lambda r: r["row"])
-  rows = [(r["row"], _thousands(r["num_params"]), f"{r['ppl']:.2f}", f"{r['bleu']:.2f}")
-          for r in records]
-  return (table(("row", "parameters", "validation ppl",
-                 f"BLEU (first {records[0]['bleu_sentences']} validation sentences)"), rows)
-          + "\n\n" + source("decoder_only_vs_encoder_decoder", records))
+  rows = [
+    (r["row"], _thousands(r["num_params"]), f"{r['ppl']:.2f}", f"{r['bleu']:.2f}") for r in records
+  ]
+  return (
+    table(
+      (
+        "row",
+        "parameters",
+        "validation ppl",
+        f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("decoder_only_vs_encoder_decoder", records)
+  )
 
 
 def _sweep_expected(name: str) -> str:
@@ -433,9 +605,11 @@ def _sweep_expected(name: str) -> str:
   rows = "; ".join(f"{r['row']} {r['ppl']:.2f} and {r['bleu']:.2f}" for r in records)
   first = records[0]
   return textwrap.fill(
-      f"Expected, as validation perplexity and BLEU (first {first['bleu_sentences']} "
-      f"validation sentences) at the last step: {rows} ({first['date']}, commit "
-      f"{first['commit']}; docs/results/{name}.jsonl).", width=88)
+    f"Expected, as validation perplexity and BLEU (first {first['bleu_sentences']} "
+    f"validation sentences) at the last step: {rows} ({first['date']}, commit "
+    f"{first['commit']}; docs/results/{name}.jsonl).",
+    width=88,
+  )
 
 
 def table3_small_expected() -> str:
@@ -451,25 +625,57 @@ def decoder_only_vs_encoder_decoder_expected() -> str:
 
 def input_padding() -> str:
   records = latest(read_records("input_pipeline"), key=lambda r: r["flags"])
-  rows = [(f"`{r['flags']}`" if r["flags"] else "(none)", r["batching"],
-           f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
-           f"{_thousands(r['source_tokens_per_batch'])} / "
-           f"{_thousands(r['target_tokens_per_batch'])}",
-           f"{_percent(r['source_padding_efficiency'])} / "
-           f"{_percent(r['target_padding_efficiency'])}",
-           f"{r['shapes_seen']} / {r['shapes_planned']}") for r in records]
-  return (table(("flags", "batching", "max_len / tokens_per_batch",
-                 "real tokens per batch (source / target)",
-                 "real share of slots (source / target)", "shapes seen / planned"), rows)
-          + "\n\n" + source("input_pipeline", records))
+  rows = [
+    (
+      f"`{r['flags']}`" if r["flags"] else "(none)",
+      r["batching"],
+      f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
+      f"{_thousands(r['source_tokens_per_batch'])} / {_thousands(r['target_tokens_per_batch'])}",
+      f"{_percent(r['source_padding_efficiency'])} / {_percent(r['target_padding_efficiency'])}",
+      f"{r['shapes_seen']} / {r['shapes_planned']}",
+    )
+    for r in records
+  ]
+  return (
+    table(
+      (
+        "flags",
+        "batching",
+        "max_len / tokens_per_batch",
+        "real tokens per batch (source / target)",
+        "real share of slots (source / target)",
+        "shapes seen / planned",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("input_pipeline", records)
+  )
 
 
 def views() -> dict[str, Callable[[], str]]:
   """Every view, by the name regions use."""
-  return {view.__name__: view for view in (
-      make_train, make_train_expected, make_test, cpu_train_step,
-      cpu_default_beam_search, compile_depth, host_memory, host_memory_input_pipeline,
-      train_loop, memory_per_mesh, flax_train_step, flax_beam_search, table3, table3_cost,
+  return {
+    view.__name__: view
+    for view in (
+      make_train,
+      make_train_expected,
+      make_test,
+      cpu_train_step,
+      cpu_default_beam_search,
+      compile_depth,
+      host_memory,
+      host_memory_input_pipeline,
+      train_loop,
+      memory_per_mesh,
+      flax_train_step,
+      flax_beam_search,
+      table3,
+      table3_cost,
       table3_small,
-      decoder_only_vs_encoder_decoder, table3_small_expected,
-      decoder_only_vs_encoder_decoder_expected, input_padding)}
+      decoder_only_vs_encoder_decoder,
+      table3_small_expected,
+      decoder_only_vs_encoder_decoder_expected,
+      input_padding,
+    )
+  }

@@ -44,16 +44,21 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from transformer.tools.doc_views import REPO_ROOT, RecordError, views as all_views
+from transformer.tools.doc_views import REPO_ROOT, RecordError
+from transformer.tools.doc_views import views as all_views
 
 # The files that hold rendered regions: README, every page of docs/ (not the history
 # under docs/notes/), and the configs' docstrings.
 RENDERED_GLOBS = ("README.md", "docs/*.md", "configs/*.py", "configs/sweeps/*.py")
 
-REGION = re.compile(r"(?P<start><!-- results:(?P<view>[\w.-]+) -->\n)(?P<body>.*?)"
-                    r"(?P<end>^[ \t]*<!-- /results -->)", re.DOTALL | re.MULTILINE)
+REGION = re.compile(
+  r"(?P<start><!-- results:(?P<view>[\w.-]+) -->\n)(?P<body>.*?)"
+  r"(?P<end>^[ \t]*<!-- /results -->)",
+  re.DOTALL | re.MULTILINE,
+)
 
 
 def render_text(text: str, views: dict[str, Callable[[], str]], where: str = "") -> str:
@@ -62,10 +67,12 @@ def render_text(text: str, views: dict[str, Callable[[], str]], where: str = "")
   def replace(match: re.Match) -> str:
     name = match.group("view")
     if name not in views:
-      raise RecordError(f"{where}: unknown view {name!r} in a results region; the views are "
-                        f"{', '.join(sorted(views))}")
+      raise RecordError(
+        f"{where}: unknown view {name!r} in a results region; the views are "
+        f"{', '.join(sorted(views))}"
+      )
     end = match.group("end")
-    indent = end[:len(end) - len(end.lstrip(" \t"))]
+    indent = end[: len(end) - len(end.lstrip(" \t"))]
     body = views[name]().rstrip("\n")
     body = "\n".join(indent + line if line else "" for line in body.split("\n"))
     return match.group("start") + body + "\n" + match.group("end")
@@ -76,14 +83,16 @@ def render_text(text: str, views: dict[str, Callable[[], str]], where: str = "")
 def rendered_files(root: str = REPO_ROOT) -> list[str]:
   """Every file that may hold a region, relative to root."""
   import glob
+
   found = []
   for pattern in RENDERED_GLOBS:
     found += sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
   return found
 
 
-def render(root: str = REPO_ROOT, check: bool = False,
-           views: dict[str, Callable[[], str]] | None = None) -> list[str]:
+def render(
+  root: str = REPO_ROOT, check: bool = False, views: dict[str, Callable[[], str]] | None = None
+) -> list[str]:
   """Renders every region under root; returns the files that changed (or would, if check)."""
   if views is None:
     views = all_views()
@@ -108,15 +117,19 @@ def provenance(command: str, machine: str | None = None) -> dict[str, str]:
   """machine, date, commit and command for a record made now, from this checkout."""
 
   def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+      ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
   commit = git("rev-parse", "--short", "HEAD")
   if git("status", "--porcelain", "--untracked-files=no"):
     commit += "-dirty"
-  return {"machine": machine or describe_machine(),
-          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-          "commit": commit, "command": command}
+  return {
+    "machine": machine or describe_machine(),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+    "commit": commit,
+    "command": command,
+  }
 
 
 def describe_machine() -> str:
@@ -145,9 +158,13 @@ def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
   logged windows, the last validation) and eval.py's JSON of the test split at the last
   step. wall_time_s is the command's own time, measured outside it."""
   import statistics
+
   from transformer import storage
-  records = [json.loads(line) for line in
-             storage.read_text(storage.join(workdir, "metrics.jsonl")).splitlines()]
+
+  records = [
+    json.loads(line)
+    for line in storage.read_text(storage.join(workdir, "metrics.jsonl")).splitlines()
+  ]
   windows = [r for r in records if r["kind"] == "train"]
   validations = [r for r in records if r["kind"] == "validation"]
   if not windows or not validations:
@@ -160,16 +177,35 @@ def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
     return statistics.median(values) if values else None
 
   tokens_per_sec = [r["tokens_per_sec"] for r in windows]
-  return {"name": "make_train", "workdir": workdir, "num_train_steps": step,
-          "wall_time_s": round(wall_time_s), "train_time_s": round(windows[-1]["elapsed_s"]),
-          "tokens_per_sec": median("tokens_per_sec"), "steps_per_sec": median("steps_per_sec"),
-          "tokens_per_sec_windows": [min(tokens_per_sec), max(tokens_per_sec)],
-          "mfu": median("mfu"), "hfu": median("hfu"),
-          "padding_efficiency": median("padding_efficiency"),
-          "validation_ppl": validations[-1]["ppl"],
-          **{key: scores[key] for key in ("split", "num_sentences", "beam_size", "alpha", "bleu",
-                                          "bleu_tok", "chrf", "bleu_signature",
-                                          "sentences_per_sec") if key in scores}}
+  return {
+    "name": "make_train",
+    "workdir": workdir,
+    "num_train_steps": step,
+    "wall_time_s": round(wall_time_s),
+    "train_time_s": round(windows[-1]["elapsed_s"]),
+    "tokens_per_sec": median("tokens_per_sec"),
+    "steps_per_sec": median("steps_per_sec"),
+    "tokens_per_sec_windows": [min(tokens_per_sec), max(tokens_per_sec)],
+    "mfu": median("mfu"),
+    "hfu": median("hfu"),
+    "padding_efficiency": median("padding_efficiency"),
+    "validation_ppl": validations[-1]["ppl"],
+    **{
+      key: scores[key]
+      for key in (
+        "split",
+        "num_sentences",
+        "beam_size",
+        "alpha",
+        "bleu",
+        "bleu_tok",
+        "chrf",
+        "bleu_signature",
+        "sentences_per_sec",
+      )
+      if key in scores
+    },
+  }
 
 
 def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -189,31 +225,49 @@ def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
   import argparse
+
   command = []
   if "--" in argv:
-    command = argv[argv.index("--") + 1:]
-    argv = argv[:argv.index("--")]
+    command = argv[argv.index("--") + 1 :]
+    argv = argv[: argv.index("--")]
   parser = argparse.ArgumentParser(
-      prog="python -m transformer.tools.render_docs",
-      description="Render the results regions of README, docs/ and the configs from "
-      "docs/results/*.jsonl, or append records to one of those files.")
-  parser.add_argument("--check", action="store_true",
-                      help="Change nothing; exit 1 if a region differs from its records.")
-  parser.add_argument("--record", metavar="FILE.jsonl",
-                      help="Append records to this file: the JSON lines the command after "
-                      "-- prints, or the object in --from_json.")
-  parser.add_argument("--from_json", metavar="FILE",
-                      help="With --record: a JSON file a command wrote (e.g. eval.py's "
-                      "eval/<split>-<step>.json), or JSON lines (bench/results/cpu.jsonl).")
-  parser.add_argument("--from_workdir", metavar="WORKDIR",
-                      help="With --record: the make_train record of this `make train` run "
-                      "(metrics.jsonl and eval/test-<step>.json); needs --wall_time_s.")
-  parser.add_argument("--wall_time_s", type=float,
-                      help="With --from_workdir: how long `make train` took, in seconds.")
-  parser.add_argument("--command", help="With --from_json or --from_workdir: the command "
-                      "that wrote the file(s).")
-  parser.add_argument("--machine", help="With --record: the hardware, in words (default: "
-                      "the CPU's model and core count).")
+    prog="python -m transformer.tools.render_docs",
+    description="Render the results regions of README, docs/ and the configs from "
+    "docs/results/*.jsonl, or append records to one of those files.",
+  )
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="Change nothing; exit 1 if a region differs from its records.",
+  )
+  parser.add_argument(
+    "--record",
+    metavar="FILE.jsonl",
+    help="Append records to this file: the JSON lines the command after "
+    "-- prints, or the object in --from_json.",
+  )
+  parser.add_argument(
+    "--from_json",
+    metavar="FILE",
+    help="With --record: a JSON file a command wrote (e.g. eval.py's "
+    "eval/<split>-<step>.json), or JSON lines (bench/results/cpu.jsonl).",
+  )
+  parser.add_argument(
+    "--from_workdir",
+    metavar="WORKDIR",
+    help="With --record: the make_train record of this `make train` run "
+    "(metrics.jsonl and eval/test-<step>.json); needs --wall_time_s.",
+  )
+  parser.add_argument(
+    "--wall_time_s", type=float, help="With --from_workdir: how long `make train` took, in seconds."
+  )
+  parser.add_argument(
+    "--command", help="With --from_json or --from_workdir: the command that wrote the file(s)."
+  )
+  parser.add_argument(
+    "--machine",
+    help="With --record: the hardware, in words (default: the CPU's model and core count).",
+  )
   args = parser.parse_args(argv)
 
   if args.record:
@@ -243,8 +297,10 @@ def main(argv: list[str]) -> int:
       process = subprocess.run(command, stdout=subprocess.PIPE, text=True)
       sys.stdout.write(process.stdout)
       if process.returncode != 0:
-        print(f"error: the command exited with code {process.returncode}; nothing recorded",
-              file=sys.stderr)
+        print(
+          f"error: the command exited with code {process.returncode}; nothing recorded",
+          file=sys.stderr,
+        )
         return 1
       records = json_objects(process.stdout.splitlines())
       if not records:

@@ -18,7 +18,8 @@ import json
 import math
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import ml_collections
@@ -50,6 +51,7 @@ def _call_within(seconds: float, call: Callable[[], Any]) -> bool:
       outcome.append((True, call()))
     except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
       outcome.append((False, e))
+
   thread = threading.Thread(target=run, name="checkpoint-wait", daemon=True)
   thread.start()
   thread.join(max(seconds, 0.0))
@@ -67,8 +69,7 @@ def _join_orbax_threads(timeout_s: float = 60.0) -> None:
   process's error and print their own tracebacks at exit, after the one-line message."""
   deadline = time.time() + timeout_s
   for thread in threading.enumerate():
-    if thread is not threading.current_thread() and type(thread).__module__.startswith(
-        "orbax."):
+    if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax."):
       thread.join(max(0.0, deadline - time.time()))
 
 
@@ -89,24 +90,34 @@ def steps_on_disk(workdir: str) -> list[int]:
   directory = storage.as_path(checkpoint_dir(workdir))
   if not directory.exists():
     return []
-  return sorted(int(p.name) for p in directory.iterdir()
-                if p.name.isdigit() and ocp.step.is_path_finalized(p))
+  return sorted(
+    int(p.name) for p in directory.iterdir() if p.name.isdigit() and ocp.step.is_path_finalized(p)
+  )
 
 
 class Checkpointer:
   """Asynchronous saves every so often, keeping the newest `keep` checkpoints."""
 
-  def __init__(self, workdir: str, keep: int, async_save: bool = True,
-               clean_torn: bool = False, timeout_s: float = 600.0):
+  def __init__(
+    self,
+    workdir: str,
+    keep: int,
+    async_save: bool = True,
+    clean_torn: bool = False,
+    timeout_s: float = 600.0,
+  ):
     """clean_torn: delete the `<step>.orbax-checkpoint-tmp` directories that saves torn by
     a kill left behind (they are never listed as steps). Only the training run may: for
     anyone else reading the workdir they can be saves still in progress.
     timeout_s: how long a save may take, from its start to its commit (config.storage_timeout_s);
     Orbax's own background thread gives up after it too."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=clean_torn,
-        async_options=ocp.AsyncOptions(timeout_secs=max(1, math.ceil(timeout_s))))
+      max_to_keep=keep,
+      create=True,
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=clean_torn,
+      async_options=ocp.AsyncOptions(timeout_secs=max(1, math.ceil(timeout_s))),
+    )
     self.timeout_s = timeout_s
     self._started = 0.0  # time.monotonic() at the start of the last save
     self.workdir = workdir
@@ -115,13 +126,15 @@ class Checkpointer:
       # Created here, so that a path that cannot hold checkpoints fails now, not at the
       # first save (Orbax creates it lazily).
       storage.makedirs(self.directory)
-      self._manager = ocp.CheckpointManager(storage.as_path(self.directory), options=options,
-                                            item_names=_ITEMS)
+      self._manager = ocp.CheckpointManager(
+        storage.as_path(self.directory), options=options, item_names=_ITEMS
+      )
     except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
-      raise CheckpointError(f"cannot use {self.directory} for checkpoints: "
-                            f"{storage.error_text(e)}") from None
-    self._writing: Optional[int] = None  # the step of a save that may still be running
-    self._reported: Optional[CheckpointError] = None
+      raise CheckpointError(
+        f"cannot use {self.directory} for checkpoints: {storage.error_text(e)}"
+      ) from None
+    self._writing: int | None = None  # the step of a save that may still be running
+    self._reported: CheckpointError | None = None
 
   def steps_on_disk(self) -> list[int]:
     return steps_on_disk(self.workdir)
@@ -133,17 +146,22 @@ class Checkpointer:
     step = f" at step {self._writing}" if self._writing is not None else ""
     self._writing = None
     self._reported = CheckpointError(
-        f"the checkpoint{step} could not be written ({first_line(e, with_type=True)}); "
-        f"complete checkpoints in {self.directory}: {self.steps_on_disk()}")
+      f"the checkpoint{step} could not be written ({first_line(e, with_type=True)}); "
+      f"complete checkpoints in {self.directory}: {self.steps_on_disk()}"
+    )
     return self._reported
 
   def _timed_out(self) -> CheckpointTimeout:
     """The error of a save past its time; the storage is not asked anything more."""
-    where = storage.join(self.directory, str(self._writing)) if self._writing is not None \
-        else self.directory
+    where = (
+      storage.join(self.directory, str(self._writing))
+      if self._writing is not None
+      else self.directory
+    )
     self._writing = None
-    self._reported = CheckpointTimeout(storage.timeout_message(f"the checkpoint {where}",
-                                                               self.timeout_s))
+    self._reported = CheckpointTimeout(
+      storage.timeout_message(f"the checkpoint {where}", self.timeout_s)
+    )
     return self._reported
 
   def _within_time_left(self, call: Callable[[], Any]) -> None:
@@ -154,14 +172,15 @@ class Checkpointer:
     if not _call_within(left, call):
       raise self._timed_out()
 
-  def latest_step(self) -> Optional[int]:
+  def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state: Any, iterator_state: dict,
-           config: ml_collections.ConfigDict) -> None:
+  def save(
+    self, step: int, state: Any, iterator_state: dict, config: ml_collections.ConfigDict
+  ) -> None:
     """Starts writing; returns before the write finishes unless saving is synchronous.
 
     Raises CheckpointError if the previous asynchronous save failed (it is awaited here).
@@ -170,10 +189,17 @@ class Checkpointer:
       self.wait()  # within the previous save's time: Orbax's save would wait without end
     self._started, self._writing = time.monotonic(), step
     try:
-      self._within_time_left(lambda: self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state),
-          data_iterator=ocp.args.JsonSave(iterator_state),
-          config=ocp.args.JsonSave(json.loads(config.to_json()))), force=True))
+      self._within_time_left(
+        lambda: self._manager.save(
+          step,
+          args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data_iterator=ocp.args.JsonSave(iterator_state),
+            config=ocp.args.JsonSave(json.loads(config.to_json())),
+          ),
+          force=True,
+        )
+      )
     except CheckpointTimeout:
       raise
     except Exception as e:  # this save's synchronous part failed
@@ -182,24 +208,31 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """(state placed as `abstract_state`'s shardings say, iterator state)."""
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          data_iterator=ocp.args.JsonRestore()))
+      restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data_iterator=ocp.args.JsonRestore()
+        ),
+      )
     except (ValueError, KeyError, TypeError, OSError) as e:
       # A tree or shape that does not fit this config's model, or damaged files.
-      raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be loaded (a "
-                            f"model other than this config's, or damaged files): "
-                            f"{first_line(e, with_type=True)}") from e
+      raise CheckpointError(
+        f"checkpoint {step} in {self.directory} cannot be loaded (a "
+        f"model other than this config's, or damaged files): "
+        f"{first_line(e, with_type=True)}"
+      ) from e
     return restored["state"], restored["data_iterator"]
 
   def saved_iterator_state(self, step: int) -> dict:
     """The data iterator's state of checkpoint `step`, read without the arrays."""
-    return self._manager.restore(step, args=ocp.args.Composite(
-        data_iterator=ocp.args.JsonRestore()))["data_iterator"]
+    return self._manager.restore(
+      step, args=ocp.args.Composite(data_iterator=ocp.args.JsonRestore())
+    )["data_iterator"]
 
   def saved_config(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(
-        config=ocp.args.JsonRestore()))["config"]
+    return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
+      "config"
+    ]
 
   def reached_preemption(self, step: int) -> bool:
     """True on every host at the same `step` after any host got a preemption notice
@@ -233,19 +266,32 @@ class Checkpointer:
 
 # Model keys that change the parameter tree or its shapes: a checkpoint made with other
 # values cannot be loaded.
-_ARCHITECTURE_KEYS = ("num_layers", "d_model", "d_ff", "num_heads", "d_k", "d_v",
-                      "positional", "activation", "tie_embeddings", "decoder_only", "norm")
+_ARCHITECTURE_KEYS = (
+  "num_layers",
+  "d_model",
+  "d_ff",
+  "num_heads",
+  "d_k",
+  "d_v",
+  "positional",
+  "activation",
+  "tie_embeddings",
+  "decoder_only",
+  "norm",
+)
 
 
 def check_compatible(saved: dict, config: ml_collections.ConfigDict) -> None:
   """One-line ConfigError naming the first architecture key that differs."""
   pairs = [("vocab_size", saved.get("vocab_size"), config.vocab_size)]
-  pairs += [(f"model.{k}", saved.get("model", {}).get(k), config.model[k])
-            for k in _ARCHITECTURE_KEYS]
+  pairs += [
+    (f"model.{k}", saved.get("model", {}).get(k), config.model[k]) for k in _ARCHITECTURE_KEYS
+  ]
   for key, was, now in pairs:
     if was is not None and was != now:
-      raise ConfigError(f"config.{key}: the checkpoint was trained with {was!r}, "
-                        f"the config says {now!r}")
+      raise ConfigError(
+        f"config.{key}: the checkpoint was trained with {was!r}, the config says {now!r}"
+      )
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -256,16 +302,18 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   try:
     saved = json.loads(storage.read_text(path))
   except ValueError as e:
-    raise ConfigError(f"{path} is not valid JSON ({e}); rerunning train.py on the "
-                      "workdir writes it again") from None
+    raise ConfigError(
+      f"{path} is not valid JSON ({e}); rerunning train.py on the workdir writes it again"
+    ) from None
   saved.pop("versions", None)  # what it was trained with, a record rather than a setting
   config = config_lib.base_config()
   config.update(saved)
   return config
 
 
-def restore_params(workdir: str, setup, step: Optional[int] = None,
-                   average_last: int = 1) -> tuple[Any, int]:
+def restore_params(
+  workdir: str, setup, step: int | None = None, average_last: int = 1
+) -> tuple[Any, int]:
   """Parameters of checkpoint `step` (default: newest), or the mean of the newest k.
 
   `setup`: the config's `training.state.Setup`, which says the shapes and shardings to
@@ -278,13 +326,15 @@ def restore_params(workdir: str, setup, step: Optional[int] = None,
   if not steps:
     raise ConfigError(f"{checkpoint_dir(workdir)} holds no checkpoint")
   if step is not None and step not in steps:
-    raise ConfigError(f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; "
-                      f"there are {steps}")
+    raise ConfigError(
+      f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; there are {steps}"
+    )
   upto = step if step is not None else steps[-1]
   chosen = [s for s in steps if s <= upto][-average_last:]
   if len(chosen) < average_last:
-    raise ConfigError(f"--average_last {average_last}: only {len(chosen)} checkpoints up to "
-                      f"step {upto} ({chosen})")
+    raise ConfigError(
+      f"--average_last {average_last}: only {len(chosen)} checkpoints up to step {upto} ({chosen})"
+    )
   check_compatible(checkpointer.saved_config(chosen[-1]), setup.config)
   target = setup.restore_target()
   total = None
@@ -293,6 +343,7 @@ def restore_params(workdir: str, setup, step: Optional[int] = None,
     params = jax.tree.map(lambda x: x.astype("float32"), state.params)
     total = params if total is None else jax.tree.map(lambda a, b: a + b, total, params)
   checkpointer.close()
-  averaged = jax.tree.map(lambda x, ref: (x / len(chosen)).astype(ref.dtype), total,
-                          setup.abstract_state.params)
+  averaged = jax.tree.map(
+    lambda x, ref: (x / len(chosen)).astype(ref.dtype), total, setup.abstract_state.params
+  )
   return averaged, chosen[-1]

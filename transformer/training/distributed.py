@@ -17,17 +17,25 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"],
-                    "Start jax.distributed: auto = when flags or a TPU pod / SLURM job "
-                    "with several processes are detected.")
+  flags.DEFINE_enum(
+    "distributed",
+    "auto",
+    ["auto", "on", "off"],
+    "Start jax.distributed: auto = when flags or a TPU pod / SLURM job "
+    "with several processes are detected.",
+  )
   flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
   flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
   flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes-1.")
-  flags.DEFINE_integer("distributed_init_timeout_s", 300,
-                       "Seconds to wait for every process to join.")
-  flags.DEFINE_integer("heartbeat_timeout_s", 100,
-                       "Seconds without a heartbeat before a process is declared dead and "
-                       "the others stop with an error instead of hanging.")
+  flags.DEFINE_integer(
+    "distributed_init_timeout_s", 300, "Seconds to wait for every process to join."
+  )
+  flags.DEFINE_integer(
+    "heartbeat_timeout_s",
+    100,
+    "Seconds without a heartbeat before a process is declared dead and "
+    "the others stop with an error instead of hanging.",
+  )
 
 
 def _detected_multiprocess() -> bool:
@@ -51,25 +59,32 @@ def initialize_from_flags() -> None:
   # A coordinator that cannot be reached ends the same way after initialization_timeout.
   try:
     jax.distributed.initialize(
-        coordinator_address=FLAGS.coordinator_address,
-        num_processes=FLAGS.num_processes,
-        process_id=FLAGS.process_id,
-        initialization_timeout=FLAGS.distributed_init_timeout_s,
-        heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_s)
+      coordinator_address=FLAGS.coordinator_address,
+      num_processes=FLAGS.num_processes,
+      process_id=FLAGS.process_id,
+      initialization_timeout=FLAGS.distributed_init_timeout_s,
+      heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_s,
+    )
   except (RuntimeError, ValueError, TypeError) as e:  # bad ids, no coordinator address
     exit_with_error(
-        f"cannot start jax.distributed (--coordinator_address={FLAGS.coordinator_address}, "
-        f"--process_id={FLAGS.process_id}, --num_processes={FLAGS.num_processes}): "
-        f"{first_line(e)}", force=True)
+      f"cannot start jax.distributed (--coordinator_address={FLAGS.coordinator_address}, "
+      f"--process_id={FLAGS.process_id}, --num_processes={FLAGS.num_processes}): "
+      f"{first_line(e)}",
+      force=True,
+    )
   if jax.process_count() > 1 and jax.default_backend() == "cpu":
     # JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) handed CPU processes
     # the executables another process had written, and their first gloo collective then
     # waited for peers that never joined it (a 4-process job resumed from a checkpoint
     # failed so every time; the same job without the cache ran).
     jax.config.update("jax_enable_compilation_cache", False)
-  logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
-               jax.process_index(), jax.process_count(), jax.local_device_count(),
-               jax.device_count())
+  logging.info(
+    "jax.distributed: process %d of %d, %d local / %d global devices",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
 
 
 def exit_with_error(error, force: bool = False) -> None:
@@ -86,9 +101,11 @@ def exit_with_error(error, force: bool = False) -> None:
   message = str(error).strip().replace("\n", " ")
   several = force or (jax.distributed.is_initialized() and jax.process_count() > 1)
   if several and isinstance(error, jax.errors.JaxRuntimeError):
-    message = ("a collective operation with the other processes failed; another process "
-               "has probably died (rerun every process with the same command to resume "
-               f"from the newest checkpoint): {first_line(error)}")
+    message = (
+      "a collective operation with the other processes failed; another process "
+      "has probably died (rerun every process with the same command to resume "
+      f"from the newest checkpoint): {first_line(error)}"
+    )
   logging.error("%s", message)
   print(f"error: {message}", file=sys.stderr, flush=True)
   if several:

@@ -36,11 +36,11 @@ import socket
 import time
 import zlib
 
-from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
 
 from transformer.config import PAD_ID
 from transformer.model import ModelConfig
@@ -75,8 +75,11 @@ def forward_flops(cfg: ModelConfig, source_len: int, target_len: int) -> int:
   per_source, per_target, attention = _flop_terms(cfg)
   if cfg.decoder_only:
     return per_target * target_len + attention * target_len**2
-  return (per_source * source_len + per_target * target_len
-          + attention * (source_len**2 + target_len**2 + source_len * target_len))
+  return (
+    per_source * source_len
+    + per_target * target_len
+    + attention * (source_len**2 + target_len**2 + source_len * target_len)
+  )
 
 
 def training_flops(cfg: ModelConfig, batch_size: int, source_len: int, target_len: int) -> int:
@@ -92,12 +95,20 @@ def training_flops_per_target_token(cfg: ModelConfig, seq_len: int) -> float:
 
 # --- Real tokens: what the model needs (MFU).
 
-TOKEN_COUNT_KEYS = ("source_tokens", "target_tokens", "source_sq", "target_sq",
-                    "source_target", "source_slots", "target_slots")
+TOKEN_COUNT_KEYS = (
+  "source_tokens",
+  "target_tokens",
+  "source_sq",
+  "target_sq",
+  "source_target",
+  "source_slots",
+  "target_slots",
+)
 
 
-def _segment_lengths(ids_BxL: jax.Array, segment_ids_BxL: jax.Array | None,
-                     width: int) -> jax.Array:
+def _segment_lengths(
+  ids_BxL: jax.Array, segment_ids_BxL: jax.Array | None, width: int
+) -> jax.Array:
   """Real tokens of each (row, segment id) as [B, width]; column 0 (padding) is zero.
 
   Without segment ids a row's real tokens are one segment, id 1 (length-bucketed rows).
@@ -134,11 +145,13 @@ def count_tokens(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   else:
     source_lengths = _segment_lengths(source_BxS, batch.get("source_segment_ids"), width)
   return {
-      "source_tokens": jnp.sum(source_lengths), "target_tokens": jnp.sum(target_lengths),
-      "source_sq": jnp.sum(source_lengths**2), "target_sq": jnp.sum(target_lengths**2),
-      "source_target": jnp.sum(source_lengths * target_lengths),
-      "source_slots": jnp.float32(rows * source_len),
-      "target_slots": jnp.float32(rows * target_len),
+    "source_tokens": jnp.sum(source_lengths),
+    "target_tokens": jnp.sum(target_lengths),
+    "source_sq": jnp.sum(source_lengths**2),
+    "target_sq": jnp.sum(target_lengths**2),
+    "source_target": jnp.sum(source_lengths * target_lengths),
+    "source_slots": jnp.float32(rows * source_len),
+    "target_slots": jnp.float32(rows * target_len),
   }
 
 
@@ -163,35 +176,35 @@ def real_training_flops(cfg: ModelConfig, counts: dict[str, float]) -> float:
 # L40S against the L4 (3x too much MFU) and an H100 PCIe against the SXM part.
 # f32 runs are measured against the bf16 peak too, as large-scale codebases report it.
 _KNOWN_PEAKS = {
-    # NVIDIA H100 datasheet: SXM 1,979 / PCIe 1,513 / NVL 1,671 TFLOPS BF16 sparse.
-    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
-    "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA H100 NVL": 835e12,
-    # NVIDIA H200 datasheet: SXM 1,979 / NVL 1,671 TFLOPS BF16 sparse.
-    "NVIDIA H200": 989e12,  # SXM
-    "NVIDIA H200 NVL": 835e12,
-    # NVIDIA HGX B200: 36 PFLOPS FP16/BF16 sparse for 8 GPUs.
-    "NVIDIA B200": 2250e12,
-    # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, SXM and PCIe alike.
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    # NVIDIA L4 / L40 / L40S datasheets: 242 / 362.1 / 733 TFLOPS BF16 sparse.
-    "NVIDIA L4": 121e12,
-    "NVIDIA L40": 181e12,
-    "NVIDIA L40S": 362e12,
-    # NVIDIA A10 datasheet: 125 TFLOPS BF16 dense. (AWS's A10G is a different part.)
-    "NVIDIA A10": 125e12,
-    # Google Cloud TPU system-architecture pages, bf16 per chip.
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5e": 197e12,
-    "TPU v5": 459e12,  # v5p, as older libtpu names it
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,  # v6e (Trillium)
-    "TPU v6e": 918e12,
-    "TPU7x": 2307e12,  # Ironwood
+  # NVIDIA H100 datasheet: SXM 1,979 / PCIe 1,513 / NVL 1,671 TFLOPS BF16 sparse.
+  "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+  "NVIDIA H100 PCIe": 756e12,
+  "NVIDIA H100 NVL": 835e12,
+  # NVIDIA H200 datasheet: SXM 1,979 / NVL 1,671 TFLOPS BF16 sparse.
+  "NVIDIA H200": 989e12,  # SXM
+  "NVIDIA H200 NVL": 835e12,
+  # NVIDIA HGX B200: 36 PFLOPS FP16/BF16 sparse for 8 GPUs.
+  "NVIDIA B200": 2250e12,
+  # NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, SXM and PCIe alike.
+  "NVIDIA A100-SXM4-40GB": 312e12,
+  "NVIDIA A100-SXM4-80GB": 312e12,
+  "NVIDIA A100-PCIE-40GB": 312e12,
+  "NVIDIA A100 80GB PCIe": 312e12,
+  # NVIDIA L4 / L40 / L40S datasheets: 242 / 362.1 / 733 TFLOPS BF16 sparse.
+  "NVIDIA L4": 121e12,
+  "NVIDIA L40": 181e12,
+  "NVIDIA L40S": 362e12,
+  # NVIDIA A10 datasheet: 125 TFLOPS BF16 dense. (AWS's A10G is a different part.)
+  "NVIDIA A10": 125e12,
+  # Google Cloud TPU system-architecture pages, bf16 per chip.
+  "TPU v4": 275e12,
+  "TPU v5 lite": 197e12,  # v5e
+  "TPU v5e": 197e12,
+  "TPU v5": 459e12,  # v5p, as older libtpu names it
+  "TPU v5p": 459e12,
+  "TPU v6 lite": 918e12,  # v6e (Trillium)
+  "TPU v6e": 918e12,
+  "TPU7x": 2307e12,  # Ironwood
 }
 
 _measured_cpu_peak: float | None = None
@@ -199,8 +212,7 @@ _host_count: int | None = None
 _noted_unknown: set[str] = set()
 
 
-def measure_matmul_peak(size: int = 2048, min_repeats: int = 5,
-                        min_seconds: float = 1.0) -> float:
+def measure_matmul_peak(size: int = 2048, min_repeats: int = 5, min_seconds: float = 1.0) -> float:
   """FLOP/s of a large f32 matmul on the default device: the CPU's practical peak.
 
   The best of at least `min_repeats` runs spread over at least `min_seconds`: the first
@@ -219,8 +231,7 @@ def measure_matmul_peak(size: int = 2048, min_repeats: int = 5,
   return 2 * size**3 / best
 
 
-def device_peak_flops(device: jax.Device | None = None,
-                      remeasure: bool = False) -> float | None:
+def device_peak_flops(device: jax.Device | None = None, remeasure: bool = False) -> float | None:
   """Peak FLOP/s of one device: measured on CPU, else the table's entry for exactly this
   device kind; None (no MFU, and a one-time note saying why) for a kind not listed.
 
@@ -239,9 +250,11 @@ def device_peak_flops(device: jax.Device | None = None,
   if device.device_kind not in _noted_unknown:
     _noted_unknown.add(device.device_kind)
     logging.warning(
-        "MFU not reported: no peak FLOP/s is known for device kind %r. Add its dense bf16 "
-        "peak (from the vendor's datasheet) under that exact name to _KNOWN_PEAKS in "
-        "transformer/training/flops.py.", device.device_kind)
+      "MFU not reported: no peak FLOP/s is known for device kind %r. Add its dense bf16 "
+      "peak (from the vendor's datasheet) under that exact name to _KNOWN_PEAKS in "
+      "transformer/training/flops.py.",
+      device.device_kind,
+    )
   return None
 
 

@@ -8,7 +8,8 @@ before dividing by the total token count.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,12 +33,18 @@ def token_averages(sums: dict[str, float]) -> dict[str, float]:
   sums = {"loss_sum": 0.0, "ce_sum": 0.0, "correct_sum": 0.0, "num_tokens": 0.0, **sums}
   tokens = max(sums["num_tokens"], 1.0)
   ce = sums["ce_sum"] / tokens
-  return {"loss": sums["loss_sum"] / tokens, "ce": ce, "ppl": math.exp(min(ce, 50.0)),
-          "accuracy": sums["correct_sum"] / tokens, "num_tokens": sums["num_tokens"]}
+  return {
+    "loss": sums["loss_sum"] / tokens,
+    "ce": ce,
+    "ppl": math.exp(min(ce, 50.0)),
+    "accuracy": sums["correct_sum"] / tokens,
+    "num_tokens": sums["num_tokens"],
+  }
 
 
-def evaluate_loss(p_eval_step, params: Any, eval_batches: Iterable[dict], mesh,
-                  rules) -> dict[str, float]:
+def evaluate_loss(
+  p_eval_step, params: Any, eval_batches: Iterable[dict], mesh, rules
+) -> dict[str, float]:
   """Unsmoothed cross-entropy and perplexity over `eval_batches`: whole batches, the same
   on every process (data.make_eval_batches)."""
   pending = []

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> Callable[[Array
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1.0
     return scale * jnp.minimum(step**-0.5, step * warmup**-1.5)
+
   return schedule
 
 
@@ -51,22 +53,27 @@ def weight_decay_mask(params) -> Any:
       return True
     if name in UNDECAYED_NAMES:
       return False
-    raise ValueError(f"weight_decay: no decay rule for parameter {jax.tree_util.keystr(path)}; "
-                     "add its name to DECAYED_NAMES or UNDECAYED_NAMES in "
-                     "transformer/training/optimizer.py")
+    raise ValueError(
+      f"weight_decay: no decay rule for parameter {jax.tree_util.keystr(path)}; "
+      "add its name to DECAYED_NAMES or UNDECAYED_NAMES in "
+      "transformer/training/optimizer.py"
+    )
+
   return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 class TokenAccumulationState(NamedTuple):
   """Running sums between updates; arrays only, so checkpoints save it as is."""
+
   micro_step: Array  # int32 []: microbatches summed since the last update
   grad_sum: Any  # params tree: sum of the microbatches' loss-sum gradients
   num_tokens: Array  # float32 []: real (non-padding) target tokens in those microbatches
   inner_state: Any
 
 
-def accumulate_by_tokens(inner: optax.GradientTransformation,
-                         every_k: int) -> optax.GradientTransformationExtraArgs:
+def accumulate_by_tokens(
+  inner: optax.GradientTransformation, every_k: int
+) -> optax.GradientTransformationExtraArgs:
   """Applies `inner` once per `every_k` microbatches to the per-token mean gradient.
 
   Each call takes the gradient of a microbatch's loss SUM and, as the extra argument
@@ -80,10 +87,11 @@ def accumulate_by_tokens(inner: optax.GradientTransformation,
 
   def init_fn(params):
     return TokenAccumulationState(
-        micro_step=jnp.zeros([], jnp.int32),
-        grad_sum=jax.tree.map(jnp.zeros_like, params),
-        num_tokens=jnp.zeros([], jnp.float32),
-        inner_state=inner.init(params))
+      micro_step=jnp.zeros([], jnp.int32),
+      grad_sum=jax.tree.map(jnp.zeros_like, params),
+      num_tokens=jnp.zeros([], jnp.float32),
+      inner_state=inner.init(params),
+    )
 
   def update_fn(grads, state, params=None, *, num_tokens, **extra_args):
     grad_sum = jax.tree.map(jnp.add, state.grad_sum, grads)
@@ -94,15 +102,19 @@ def accumulate_by_tokens(inner: optax.GradientTransformation,
       mean_grads = jax.tree.map(lambda g: g / jnp.maximum(total_tokens, 1.0), grad_sum)
       updates, inner_state = inner.update(mean_grads, state.inner_state, params, **extra_args)
       return updates, TokenAccumulationState(
-          micro_step=jnp.zeros_like(state.micro_step),
-          grad_sum=jax.tree.map(jnp.zeros_like, grad_sum),
-          num_tokens=jnp.zeros_like(total_tokens),
-          inner_state=inner_state)
+        micro_step=jnp.zeros_like(state.micro_step),
+        grad_sum=jax.tree.map(jnp.zeros_like, grad_sum),
+        num_tokens=jnp.zeros_like(total_tokens),
+        inner_state=inner_state,
+      )
 
     def keep_summing(_):
       return jax.tree.map(jnp.zeros_like, grads), TokenAccumulationState(
-          micro_step=state.micro_step + 1, grad_sum=grad_sum, num_tokens=total_tokens,
-          inner_state=state.inner_state)
+        micro_step=state.micro_step + 1,
+        grad_sum=grad_sum,
+        num_tokens=total_tokens,
+        inner_state=state.inner_state,
+      )
 
     return jax.lax.cond(state.micro_step == every_k - 1, apply_update, keep_summing, None)
 
@@ -121,9 +133,16 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
   if config.weight_decay > 0:
     # Decoupled decay (AdamW) on weight matrices and token embeddings only.
-    parts.append(optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2,
-                             eps=config.adam_eps, weight_decay=config.weight_decay,
-                             mask=weight_decay_mask))
+    parts.append(
+      optax.adamw(
+        schedule,
+        b1=config.adam_b1,
+        b2=config.adam_b2,
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        mask=weight_decay_mask,
+      )
+    )
   else:
     parts.append(optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps))
   optimizer = optax.chain(*parts) if len(parts) > 1 else parts[0]

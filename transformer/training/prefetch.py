@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 _DONE = object()
 
@@ -28,8 +29,9 @@ class Prefetcher:
     self._state = iterator.get_state()
     self._queue: queue.Queue = queue.Queue(maxsize=size)
     self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._produce, args=(transform,), daemon=True,
-                                    name="batch-prefetch")
+    self._thread = threading.Thread(
+      target=self._produce, args=(transform,), daemon=True, name="batch-prefetch"
+    )
     self._thread.start()
 
   def _produce(self, transform) -> None:

@@ -16,6 +16,7 @@ import math
 import queue
 import threading
 import time
+from typing import Any
 
 from transformer import storage
 from transformer.messages import format_duration
@@ -49,19 +50,22 @@ class MetricsWriter:
       return
     self._jsonl = storage.AppendLog(storage.join(workdir, "metrics.jsonl"))
     import tensorflow as tf  # already loaded by the input pipeline
+
     self._tf = tf
     self._tensorboard_dir = storage.join(workdir, "tensorboard")
     self._rotate = storage.is_remote(workdir)  # local files are appended to in place
-    self._tensorboard = None
+    self._tensorboard: Any = None  # a tf.summary.SummaryWriter once opened
     self._tensorboard_values = 0
     self._tensorboard_opened = 0.0
     self._scalar_metadata = tf.compat.v1.SummaryMetadata(
-        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
+      plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
+    )
     self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_RECORDS)
     self._submitted = self._written = 0
     self._progress = threading.Condition()
     self._error: BaseException | None = None
-    self._busy_with, self._busy_since = "", None  # the write in progress
+    self._busy_with = ""  # the write in progress
+    self._busy_since: float | None = None
     self._thread = threading.Thread(target=self._run, name="metrics-writer", daemon=True)
     self._thread.start()
 
@@ -109,8 +113,7 @@ class MetricsWriter:
       raise self._error
     started = self._busy_since
     if started is not None and time.monotonic() - started > self.timeout_s:
-      self._error = storage.StorageTimeout(
-          storage.timeout_message(self._busy_with, self.timeout_s))
+      self._error = storage.StorageTimeout(storage.timeout_message(self._busy_with, self.timeout_s))
       raise self._error
 
   # ---- the writer thread -------------------------------------------------------------
@@ -130,8 +133,7 @@ class MetricsWriter:
         self._store(records)
       except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
         if self._error is None:
-          self._error = MetricsError(f"cannot write {self._busy_with}: "
-                                     f"{storage.error_text(e)}")
+          self._error = MetricsError(f"cannot write {self._busy_with}: {storage.error_text(e)}")
         return
       finally:
         self._busy_since = None
@@ -143,8 +145,7 @@ class MetricsWriter:
       try:
         self._tensorboard.close()
       except Exception as e:  # pylint: disable=broad-except
-        self._error = MetricsError(f"cannot write {self._busy_with}: "
-                                   f"{storage.error_text(e)}")
+        self._error = MetricsError(f"cannot write {self._busy_with}: {storage.error_text(e)}")
       finally:
         self._busy_since = None
 
@@ -161,19 +162,27 @@ class MetricsWriter:
     self._busy(f"TensorBoard events in {self._tensorboard_dir}")
     for record in records:
       if self._tensorboard is None or (
-          self._rotate and self._tensorboard_values >= TENSORBOARD_VALUES_PER_FILE):
+        self._rotate and self._tensorboard_values >= TENSORBOARD_VALUES_PER_FILE
+      ):
         self._open_tensorboard_file()
-      values = {key: value for key, value in record.items()
-                if key not in ("step", "kind") and isinstance(value, (int, float))}
+      values = {
+        key: value
+        for key, value in record.items()
+        if key not in ("step", "kind") and isinstance(value, (int, float))
+      }
       # One Summary of scalar-plugin values per record: what tf.summary.scalar writes,
       # without the tensorboard package, and in one op rather than one per value.
-      summary = self._tf.compat.v1.Summary(value=[
+      summary = self._tf.compat.v1.Summary(
+        value=[
           self._tf.compat.v1.Summary.Value(
-              tag=f"{record['kind']}/{key}", metadata=self._scalar_metadata,
-              tensor=self._tf.make_tensor_proto(float(value), self._tf.float32))
-          for key, value in values.items()])
-      self._tf.summary.experimental.write_raw_pb(summary.SerializeToString(),
-                                                 step=record["step"])
+            tag=f"{record['kind']}/{key}",
+            metadata=self._scalar_metadata,
+            tensor=self._tf.make_tensor_proto(float(value), self._tf.float32),
+          )
+          for key, value in values.items()
+        ]
+      )
+      self._tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=record["step"])
       self._tensorboard_values += len(values)
     self._tensorboard.flush()
 
@@ -187,8 +196,10 @@ class MetricsWriter:
     # Uploads only when this writer flushes: by default the file would also be flushed
     # (uploaded whole, on GCS) after every 10 values and every 2 minutes.
     self._tensorboard = self._tf.summary.create_file_writer(
-        self._tensorboard_dir, max_queue=10 * TENSORBOARD_VALUES_PER_FILE,
-        flush_millis=24 * 3600 * 1000)
+      self._tensorboard_dir,
+      max_queue=10 * TENSORBOARD_VALUES_PER_FILE,
+      flush_millis=24 * 3600 * 1000,
+    )
     # The default writer of this thread (the writer thread) only. Not `as_default()`:
     # leaving that context flushes the file, which on GCS means uploading it whole.
     self._tensorboard.set_as_default()
@@ -214,9 +225,11 @@ def read_metrics(workdir: str, kind: str | None = None) -> list[dict]:
     tail = 0  # kept records at this step or later (they are in step order)
     while tail < len(records) and records[-1 - tail].get("step", 0) >= step:
       tail += 1
-    if any(r.get("step", 0) > step or r.get("kind") == record.get("kind")
-           for r in records[len(records) - tail:]):
-      del records[len(records) - tail:]
+    if any(
+      r.get("step", 0) > step or r.get("kind") == record.get("kind")
+      for r in records[len(records) - tail :]
+    ):
+      del records[len(records) - tail :]
     records.append(record)
   return [r for r in records if kind is None or r.get("kind") == kind]
 
@@ -236,10 +249,12 @@ def progress_line(step: int, total: int, m: dict, started: float) -> str:
   efficiency (`loop.Progress`); `MFU n/a` where the device's peak is unknown.
   """
   elapsed = time.time() - started
-  return (f"step {step}/{total} | loss {m['loss']:.3f} | ppl {m['ppl']:.2f} | "
-          f"acc {m['accuracy']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_sec']:,.0f} tok/s | "
-          f"{_utilisation_text(m)} | ETA {format_duration(m['eta_s'])} "
-          f"| {format_duration(elapsed)} elapsed")
+  return (
+    f"step {step}/{total} | loss {m['loss']:.3f} | ppl {m['ppl']:.2f} | "
+    f"acc {m['accuracy']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_sec']:,.0f} tok/s | "
+    f"{_utilisation_text(m)} | ETA {format_duration(m['eta_s'])} "
+    f"| {format_duration(elapsed)} elapsed"
+  )
 
 
 def _utilisation_text(m: dict) -> str:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,13 +39,15 @@ def _resolve(sizes: Sequence[int], total: int, what: str) -> list[int]:
     sizes[sizes.index(-1)] = total // known
   if math.prod(sizes) != total:
     raise ConfigError(
-        f"config.mesh: {what} sizes {dict(zip(MESH_AXES, sizes))} use {math.prod(sizes)} "
-        f"devices but {total} are available")
+      f"config.mesh: {what} sizes {dict(zip(MESH_AXES, sizes))} use {math.prod(sizes)} "
+      f"devices but {total} are available"
+    )
   return sizes
 
 
-def mesh_shape(config: ml_collections.ConfigDict, num_devices: int,
-               num_slices: int = 1) -> tuple[list[int], list[int]]:
+def mesh_shape(
+  config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1
+) -> tuple[list[int], list[int]]:
   """(in-slice sizes, across-slice sizes), each ordered as MESH_AXES."""
   m = config.mesh
   dcn = _resolve([m.dcn_data, m.dcn_fsdp, m.dcn_tensor], num_slices, "across-slice")
@@ -53,8 +56,9 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int,
   return ici, dcn
 
 
-def create_mesh(config: ml_collections.ConfigDict,
-                devices: Sequence[jax.Device] | None = None) -> Mesh:
+def create_mesh(
+  config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   num_slices = 1 + max(getattr(d, "slice_index", 0) for d in devices)
   ici, dcn = mesh_shape(config, len(devices), num_slices)
@@ -94,10 +98,12 @@ def with_activation_sharding(fn: Callable, mesh: Mesh, rules) -> Callable:
   whoever happens to call the jitted function first (jit's cache does not key on
   flax's rules).
   """
+
   @functools.wraps(fn)
   def traced_under_rules(*args, **kwargs):
     with activation_sharding(mesh, rules):
       return fn(*args, **kwargs)
+
   return traced_under_rules
 
 
@@ -113,12 +119,15 @@ def logical_to_sharding(tree: Any, mesh: Mesh, rules) -> Any:
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
   """Rows (the leading axis) split over the mesh axes the 'batch' rule names."""
   spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules)
+  assert spec is not None  # None only for no names at all
   return NamedSharding(mesh, spec)
 
 
 def batch_row_shards(mesh: Mesh, rules) -> int:
   """How many slices a batch's rows are split into (the mesh axes the 'batch' rule names)."""
-  spec = nn.logical_to_mesh_axes(("batch",), rules)[0]
+  specs = nn.logical_to_mesh_axes(("batch",), rules)
+  assert specs is not None  # None only for no names at all
+  spec = specs[0]
   axes = spec if isinstance(spec, tuple) else (spec,) if spec else ()
   return math.prod(mesh.shape[a] for a in axes)
 
@@ -136,11 +145,13 @@ def batch_row_multiple(mesh: Mesh, rules) -> int:
 
 def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh, rules) -> dict:
   """This process's rows -> global jax.Arrays (rows of all processes, in process order)."""
+
   def to_global(local):
     local = np.asarray(local)
     global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
     sharding = batch_sharding(mesh, rules, local.ndim)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
   return {k: to_global(v) for k, v in local_batch.items()}
 
 
@@ -153,10 +164,12 @@ def global_batch_from_whole(whole_batch: dict[str, np.ndarray], mesh: Mesh, rule
   order of `global_batch` would not be the batch's order. Evaluation uses this, so that
   row r of every output is row r of the batch it was given.
   """
+
   def to_global(whole):
     whole = np.asarray(whole)
     sharding = batch_sharding(mesh, rules, whole.ndim)
     return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+
   return {k: to_global(v) for k, v in whole_batch.items()}
 
 

@@ -24,24 +24,50 @@ saves). Shape letters: transformer/model/primitives.py.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import jax
 
 from transformer.model.decoding.beam import BeamSearch, length_penalty
 from transformer.model.decoding.cache import cache_segments
 from transformer.model.decoding.sampling import Greedy, Sampling, filter_logits
-from transformer.model.decoding.search import (Generation, Prompts, Search,
-                                               continuation_prompts, translation_prompts)
+from transformer.model.decoding.search import (
+  Generation,
+  Prompts,
+  Search,
+  continuation_prompts,
+  translation_prompts,
+)
 from transformer.model.decoding.speculative import Speculative, reads_target_encoding
 
-__all__ = ["BeamSearch", "Generation", "Greedy", "Prompts", "Sampling", "Search",
-           "Speculative", "cache_segments", "continuation_prompts", "decode",
-           "filter_logits", "length_penalty", "reads_target_encoding", "translation_prompts"]
+__all__ = [
+  "BeamSearch",
+  "Generation",
+  "Greedy",
+  "Prompts",
+  "Sampling",
+  "Search",
+  "Speculative",
+  "cache_segments",
+  "continuation_prompts",
+  "decode",
+  "filter_logits",
+  "length_penalty",
+  "reads_target_encoding",
+  "translation_prompts",
+]
 
 
 @functools.partial(jax.jit, static_argnames=("model", "search", "use_cache"))
-def decode(model, params, prompts: Prompts, search: Search, rng: Optional[jax.Array] = None,
-           draft_params: Any = None, *, use_cache: bool = True) -> Generation:
+def decode(
+  model,
+  params,
+  prompts: Prompts,
+  search: Search,
+  rng: jax.Array | None = None,
+  draft_params: Any = None,
+  *,
+  use_cache: bool = True,
+) -> Generation:
   """Runs `search` on a batch of prompts, compiled once per model, search and shape."""
   return search.run(model, params, prompts, rng, draft_params, use_cache)

@@ -11,7 +11,7 @@ O1 = O + 1 (a BOS slot before the O output slots).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from transformer.model.primitives import Array
 
 def length_penalty(length: Array, alpha: float) -> Array:
   """GNMT's ((5 + length) / 6) ** alpha; a hypothesis scores log P / this."""
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0)**alpha
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
 class BeamState(NamedTuple):
@@ -71,8 +71,9 @@ def top_k(x_NxV: Array, count: int) -> tuple[Array, Array]:
   chunks_NxGxU = x_NxV.reshape(n, v // width, width)
   _, best_chunks_NxM = jax.lax.top_k(jnp.max(chunks_NxGxU, axis=-1), count)
   best_chunks_NxM = jnp.sort(best_chunks_NxM, axis=-1)
-  candidates_NxMU = jnp.take_along_axis(chunks_NxGxU, best_chunks_NxM[:, :, None],
-                                        axis=1).reshape(n, count * width)
+  candidates_NxMU = jnp.take_along_axis(chunks_NxGxU, best_chunks_NxM[:, :, None], axis=1).reshape(
+    n, count * width
+  )
   values_NxM, position_NxM = jax.lax.top_k(candidates_NxMU, count)
   chunk_NxM = jnp.take_along_axis(best_chunks_NxM, position_NxM // width, axis=1)
   return values_NxM, chunk_NxM * width + position_NxM % width
@@ -99,10 +100,13 @@ def best_tokens(logits_NxV: Array, count: int) -> tuple[Array, Array]:
   top_logits_NxM, top_tokens_NxM = top_k(logits_NxV, min(count + len(never), vocab))
   allowed_NxM = ~jnp.isin(top_tokens_NxM, jnp.array(never))
   best_logits_NxM, position_NxM = jax.lax.top_k(
-      jnp.where(allowed_NxM, top_logits_NxM, -jnp.inf), count)
+    jnp.where(allowed_NxM, top_logits_NxM, -jnp.inf), count
+  )
   log_normalizer_Nx1 = jax.nn.logsumexp(logits_NxV, axis=-1, keepdims=True)
-  return (best_logits_NxM - log_normalizer_Nx1,
-          jnp.take_along_axis(top_tokens_NxM, position_NxM, axis=1))
+  return (
+    best_logits_NxM - log_normalizer_Nx1,
+    jnp.take_along_axis(top_tokens_NxM, position_NxM, axis=1),
+  )
 
 
 def _best_extensions(s: BeamState, logits_NxV: Array, beams: int):
@@ -116,26 +120,29 @@ def _best_extensions(s: BeamState, logits_NxV: Array, beams: int):
   batch, vocab = s.live_logprobs_BxW.shape[0], logits_NxV.shape[-1]
   per_beam = min(2 * beams, vocab)
   beam_best_NxM, beam_token_NxM = best_tokens(logits_NxV, per_beam)
-  candidates_BxWM = (s.live_logprobs_BxW[:, :, None]
-                     + beam_best_NxM.reshape(batch, beams, per_beam)).reshape(batch, -1)
+  candidates_BxWM = (
+    s.live_logprobs_BxW[:, :, None] + beam_best_NxM.reshape(batch, beams, per_beam)
+  ).reshape(batch, -1)
   top_logprobs_Bx2W, top_index_Bx2W = jax.lax.top_k(candidates_BxWM, 2 * beams)
   top_beam_Bx2W = top_index_Bx2W // per_beam
-  top_token_Bx2W = jnp.take_along_axis(beam_token_NxM.reshape(batch, -1), top_index_Bx2W,
-                                       axis=1)
+  top_token_Bx2W = jnp.take_along_axis(beam_token_NxM.reshape(batch, -1), top_index_Bx2W, axis=1)
   top_seqs_Bx2WxO1 = jax.lax.dynamic_update_slice_in_dim(
-      _gather_beams(s.live_seqs_BxWxO1, top_beam_Bx2W), top_token_Bx2W[:, :, None],
-      s.step + 1, axis=2)
+    _gather_beams(s.live_seqs_BxWxO1, top_beam_Bx2W), top_token_Bx2W[:, :, None], s.step + 1, axis=2
+  )
   return top_logprobs_Bx2W, top_beam_Bx2W, top_seqs_Bx2WxO1, top_token_Bx2W == EOS_ID
 
 
-def beam_step(s: BeamState, logits_NxV: Array, beams: int, alpha: float,
-              early_stop: bool) -> tuple[BeamState, Array]:
+def beam_step(
+  s: BeamState, logits_NxV: Array, beams: int, alpha: float, early_stop: bool
+) -> tuple[BeamState, Array]:
   """One search step from the next-token logits: (new state, parent beam [B, W])."""
   t = s.step
   top_logprobs_Bx2W, top_beam_Bx2W, top_seqs_Bx2WxO1, ends_Bx2W = _best_extensions(
-      s, logits_NxV, beams)
+    s, logits_NxV, beams
+  )
   live_logprobs_BxW, keep_BxW = jax.lax.top_k(
-      jnp.where(ends_Bx2W, -jnp.inf, top_logprobs_Bx2W), beams)
+    jnp.where(ends_Bx2W, -jnp.inf, top_logprobs_Bx2W), beams
+  )
   live_seqs_BxWxO1 = _gather_beams(top_seqs_Bx2WxO1, keep_BxW)
   parent_beam_BxW = _gather_beams(top_beam_Bx2W, keep_BxW)
 
@@ -143,25 +150,36 @@ def beam_step(s: BeamState, logits_NxV: Array, beams: int, alpha: float,
   # so beam size 1 with alpha 0 is exactly greedy decoding), or when it reaches its
   # sentence's maximum length: then it competes as it stands, without EOS.
   penalty = length_penalty(t + 1, alpha)
-  ended_scores_BxW = jnp.where(ends_Bx2W[:, :beams], top_logprobs_Bx2W[:, :beams] / penalty,
-                               -jnp.inf)
-  capped_scores_BxW = jnp.where((t + 1 == s.budget_B)[:, None], live_logprobs_BxW / penalty,
-                                -jnp.inf)
-  finished_scores_BxW, keep_BxW = jax.lax.top_k(jnp.concatenate(
-      [s.finished_scores_BxW, ended_scores_BxW, capped_scores_BxW], axis=1), beams)
-  finished_seqs_BxWxO1 = _gather_beams(jnp.concatenate(
-      [s.finished_seqs_BxWxO1, top_seqs_Bx2WxO1[:, :beams], live_seqs_BxWxO1], axis=1),
-      keep_BxW)
+  ended_scores_BxW = jnp.where(
+    ends_Bx2W[:, :beams], top_logprobs_Bx2W[:, :beams] / penalty, -jnp.inf
+  )
+  capped_scores_BxW = jnp.where(
+    (t + 1 == s.budget_B)[:, None], live_logprobs_BxW / penalty, -jnp.inf
+  )
+  finished_scores_BxW, keep_BxW = jax.lax.top_k(
+    jnp.concatenate([s.finished_scores_BxW, ended_scores_BxW, capped_scores_BxW], axis=1), beams
+  )
+  finished_seqs_BxWxO1 = _gather_beams(
+    jnp.concatenate(
+      [s.finished_seqs_BxWxO1, top_seqs_Bx2WxO1[:, :beams], live_seqs_BxWxO1], axis=1
+    ),
+    keep_BxW,
+  )
 
   # Sentences already done keep their beams (and cache rows) as they were.
   active_B = ~is_done(s, alpha, early_stop)
   keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-  parent_beam_BxW = keep(parent_beam_BxW,
-                         jnp.broadcast_to(jnp.arange(beams), parent_beam_BxW.shape))
-  new_state = BeamState(t + 1, keep(live_seqs_BxWxO1, s.live_seqs_BxWxO1),
-                        keep(live_logprobs_BxW, s.live_logprobs_BxW),
-                        keep(finished_seqs_BxWxO1, s.finished_seqs_BxWxO1),
-                        keep(finished_scores_BxW, s.finished_scores_BxW), s.budget_B)
+  parent_beam_BxW = keep(
+    parent_beam_BxW, jnp.broadcast_to(jnp.arange(beams), parent_beam_BxW.shape)
+  )
+  new_state = BeamState(
+    t + 1,
+    keep(live_seqs_BxWxO1, s.live_seqs_BxWxO1),
+    keep(live_logprobs_BxW, s.live_logprobs_BxW),
+    keep(finished_seqs_BxWxO1, s.finished_seqs_BxWxO1),
+    keep(finished_scores_BxW, s.finished_scores_BxW),
+    s.budget_B,
+  )
   return new_state, parent_beam_BxW
 
 
@@ -171,6 +189,7 @@ class BeamSearch:
   ranks by log-probability alone); early_stop=False runs every sentence to its budget
   (for timing). Returns each sentence's best-scoring hypothesis among those that ended
   with EOS (included) and those that reached the budget without one."""
+
   beam_size: int = 4
   alpha: float = 0.6
   early_stop: bool = True
@@ -179,26 +198,38 @@ class BeamSearch:
   def width(self) -> int:
     return self.beam_size
 
-  def run(self, model, params, prompts: search_lib.Prompts, rng: Optional[Array] = None,
-          draft_params: Any = None, use_cache: bool = True) -> search_lib.Generation:
+  def run(
+    self,
+    model,
+    params,
+    prompts: search_lib.Prompts,
+    rng: Array | None = None,
+    draft_params: Any = None,
+    use_cache: bool = True,
+  ) -> search_lib.Generation:
     return search_lib.run_steps(self, model, params, prompts, rng, use_cache)
 
   def start(self, logits_BxV: Array, prompts: search_lib.Prompts, rng) -> BeamState:
     """The first step, from the prefill's logits: every beam starts as BOS, and only
     the first is live (W copies of BOS would fill the beam with duplicates)."""
     batch, beams = logits_BxV.shape[0], self.beam_size
-    seqs_BxWxO1 = jnp.zeros((batch, beams, prompts.out_len + 1), jnp.int32).at[:, :, 0].set(
-        BOS_ID)
+    seqs_BxWxO1 = jnp.zeros((batch, beams, prompts.out_len + 1), jnp.int32).at[:, :, 0].set(BOS_ID)
     live_logprobs_BxW = jnp.full((batch, beams), -jnp.inf).at[:, 0].set(0.0)
-    s = BeamState(jnp.array(0, jnp.int32), seqs_BxWxO1, live_logprobs_BxW, seqs_BxWxO1,
-                  jnp.full((batch, beams), -jnp.inf),
-                  jnp.minimum(prompts.budget_B, prompts.out_len).astype(jnp.int32))
+    s = BeamState(
+      jnp.array(0, jnp.int32),
+      seqs_BxWxO1,
+      live_logprobs_BxW,
+      seqs_BxWxO1,
+      jnp.full((batch, beams), -jnp.inf),
+      jnp.minimum(prompts.budget_B, prompts.out_len).astype(jnp.int32),
+    )
     # Every row of a sentence holds the same state: no reordering needed after this.
     return self.step(s, jnp.repeat(logits_BxV, beams, axis=0))[0]
 
   def newest_N(self, s: BeamState) -> Array:
-    return jax.lax.dynamic_index_in_dim(s.live_seqs_BxWxO1, s.step, axis=2,
-                                        keepdims=False).reshape(-1)
+    return jax.lax.dynamic_index_in_dim(s.live_seqs_BxWxO1, s.step, axis=2, keepdims=False).reshape(
+      -1
+    )
 
   def step(self, s: BeamState, logits_NxV: Array) -> tuple[BeamState, Array]:
     s, parent_beam_BxW = beam_step(s, logits_NxV, self.beam_size, self.alpha, self.early_stop)

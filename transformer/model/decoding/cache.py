@@ -23,7 +23,7 @@ against. Shape letters: transformer/model/primitives.py.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,16 +42,17 @@ class DecoderState(NamedTuple):
     decoder-only model.
   encoded_BxSxD: use_cache=False only: the encoder output, one per sentence.
   """
+
   cache: Any
-  source_NxS: Optional[Array]
-  encoded_BxSxD: Optional[Array] = None
+  source_NxS: Array | None
+  encoded_BxSxD: Array | None = None
 
 
 class Prefilled(NamedTuple):
   state: DecoderState
   logits_BxV: Array  # f32, for the token after each row's prompt
   prompt_len_B: Array  # int32, real (non-PAD) prompt tokens
-  encoded_BxSxD: Optional[Array]  # the encoder output (None: decoder-only)
+  encoded_BxSxD: Array | None  # the encoder output (None: decoder-only)
 
 
 def unrolled(model, params) -> tuple[Any, Any]:
@@ -67,13 +68,19 @@ def unrolled(model, params) -> tuple[Any, Any]:
   if not getattr(model.config, "scan_layers", False):
     return model, params
   config = dataclasses.replace(model.config, scan_layers=False)
-  return (model.clone(config=config),
-          unstack_layer_params(params, model.config.num_layers))
+  return (model.clone(config=config), unstack_layer_params(params, model.config.num_layers))
 
 
-def prefill(model, params, prompt_BxP: Array, *, cache_len: int,
-            source_BxS: Optional[Array] = None, encoded_BxSxD: Optional[Array] = None,
-            use_cache: bool = True) -> Prefilled:
+def prefill(
+  model,
+  params,
+  prompt_BxP: Array,
+  *,
+  cache_len: int,
+  source_BxS: Array | None = None,
+  encoded_BxSxD: Array | None = None,
+  use_cache: bool = True,
+) -> Prefilled:
   """Creates the state with cache_len slots and reads the whole padded prompt at once.
 
   Rows continue from their own prompt length: each row's position is set to it, so its
@@ -92,26 +99,34 @@ def prefill(model, params, prompt_BxP: Array, *, cache_len: int,
     encoded_BxSxD = model.apply({"params": params}, source_BxS, method=model.encode)
   if use_cache:
     _, variables = model.apply(
-        {"params": params}, encoded_BxSxD, source_BxS,
-        jnp.zeros((batch, cache_len), jnp.int32), use_cache=True, mutable=["cache"],
-        method=model.decode)
+      {"params": params},
+      encoded_BxSxD,
+      source_BxS,
+      jnp.zeros((batch, cache_len), jnp.int32),
+      use_cache=True,
+      mutable=["cache"],
+      method=model.decode,
+    )
     state = DecoderState(variables["cache"], source_BxS)
   else:
-    recompute = {"decoder": {"position": jnp.zeros((), jnp.int32),
-                             "tokens": jnp.zeros((batch, cache_len), jnp.int32)}}
+    recompute = {
+      "decoder": {
+        "position": jnp.zeros((), jnp.int32),
+        "tokens": jnp.zeros((batch, cache_len), jnp.int32),
+      }
+    }
     state = DecoderState(recompute, source_BxS, encoded_BxSxD)
   logits_BxPxV, state = feed(model, params, state, prompt_BxP)
   if prompt_len == 1:
     return Prefilled(state, logits_BxPxV[:, 0], jnp.ones((batch,), jnp.int32), encoded_BxSxD)
   prompt_len_B = jnp.sum(prompt_BxP != PAD_ID, axis=1).astype(jnp.int32)
-  logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_len_B - 1)[:, None, None],
-                                   axis=1)[:, 0]
-  return Prefilled(set_positions(state, prompt_len_B), logits_BxV, prompt_len_B,
-                   encoded_BxSxD)
+  logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+  return Prefilled(set_positions(state, prompt_len_B), logits_BxV, prompt_len_B, encoded_BxSxD)
 
 
-def feed(model, params, state: DecoderState, tokens_NxL: Array,
-         position_N: Optional[Array] = None) -> tuple[Array, DecoderState]:
+def feed(
+  model, params, state: DecoderState, tokens_NxL: Array, position_N: Array | None = None
+) -> tuple[Array, DecoderState]:
   """Feeds L tokens per row, at position_N .. + L - 1 if given, else where each row
   stands: (f32 logits [N, L, V], the state advanced by L)."""
   if position_N is not None:
@@ -119,25 +134,32 @@ def feed(model, params, state: DecoderState, tokens_NxL: Array,
   if "tokens" in state.cache["decoder"]:
     return _recompute(model, params, state, tokens_NxL)
   logits_NxLxV, variables = model.apply(
-      {"params": params, "cache": state.cache}, None, state.source_NxS, tokens_NxL,
-      use_cache=True, mutable=["cache"], method=model.decode)
+    {"params": params, "cache": state.cache},
+    None,
+    state.source_NxS,
+    tokens_NxL,
+    use_cache=True,
+    mutable=["cache"],
+    method=model.decode,
+  )
   return logits_NxLxV, state._replace(cache=variables["cache"])
 
 
-def _recompute(model, params, state: DecoderState, tokens_NxL: Array
-               ) -> tuple[Array, DecoderState]:
+def _recompute(model, params, state: DecoderState, tokens_NxL: Array) -> tuple[Array, DecoderState]:
   """`feed` without K/V: writes the tokens into the state's buffer and reruns the
   decoder over all C of its slots (causal masking keeps the later ones out)."""
   position = state.cache["decoder"]["position"]
   rows, length = tokens_NxL.shape
   position_N = jnp.broadcast_to(position, (rows,))
-  tokens_NxC = jax.vmap(lambda row_C, new_L, at: jax.lax.dynamic_update_slice(
-      row_C, new_L, (at,)))(state.cache["decoder"]["tokens"], tokens_NxL, position_N)
+  tokens_NxC = jax.vmap(lambda row_C, new_L, at: jax.lax.dynamic_update_slice(row_C, new_L, (at,)))(
+    state.cache["decoder"]["tokens"], tokens_NxL, position_N
+  )
   encoded = state.encoded_BxSxD
   if encoded is not None:  # one per sentence: repeated for its rows
     encoded = jnp.repeat(encoded, rows // encoded.shape[0], axis=0)
-  logits_NxCxV = model.apply({"params": params}, encoded, state.source_NxS, tokens_NxC,
-                             method=model.decode)
+  logits_NxCxV = model.apply(
+    {"params": params}, encoded, state.source_NxS, tokens_NxC, method=model.decode
+  )
   at_NxL = position_N[:, None] + jnp.arange(length)
   logits_NxLxV = jnp.take_along_axis(logits_NxCxV, at_NxL[:, :, None], axis=1)
   cache = {"decoder": {"position": position + length, "tokens": tokens_NxC}}
@@ -151,15 +173,16 @@ def set_positions(state: DecoderState, position_N: Array) -> DecoderState:
   layers are scanned or not.
   """
   cache = state.cache
-  return state._replace(cache={**cache, "decoder": {
-      **cache["decoder"], "position": jnp.asarray(position_N, jnp.int32)}})
+  return state._replace(
+    cache={**cache, "decoder": {**cache["decoder"], "position": jnp.asarray(position_N, jnp.int32)}}
+  )
 
 
 # ----------------------------------------------------------------------------------
 # Several hypotheses per sentence: repeating, reordering and growing the rows.
 
 
-def _key(path) -> Optional[str]:
+def _key(path) -> str | None:
   return getattr(path[-1], "key", None)
 
 
@@ -174,35 +197,41 @@ def _batch_axis(path) -> int:
   return 1 if any(getattr(key, "key", None) == "layers" for key in path) else 0
 
 
-def _slot_axis(path) -> Optional[int]:
+def _slot_axis(path) -> int | None:
   """A leaf's slot (position) axis: self-attention K is stored [.., H, K, C] and V
   [.., H, C, E] (transformer/model/attention.py), recomputation's tokens [N, C]; None
   for every other leaf."""
-  return {"key": -1, "value": -2, "tokens": -1}.get(_key(path))
+  slot_axes: dict[str | None, int] = {"key": -1, "value": -2, "tokens": -1}
+  return slot_axes.get(_key(path))
 
 
 def repeat_rows(state: DecoderState, copies: int) -> DecoderState:
   """Each row repeated `copies` times, adjacent (row b * copies + w); the counter, the
   cross-attention K/V and the encoder output stay as they are."""
+
   def repeat(path, x):
     if x.ndim == 0 or _is_per_sentence(path):
       return x
     return jnp.repeat(x, copies, axis=_batch_axis(path))
+
   source = state.source_NxS
   return state._replace(
-      cache=jax.tree_util.tree_map_with_path(repeat, state.cache),
-      source_NxS=None if source is None else jnp.repeat(source, copies, axis=0))
+    cache=jax.tree_util.tree_map_with_path(repeat, state.cache),
+    source_NxS=None if source is None else jnp.repeat(source, copies, axis=0),
+  )
 
 
 def reorder_rows(state: DecoderState, row_N: Array) -> DecoderState:
   """Row n becomes row row_N[n], which lies in the same sentence (hypotheses never
   move between sentences, so the per-sentence leaves and the source stay)."""
+
   def gather(path, x):
     if x.ndim == 0 or _is_per_sentence(path):
       return x
     # In bounds by construction: "clip" spares the out-of-bounds select of the default
     # mode, a second pass over every buffer.
     return jnp.take(x, row_N, axis=_batch_axis(path), mode="clip")
+
   return state._replace(cache=jax.tree_util.tree_map_with_path(gather, state.cache))
 
 
@@ -225,6 +254,7 @@ def cache_segments(cache_len: int, first: int = 16) -> tuple[int, ...]:
 def grow(state: DecoderState, cache_len: int) -> DecoderState:
   """The state with its slots (self-attention K/V, or the token buffer) zero-padded to
   cache_len."""
+
   def pad(path, x):
     axis = _slot_axis(path)
     if axis is None:
@@ -232,4 +262,5 @@ def grow(state: DecoderState, cache_len: int) -> DecoderState:
     padding = [(0, 0)] * x.ndim
     padding[axis % x.ndim] = (0, cache_len - x.shape[axis])
     return jnp.pad(x, padding)
+
   return state._replace(cache=jax.tree_util.tree_map_with_path(pad, state.cache))

@@ -9,7 +9,7 @@ in search.run_steps. Shape letters: transformer/model/primitives.py.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,20 +48,28 @@ class _State(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Greedy:
   """The most likely token at every step."""
+
   width = 1
 
-  def choose(self, logits_BxV: Array, step: Array, rng: Optional[Array]) -> Array:
+  def choose(self, logits_BxV: Array, step: Array, rng: Array | None) -> Array:
     return jnp.argmax(search_lib.forbid_special(logits_BxV), axis=-1).astype(jnp.int32)
 
-  def run(self, model, params, prompts: search_lib.Prompts, rng: Optional[Array] = None,
-          draft_params: Any = None, use_cache: bool = True) -> search_lib.Generation:
-    return search_lib.run_steps(_OneHypothesis(self, rng), model, params, prompts, rng,
-                                use_cache)
+  def run(
+    self,
+    model,
+    params,
+    prompts: search_lib.Prompts,
+    rng: Array | None = None,
+    draft_params: Any = None,
+    use_cache: bool = True,
+  ) -> search_lib.Generation:
+    return search_lib.run_steps(_OneHypothesis(self, rng), model, params, prompts, rng, use_cache)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling(Greedy):
   """Ancestral sampling from the filtered distribution; top_k=1 is greedy decoding."""
+
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -70,27 +78,37 @@ class Sampling(Greedy):
     """log of the distribution tokens are drawn from: specials forbidden, filtered."""
     shape = logits_xV.shape
     logits_NxV = search_lib.forbid_special(logits_xV.reshape(-1, shape[-1]))
-    logits_NxV = filter_logits(logits_NxV, temperature=self.temperature, top_k=self.top_k,
-                               top_p=self.top_p)
+    logits_NxV = filter_logits(
+      logits_NxV, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+    )
     return jax.nn.log_softmax(logits_NxV, axis=-1).reshape(shape)
 
-  def choose(self, logits_BxV: Array, step: Array, rng: Optional[Array]) -> Array:
-    return jax.random.categorical(jax.random.fold_in(rng, step),
-                                  self.filtered_logprobs(logits_BxV), axis=-1).astype(jnp.int32)
+  def choose(self, logits_BxV: Array, step: Array, rng: Array | None) -> Array:
+    if rng is None:
+      raise ValueError("Sampling draws at random: pass decode() an rng")
+    return jax.random.categorical(
+      jax.random.fold_in(rng, step), self.filtered_logprobs(logits_BxV), axis=-1
+    ).astype(jnp.int32)
 
 
 class _OneHypothesis:
   """Greedy or Sampling as a search.StepSearch of one hypothesis per row."""
+
   width = 1
 
-  def __init__(self, chooser: Greedy, rng: Optional[Array]):
+  def __init__(self, chooser: Greedy, rng: Array | None):
     self.chooser, self.rng = chooser, rng
 
   def start(self, logits_BxV: Array, prompts: search_lib.Prompts, rng) -> _State:
     batch = logits_BxV.shape[0]
     budget_B = jnp.minimum(prompts.budget_B, prompts.out_len)
-    state = _State(jnp.array(0, jnp.int32), jnp.zeros((batch, prompts.out_len), jnp.int32),
-                   budget_B < 1, jnp.zeros((batch,), jnp.float32), budget_B)
+    state = _State(
+      jnp.array(0, jnp.int32),
+      jnp.zeros((batch, prompts.out_len), jnp.int32),
+      budget_B < 1,
+      jnp.zeros((batch,), jnp.float32),
+      budget_B,
+    )
     return self.step(state, logits_BxV)[0]
 
   def newest_N(self, s: _State) -> Array:
@@ -98,13 +116,16 @@ class _OneHypothesis:
 
   def step(self, s: _State, logits_BxV: Array) -> tuple[_State, None]:
     token_B = jnp.where(s.finished_B, PAD_ID, self.chooser.choose(logits_BxV, s.step, self.rng))
-    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None],
-                                    axis=1)[:, 0]
-    tokens_BxO = jax.lax.dynamic_update_slice_in_dim(s.tokens_BxO, token_B[:, None], s.step,
-                                                     axis=1)
+    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], axis=1)[:, 0]
+    tokens_BxO = jax.lax.dynamic_update_slice_in_dim(s.tokens_BxO, token_B[:, None], s.step, axis=1)
     finished_B = s.finished_B | (token_B == EOS_ID) | (s.step + 1 >= s.budget_B)
-    return _State(s.step + 1, tokens_BxO, finished_B,
-                  s.logprob_B + jnp.where(s.finished_B, 0.0, logprob_B), s.budget_B), None
+    return _State(
+      s.step + 1,
+      tokens_BxO,
+      finished_B,
+      s.logprob_B + jnp.where(s.finished_B, 0.0, logprob_B),
+      s.budget_B,
+    ), None
 
   def done_B(self, s: _State) -> Array:
     return s.finished_B

@@ -17,10 +17,12 @@ the decoder state by parent hypothesis, on a cache that grows as it fills
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol
+import functools
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
@@ -46,14 +48,16 @@ class Prompts:
   source_BxS: an encoder-decoder model's source ids; None for a decoder-only model.
   out_len: O, the output's width (static).
   """
+
   prompt_BxP: Array
   budget_B: Array
-  source_BxS: Optional[Array] = None
+  source_BxS: Array | None = None
   out_len: int = struct.field(pytree_node=False, default=0)
 
 
-def translation_prompts(source_BxS: Array, max_decode_extra_len: int,
-                        decoder_only: bool) -> Prompts:
+def translation_prompts(
+  source_BxS: Array | np.ndarray, max_decode_extra_len: int, decoder_only: bool
+) -> Prompts:
   """Translating padded source ids (each ending in EOS): a sentence may produce its own
   source length + max_decode_extra_len tokens, outputs are O = S + extra wide.
 
@@ -71,12 +75,16 @@ def translation_prompts(source_BxS: Array, max_decode_extra_len: int,
   return Prompts(bos_Bx1, budget_B, source_BxS, out_len)
 
 
-def continuation_prompts(prompt_BxP: Array, max_new_tokens: int) -> Prompts:
+def continuation_prompts(prompt_BxP: Array | np.ndarray, max_new_tokens: int) -> Prompts:
   """A decoder-only model continuing each prompt (BOS + ids, right-padded) by up to
   max_new_tokens tokens."""
   batch = prompt_BxP.shape[0]
-  return Prompts(jnp.asarray(prompt_BxP, jnp.int32),
-                 jnp.full((batch,), max_new_tokens, jnp.int32), None, max_new_tokens)
+  return Prompts(
+    jnp.asarray(prompt_BxP, jnp.int32),
+    jnp.full((batch,), max_new_tokens, jnp.int32),
+    None,
+    max_new_tokens,
+  )
 
 
 class Generation(NamedTuple):
@@ -89,6 +97,7 @@ class Generation(NamedTuple):
   row_calls: int32, rows still generating summed over those passes.
   proposed, accepted: int32, draft tokens offered and taken (speculative; else 0).
   """
+
   tokens_BxO: Array
   scores_B: Array
   calls: Array
@@ -110,9 +119,9 @@ class Generation(NamedTuple):
 class Search(Protocol):
   """One way of generating: `decode(model, params, prompts, search, ...)` calls run."""
 
-  def run(self, model, params, prompts: Prompts, rng: Optional[Array],
-          draft_params: Any, use_cache: bool) -> Generation:
-    ...
+  def run(
+    self, model, params, prompts: Prompts, rng: Array | None, draft_params: Any, use_cache: bool
+  ) -> Generation: ...
 
 
 class StepSearch(Protocol):
@@ -123,19 +132,17 @@ class StepSearch(Protocol):
   newest token [N, V] and returns the new state and each new hypothesis' parent row
   [N] (None: rows never move).
   """
-  width: int
 
-  def start(self, logits_BxV: Array, prompts: Prompts, rng: Optional[Array]) -> Any:
-    ...
+  @property
+  def width(self) -> int: ...
 
-  def newest_N(self, state: Any) -> Array:
-    ...
+  def start(self, logits_BxV: Array, prompts: Prompts, rng: Array | None) -> Any: ...
 
-  def step(self, state: Any, logits_NxV: Array) -> tuple[Any, Optional[Array]]:
-    ...
+  def newest_N(self, state: Any) -> Array: ...
 
-  def done_B(self, state: Any) -> Array:
-    ...
+  def step(self, state: Any, logits_NxV: Array) -> tuple[Any, Array | None]: ...
+
+  def done_B(self, state: Any) -> Array: ...
 
   def finish(self, state: Any) -> tuple[Array, Array]:
     """(tokens_BxO, scores_B)."""
@@ -148,8 +155,9 @@ class _Loop(NamedTuple):
   row_calls: Array
 
 
-def run_steps(search: StepSearch, model, params, prompts: Prompts, rng: Optional[Array],
-              use_cache: bool) -> Generation:
+def run_steps(
+  search: StepSearch, model, params, prompts: Prompts, rng: Array | None, use_cache: bool
+) -> Generation:
   """Prefill, then one token per hypothesis per step until every row is done."""
   model, params = cache_lib.unrolled(model, params)
   prompt_len = prompts.prompt_BxP.shape[1]
@@ -157,8 +165,14 @@ def run_steps(search: StepSearch, model, params, prompts: Prompts, rng: Optional
   cache_len = prompt_len + prompts.out_len - 1
   segments = tuple(s for s in cache_lib.cache_segments(cache_len) if s > prompt_len)
   segments = segments or (cache_len,)
-  prefilled = cache_lib.prefill(model, params, prompts.prompt_BxP, cache_len=segments[0],
-                                source_BxS=prompts.source_BxS, use_cache=use_cache)
+  prefilled = cache_lib.prefill(
+    model,
+    params,
+    prompts.prompt_BxP,
+    cache_len=segments[0],
+    source_BxS=prompts.source_BxS,
+    use_cache=use_cache,
+  )
   state = search.start(prefilled.logits_BxV, prompts, rng)
   decoder = prefilled.state
   if search.width > 1:
@@ -175,18 +189,22 @@ def run_steps(search: StepSearch, model, params, prompts: Prompts, rng: Optional
 
   def going(loop: _Loop, slots: int) -> Array:
     step = loop.search.step
-    return ((prompt_len + step - 1 < slots) & (step < prompts.out_len)
-            & ~jnp.all(search.done_B(loop.search)))
+    return (
+      (prompt_len + step - 1 < slots)
+      & (step < prompts.out_len)
+      & ~jnp.all(search.done_B(loop.search))
+    )
 
   loop = _Loop(state, decoder, jnp.array(0, jnp.int32))
   for i, slots in enumerate(segments):
     if i:
       loop = loop._replace(decoder=cache_lib.grow(loop.decoder, slots))
-    loop = jax.lax.while_loop(lambda loop, slots=slots: going(loop, slots), body, loop)
+    loop = jax.lax.while_loop(functools.partial(going, slots=slots), body, loop)
   tokens_BxO, scores_B = search.finish(loop.search)
   zero = jnp.array(0, jnp.int32)
-  return Generation(tokens_BxO, scores_B, jnp.maximum(loop.search.step - 1, 0),
-                    loop.row_calls, zero, zero)
+  return Generation(
+    tokens_BxO, scores_B, jnp.maximum(loop.search.step - 1, 0), loop.row_calls, zero, zero
+  )
 
 
 def ended(tokens_BxO: Array, budget_B: Array) -> Array:
