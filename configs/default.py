@@ -38,8 +38,9 @@ from transformer import config as config_lib
 
 def get_config(arg=None):
   if arg not in (None, "", "draft", "shallow_draft"):
-    raise ValueError(f"configs/default.py: argument {arg!r} must be empty, 'draft' or "
-                     "'shallow_draft'")
+    raise ValueError(
+      f"configs/default.py: argument {arg!r} must be empty, 'draft' or 'shallow_draft'"
+    )
   c = config_lib.base_config()
   c.dataset = "tatoeba_en_es"
   c.direction = "en-es"

@@ -1,12 +1,12 @@
 """The model and its decoding: pure Flax modules and functions of (params, inputs).
 
-  primitives.py   ModelConfig, initializers, masks, positions (the shape-letter legend)
-  attention.py    multi-head self- and cross-attention, with the decoding cache
-  layers.py       embedding, feed-forward, residual sublayers, encoder and decoder layers
-  transformer.py  the stacks (looped or scanned), Transformer, model_inputs
-  decoding/       decode(model, params, prompts, search): beam search, greedy, sampling
-                  and speculative decoding over one prefill and cache
-  draft.py        a shallow draft for speculative decoding on the target's encoder
+primitives.py   ModelConfig, initializers, masks, positions (the shape-letter legend)
+attention.py    multi-head self- and cross-attention, with the decoding cache
+layers.py       embedding, feed-forward, residual sublayers, encoder and decoder layers
+transformer.py  the stacks (looped or scanned), Transformer, model_inputs
+decoding/       decode(model, params, prompts, search): beam search, greedy, sampling
+                and speculative decoding over one prefill and cache
+draft.py        a shallow draft for speculative decoding on the target's encoder
 """
 
 from transformer.model.primitives import ModelConfig

@@ -25,15 +25,18 @@ Shape letters follow transformer/model/primitives.py; N is the shortlist's lengt
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from transformer.model.layers import tied_projection
-from transformer.model.primitives import Array, ModelConfig, default_positions
-from transformer.model.primitives import segment_ids_from_tokens
+from transformer.model.primitives import (
+  Array,
+  ModelConfig,
+  default_positions,
+  segment_ids_from_tokens,
+)
 from transformer.model.transformer import Decoder, Encoder
 
 
@@ -43,6 +46,7 @@ class FrozenEmbed(nn.Module):
   `attend` scores the whole vocabulary, or while decoding only the `shortlist` ids,
   scattered back to [.., V] with -inf elsewhere, so every search reads it as logits.
   """
+
   config: ModelConfig
   shortlist: tuple[int, ...] = ()
 
@@ -50,10 +54,13 @@ class FrozenEmbed(nn.Module):
     cfg = self.config
     # The name and initializer of layers.Embed's table: the target's checkpoint fits.
     self.embedding = self.param(
-        "embedding",
-        nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.d_model**-0.5),
-                                     ("vocab", "embed")),
-        (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+      "embedding",
+      nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")
+      ),
+      (cfg.vocab_size, cfg.d_model),
+      cfg.param_dtype,
+    )
 
   def _table_VxD(self) -> Array:
     return jax.lax.stop_gradient(jnp.asarray(self.embedding, self.config.dtype))
@@ -85,6 +92,7 @@ class ShallowDraft(nn.Module):
   train.py's steps and decodes with every search. `config` is the draft decoder's
   (its num_layers and d_ff); `target_config` the target's, whose encoder this reads.
   """
+
   config: ModelConfig
   target_config: ModelConfig
   shortlist: tuple[int, ...] = ()
@@ -98,21 +106,33 @@ class ShallowDraft(nn.Module):
     self.encoder = Encoder(self.target_config, self.shared_embedding)
     self.decoder = Decoder(self.config, self.shared_embedding)
 
-  def encode(self, source_BxS: Array, source_segment_ids: Optional[Array] = None,
-             source_positions: Optional[Array] = None, deterministic: bool = True) -> Array:
+  def encode(
+    self,
+    source_BxS: Array,
+    source_segment_ids: Array | None = None,
+    source_positions: Array | None = None,
+    deterministic: bool = True,
+  ) -> Array:
     """The target's encoder output [B, S, D], gradient stopped."""
     if source_segment_ids is None:
       source_segment_ids = segment_ids_from_tokens(source_BxS)
     if source_positions is None:
       source_positions = default_positions(source_BxS)
     return jax.lax.stop_gradient(
-        self.encoder(source_BxS, source_segment_ids, source_positions, True))
+      self.encoder(source_BxS, source_segment_ids, source_positions, True)
+    )
 
-  def decode(self, encoded_BxSxD: Optional[Array], source_BxS: Optional[Array],
-             decoder_input_BxT: Array, source_segment_ids: Optional[Array] = None,
-             target_segment_ids: Optional[Array] = None,
-             target_positions: Optional[Array] = None, deterministic: bool = True,
-             use_cache: bool = False) -> Array:
+  def decode(
+    self,
+    encoded_BxSxD: Array | None,
+    source_BxS: Array | None,
+    decoder_input_BxT: Array,
+    source_segment_ids: Array | None = None,
+    target_segment_ids: Array | None = None,
+    target_positions: Array | None = None,
+    deterministic: bool = True,
+    use_cache: bool = False,
+  ) -> Array:
     """As `Transformer.decode`: f32 logits [B, T, V] (-inf off the shortlist when decoding)."""
     if source_segment_ids is None and source_BxS is not None:
       source_segment_ids = segment_ids_from_tokens(source_BxS)
@@ -122,17 +142,37 @@ class ShallowDraft(nn.Module):
         target_segment_ids = jnp.ones_like(decoder_input_BxT)
     if target_positions is None:
       target_positions = default_positions(decoder_input_BxT)
-    return self.decoder(decoder_input_BxT, target_segment_ids, target_positions,
-                        encoded_BxSxD, source_segment_ids, deterministic, use_cache)
+    return self.decoder(
+      decoder_input_BxT,
+      target_segment_ids,
+      target_positions,
+      encoded_BxSxD,
+      source_segment_ids,
+      deterministic,
+      use_cache,
+    )
 
-  def __call__(self, source: Optional[Array], decoder_input: Array, *,
-               source_segment_ids: Optional[Array] = None,
-               source_positions: Optional[Array] = None,
-               target_segment_ids: Optional[Array] = None,
-               target_positions: Optional[Array] = None,
-               deterministic: bool = True) -> Array:
+  def __call__(
+    self,
+    source: Array | None,
+    decoder_input: Array,
+    *,
+    source_segment_ids: Array | None = None,
+    source_positions: Array | None = None,
+    target_segment_ids: Array | None = None,
+    target_positions: Array | None = None,
+    deterministic: bool = True,
+  ) -> Array:
     """Teacher-forced forward pass -> f32 logits [B, T, V], the encoder frozen (no
     dropout there: the draft learns to read the encoder output decoding will give it)."""
+    assert source is not None, "a shallow draft reads a source: it is an encoder-decoder's"
     encoded_BxSxD = self.encode(source, source_segment_ids, source_positions)
-    return self.decode(encoded_BxSxD, source, decoder_input, source_segment_ids,
-                       target_segment_ids, target_positions, deterministic)
+    return self.decode(
+      encoded_BxSxD,
+      source,
+      decoder_input,
+      source_segment_ids,
+      target_segment_ids,
+      target_positions,
+      deterministic,
+    )

@@ -74,7 +74,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from transformer import cli, host_memory, storage, versions
+from transformer import cli, host_memory, versions
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID
 from transformer.model import decoding
@@ -124,11 +124,14 @@ _DRAFT_LEN = flags.DEFINE_integer(
   "draft_len", 4, "--only speculative: draft tokens per target pass (k)."
 )
 _SPECULATIVE_SENTENCES = flags.DEFINE_integer(
-    "speculative_sentences", 256, "--only speculative: the first N sentences of the test "
-    "split.")
+  "speculative_sentences", 256, "--only speculative: the first N sentences of the test split."
+)
 _SPECULATIVE_BATCH_SIZES = flags.DEFINE_list(
-    "speculative_batch_sizes", ["1", "32"], "--only speculative: sentences per batch, each "
-    "measured in turn (1: the latency of one sentence at a time).")
+  "speculative_batch_sizes",
+  ["1", "32"],
+  "--only speculative: sentences per batch, each "
+  "measured in turn (1: the latency of one sentence at a time).",
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per measurement.")
 _LABEL = flags.DEFINE_string(
   "label", "", "With --json: a 'label' key on every record, to tell runs apart in one file."
@@ -407,15 +410,18 @@ def _cached_passes(model, params, state, tokens_BxL, position, *, calls: int):
   """`calls` cached passes of L tokens per row, each written at `position` (a scalar, as
   greedy decoding writes, or one per row [B], as speculative decoding does), each fed
   the argmax of the last, so none can be skipped."""
+
   def body(_, carry):
     state, tokens_BxL = carry
     logits_BxLxV, state = cache_lib.feed(model, params, state, tokens_BxL, position)
     return state, jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32)
+
   return jax.lax.fori_loop(0, calls, body, (state, tokens_BxL))[1]
 
 
-def _pass_costs(target, draft, source_BxS, draft_len: int, extra: int, calls: int = 32,
-                repeats: int = 5) -> dict[str, float]:
+def _pass_costs(
+  target, draft, source_BxS, draft_len: int, extra: int, calls: int = 32, repeats: int = 5
+) -> dict[str, float]:
   """Seconds per cached pass at this batch, medians of `repeats` interleaved runs of
   `calls` passes: the target's one-token pass as greedy decoding makes it, the draft's
   one-token pass and the target's (k + 1)-token check as speculative decoding makes them."""
@@ -426,69 +432,96 @@ def _pass_costs(target, draft, source_BxS, draft_len: int, extra: int, calls: in
   prefill = jax.jit(cache_lib.prefill, static_argnames=("model", "cache_len"))
   target_model, target_params = cache_lib.unrolled(target.model, target.params)
   draft_model, draft_params = cache_lib.unrolled(draft.model, draft.params)
-  encoded_BxSxD = prefill(target_model, target_params, bos_Bx1, cache_len=cache_len,
-                          source_BxS=source_BxS).encoded_BxSxD
+  encoded_BxSxD = prefill(
+    target_model, target_params, bos_Bx1, cache_len=cache_len, source_BxS=source_BxS
+  ).encoded_BxSxD
   shared = encoded_BxSxD if decoding.reads_target_encoding(draft.model) else None
   runs = {}
   for name, model, params, tokens in (
-      ("target", target_model, target_params, 1), ("draft", draft_model, draft_params, 1),
-      ("check", target_model, target_params, draft_len + 1)):
-    state = prefill(model, params, bos_Bx1, cache_len=cache_len, source_BxS=source_BxS,
-                    encoded_BxSxD=shared if name == "draft" else None).state
+    ("target", target_model, target_params, 1),
+    ("draft", draft_model, draft_params, 1),
+    ("check", target_model, target_params, draft_len + 1),
+  ):
+    state = prefill(
+      model,
+      params,
+      bos_Bx1,
+      cache_len=cache_len,
+      source_BxS=source_BxS,
+      encoded_BxSxD=shared if name == "draft" else None,
+    ).state
     position = jnp.array(1, jnp.int32) if name == "target" else row_position_B
     tokens_BxL = jnp.full((batch, tokens), 5, jnp.int32)
-    runs[name] = functools.partial(_cached_passes, model, params, state, tokens_BxL, position,
-                                   calls=calls)
+    runs[name] = functools.partial(
+      _cached_passes, model, params, state, tokens_BxL, position, calls=calls
+    )
     jax.block_until_ready(runs[name]())  # compiles
-  seconds = {name: [] for name in runs}
+  seconds: dict[str, list[float]] = {name: [] for name in runs}
   for _ in range(repeats):
     for name, run in runs.items():
-      seconds[name].append(_timed(lambda _: run(), None)[1] / calls)
+      seconds[name].append(_timed(lambda _, run=run: run(), None)[1] / calls)
   return {name: statistics.median(times) for name, times in seconds.items()}
 
 
 def expected_speedup(acceptance: float, draft_len: int, cost: float) -> float:
   """Leviathan et al.'s expected speed-up of one sequence, (1 - a^(k+1)) / ((1 - a)(k c + 1)):
   tokens per round over the round's cost in target passes."""
-  tokens = draft_len + 1 if acceptance >= 1 else (1 - acceptance**(draft_len + 1)) / (
-      1 - acceptance)
+  tokens = (
+    draft_len + 1 if acceptance >= 1 else (1 - acceptance ** (draft_len + 1)) / (1 - acceptance)
+  )
   return tokens / (draft_len * cost + 1)
 
 
-def measure_speculative(config, workdir: str, draft_workdir: str, draft_len: int,
-                        num_sentences: int, batch_sizes: list[int]) -> list[dict[str, Any]]:
+def measure_speculative(
+  config,
+  workdir: str,
+  draft_workdir: str,
+  draft_len: int,
+  num_sentences: int,
+  batch_sizes: list[int],
+) -> list[dict[str, Any]]:
   """Cached greedy against speculative greedy decoding of the test split's first
   sentences, on the restored target and draft, at each batch size (see the module
   docstring): one record per batch size."""
   # Imported here: restoring runs needs the evaluation and checkpoint code only.
   from transformer import data
   from transformer.evaluation import translate
+
   # Restored as eval.py --draft_workdir restores them: the vocabularies are checked to be
   # identical and the draft is placed on the target's mesh before anything compiles.
   target = translate.Translator(
-      config, workdir, draft_workdir=draft_workdir,
-      settings=translate.SearchSettings(kind="greedy", draft_len=draft_len))
+    config,
+    workdir,
+    draft_workdir=draft_workdir,
+    settings=translate.SearchSettings(kind="greedy", draft_len=draft_len),
+  )
   lines = [source for source, _ in data.load_raw_pairs(config, "test")[:num_sentences]]
   if not lines:
     raise config_lib.ConfigError(f"config.dataset: {config.dataset} has no test sentences")
   row_shards = sharding.batch_row_shards(target.mesh, target.rules)
   if any(rows % row_shards for rows in batch_sizes):
-    raise config_lib.ConfigError(f"--speculative_batch_sizes: each must split over the "
-                                 f"{row_shards} devices a batch's rows are spread over")
+    raise config_lib.ConfigError(
+      f"--speculative_batch_sizes: each must split over the "
+      f"{row_shards} devices a batch's rows are spread over"
+    )
   results = []
   with sharding.activation_sharding(target.mesh, target.rules):
     for rows in batch_sizes:
       sources = []
       for start in range(0, len(lines), rows):  # as eval.py batches: in order, padded rows
-        ids = target.tokenizer.encode_for_model(lines[start:start + rows], config.max_len)
-        sources.append(sharding.global_batch_from_whole(
-            {"source": data.pad_batch(ids, rows=rows)}, target.mesh, target.rules)["source"])
+        ids = target.tokenizer.encode_for_model(lines[start : start + rows], config.max_len)
+        sources.append(
+          sharding.global_batch_from_whole(
+            {"source": data.pad_batch(ids, rows=rows)}, target.mesh, target.rules
+          )["source"]
+        )
       results.append(_compare_at_batch(config, target, sources, len(lines), draft_len))
   return results
 
 
-def _compare_at_batch(config, target, sources: list, num_lines: int,
-                      draft_len: int) -> dict[str, Any]:
+def _compare_at_batch(
+  config, target, sources: list, num_lines: int, draft_len: int
+) -> dict[str, Any]:
   """Greedy and speculative decoding of the same batches, alternating which goes first
   on each batch (so a change in the machine's load falls on both), after an untimed
   pass that compiles every batch shape."""
@@ -496,17 +529,24 @@ def _compare_at_batch(config, target, sources: list, num_lines: int,
   assert draft is not None  # a draft_workdir always gives the translator one
   prompts = lambda source: decoding.translation_prompts(source, extra, False)
   decoders = {
-      "greedy": lambda source: decoding.decode(target.model, target.params, prompts(source),
-                                               decoding.Greedy()).tokens_BxO,
-      "speculative": lambda source: decoding.decode(
-          target.model, target.params, prompts(source),
-          decoding.Speculative(draft.model, draft_len), draft_params=draft.params)}
-  compile_s = {name: sum(_timed(decode, source)[1] for source in sources)
-               for name, decode in decoders.items()}
+    "greedy": lambda source: (
+      decoding.decode(target.model, target.params, prompts(source), decoding.Greedy()).tokens_BxO
+    ),
+    "speculative": lambda source: decoding.decode(
+      target.model,
+      target.params,
+      prompts(source),
+      decoding.Speculative(draft.model, draft_len),
+      draft_params=draft.params,
+    ),
+  }
+  compile_s = {
+    name: sum(_timed(decode, source)[1] for source in sources) for name, decode in decoders.items()
+  }
   seconds = {name: 0.0 for name in decoders}
-  outputs = {name: [] for name in decoders}
+  outputs: dict[str, list[Any]] = {name: [] for name in decoders}
   for b, source in enumerate(sources):
-    for name in (("greedy", "speculative") if b % 2 == 0 else ("speculative", "greedy")):
+    for name in ("greedy", "speculative") if b % 2 == 0 else ("speculative", "greedy"):
       out, elapsed = _timed(decoders[name], source)
       seconds[name] += elapsed
       outputs[name].append(jax.device_get(out))
@@ -521,8 +561,10 @@ def _compare_at_batch(config, target, sources: list, num_lines: int,
     # is done: as many passes as the batch's longest output.
     greedy_passes += int(np.max(np.sum(np.asarray(plain) != config_lib.PAD_ID, axis=1)))
   if differ:
-    raise RuntimeError(f"speculative greedy decoding differs from greedy decoding on "
-                       f"{differ} of {num_lines} sentences at batch {rows}")
+    raise RuntimeError(
+      f"speculative greedy decoding differs from greedy decoding on "
+      f"{differ} of {num_lines} sentences at batch {rows}"
+    )
   spec_out = outputs["speculative"]
   proposed = sum(int(o.proposed) for o in spec_out)
   accepted = sum(int(o.accepted) for o in spec_out)
@@ -532,40 +574,51 @@ def _compare_at_batch(config, target, sources: list, num_lines: int,
   draft_cost = passes["draft"] / passes["target"]
   greedy_s, spec_s = seconds["greedy"], seconds["speculative"]
   return {
-      "name": "speculative", "sentences": num_lines, "batch_size": rows,
-      "draft_len": draft_len, "target_params": _count(target.params),
-      "draft_params": _count(draft.params), "draft_kind": type(draft.model).__name__,
-      "acceptance_rate": acceptance, "proposed": proposed, "accepted": accepted,
-      "target_calls": target_calls,
-      # Whole-batch passes of the target, the first token's included (speculative: the
-      # prefill, uncounted in target_calls; greedy: its first step). Their ratio is what
-      # speculation saves in target passes; the speed-up is what it saves in time.
-      "target_passes_greedy": greedy_passes,
-      "target_passes_speculative": target_calls + len(sources),
-      "target_pass_reduction": greedy_passes / (target_calls + len(sources)),
-      # As decoding.Generation and eval.py count it: tokens per sentence per target pass
-      # (at most k + 1, plus the first token, which the uncounted prefill yields).
-      "tokens_per_target_call": sum(int(np.sum(np.asarray(o.tokens_BxO) != config_lib.PAD_ID))
-                                    for o in spec_out) / max(sum(int(o.row_calls)
-                                                                 for o in spec_out), 1),
-      "generated_tokens": generated,
-      # The untimed first passes: compiling every batch shape, plus one run.
-      "greedy_compile_s": compile_s["greedy"],
-      "speculative_compile_s": compile_s["speculative"],
-      "greedy_s": greedy_s, "speculative_s": spec_s,
-      "greedy_ms_per_sentence": 1e3 * greedy_s / num_lines,
-      "speculative_ms_per_sentence": 1e3 * spec_s / num_lines,
-      "greedy_sentences_per_sec": num_lines / greedy_s,
-      "speculative_sentences_per_sec": num_lines / spec_s,
-      "speedup": greedy_s / spec_s,
-      # Seconds per cached pass at this batch (_pass_costs): c, the draft's one-token
-      # pass over the target's, and the (k + 1)-token check over a one-token pass.
-      "target_pass_s": passes["target"], "draft_pass_s": passes["draft"],
-      "check_pass_s": passes["check"], "draft_cost_ratio": draft_cost,
-      "check_cost_ratio": passes["check"] / passes["target"],
-      "expected_speedup": expected_speedup(acceptance, draft_len, draft_cost),
-      "tokens_per_sec": generated / spec_s, "step_time_s": spec_s / max(target_calls, 1),
-      "mfu": None,
+    "name": "speculative",
+    "sentences": num_lines,
+    "batch_size": rows,
+    "draft_len": draft_len,
+    "target_params": _count(target.params),
+    "draft_params": _count(draft.params),
+    "draft_kind": type(draft.model).__name__,
+    "acceptance_rate": acceptance,
+    "proposed": proposed,
+    "accepted": accepted,
+    "target_calls": target_calls,
+    # Whole-batch passes of the target, the first token's included (speculative: the
+    # prefill, uncounted in target_calls; greedy: its first step). Their ratio is what
+    # speculation saves in target passes; the speed-up is what it saves in time.
+    "target_passes_greedy": greedy_passes,
+    "target_passes_speculative": target_calls + len(sources),
+    "target_pass_reduction": greedy_passes / (target_calls + len(sources)),
+    # As decoding.Generation and eval.py count it: tokens per sentence per target pass
+    # (at most k + 1, plus the first token, which the uncounted prefill yields).
+    "tokens_per_target_call": sum(
+      int(np.sum(np.asarray(o.tokens_BxO) != config_lib.PAD_ID)) for o in spec_out
+    )
+    / max(sum(int(o.row_calls) for o in spec_out), 1),
+    "generated_tokens": generated,
+    # The untimed first passes: compiling every batch shape, plus one run.
+    "greedy_compile_s": compile_s["greedy"],
+    "speculative_compile_s": compile_s["speculative"],
+    "greedy_s": greedy_s,
+    "speculative_s": spec_s,
+    "greedy_ms_per_sentence": 1e3 * greedy_s / num_lines,
+    "speculative_ms_per_sentence": 1e3 * spec_s / num_lines,
+    "greedy_sentences_per_sec": num_lines / greedy_s,
+    "speculative_sentences_per_sec": num_lines / spec_s,
+    "speedup": greedy_s / spec_s,
+    # Seconds per cached pass at this batch (_pass_costs): c, the draft's one-token
+    # pass over the target's, and the (k + 1)-token check over a one-token pass.
+    "target_pass_s": passes["target"],
+    "draft_pass_s": passes["draft"],
+    "check_pass_s": passes["check"],
+    "draft_cost_ratio": draft_cost,
+    "check_cost_ratio": passes["check"] / passes["target"],
+    "expected_speedup": expected_speedup(acceptance, draft_len, draft_cost),
+    "tokens_per_sec": generated / spec_s,
+    "step_time_s": spec_s / max(target_calls, 1),
+    "mfu": None,
   }
 
 
@@ -622,17 +675,19 @@ def describe(result: dict[str, Any]) -> str:
       f"{result['tokens_per_sec']:,.0f} tokens/s"
     )
   if name == "speculative":
-    return (f"speculative: {result['sentences']} test sentences at batch "
-            f"{result['batch_size']}, k={result['draft_len']}, acceptance "
-            f"{100 * result['acceptance_rate']:.1f}%, "
-            f"{result['tokens_per_target_call']:.2f} tokens per sentence per target call, "
-            f"{result['target_pass_reduction']:.2f}x fewer target passes; greedy "
-            f"{result['greedy_ms_per_sentence']:,.2f} ms/sentence, speculative "
-            f"{result['speculative_ms_per_sentence']:,.2f} ms/sentence (identical tokens), "
-            f"speed-up {result['speedup']:.2f}x; pass cost: draft/target c = "
-            f"{result['draft_cost_ratio']:.2f}, (k + 1)-token check/target "
-            f"{result['check_cost_ratio']:.2f}; expected (1 - a^(k+1)) / ((1 - a)(k c + 1)) "
-            f"= {result['expected_speedup']:.2f}x")
+    return (
+      f"speculative: {result['sentences']} test sentences at batch "
+      f"{result['batch_size']}, k={result['draft_len']}, acceptance "
+      f"{100 * result['acceptance_rate']:.1f}%, "
+      f"{result['tokens_per_target_call']:.2f} tokens per sentence per target call, "
+      f"{result['target_pass_reduction']:.2f}x fewer target passes; greedy "
+      f"{result['greedy_ms_per_sentence']:,.2f} ms/sentence, speculative "
+      f"{result['speculative_ms_per_sentence']:,.2f} ms/sentence (identical tokens), "
+      f"speed-up {result['speedup']:.2f}x; pass cost: draft/target c = "
+      f"{result['draft_cost_ratio']:.2f}, (k + 1)-token check/target "
+      f"{result['check_cost_ratio']:.2f}; expected (1 - a^(k+1)) / ((1 - a)(k c + 1)) "
+      f"= {result['expected_speedup']:.2f}x"
+    )
   if name == "train_loop":
     return (
       f"train_loop: {result['steps']} steps in windows of {result['window']}, "
@@ -674,10 +729,11 @@ def main(argv):
     if _DRAFT_LEN.value < 1 or _SPECULATIVE_SENTENCES.value < 1:
       raise app.UsageError("--draft_len and --speculative_sentences must be at least 1")
     if not all(b.isdigit() and int(b) >= 1 for b in _SPECULATIVE_BATCH_SIZES.value):
-      raise app.UsageError(f"--speculative_batch_sizes: {','.join(_SPECULATIVE_BATCH_SIZES.value)}"
-                           " must be positive integers")
-  multiple = sharding.batch_row_multiple(sharding.create_mesh(config),
-                                         sharding.axis_rules(config))
+      raise app.UsageError(
+        f"--speculative_batch_sizes: {','.join(_SPECULATIVE_BATCH_SIZES.value)}"
+        " must be positive integers"
+      )
+  multiple = sharding.batch_row_multiple(sharding.create_mesh(config), sharding.axis_rules(config))
   rows = sharding.rows_for_tokens(batch_tokens, seq_len, multiple)
   if "train_loop" in _ONLY.value and (
     _LOOP_WINDOW.value < 1
@@ -722,9 +778,14 @@ def main(argv):
   if "train_loop" in _ONLY.value:
     report(measure_train_loop(config, _LOOP_STEPS.value, _LOOP_WINDOW.value))
   if "speculative" in _ONLY.value:
-    for result in measure_speculative(config, _WORKDIR.value, _DRAFT_WORKDIR.value,
-                                      _DRAFT_LEN.value, _SPECULATIVE_SENTENCES.value,
-                                      [int(b) for b in _SPECULATIVE_BATCH_SIZES.value]):
+    for result in measure_speculative(
+      config,
+      _WORKDIR.value,
+      _DRAFT_WORKDIR.value,
+      _DRAFT_LEN.value,
+      _SPECULATIVE_SENTENCES.value,
+      [int(b) for b in _SPECULATIVE_BATCH_SIZES.value],
+    ):
       report(result)
 
 

@@ -15,8 +15,8 @@ import ml_collections
 import numpy as np
 
 from transformer import data
-from transformer.data import tokenizer as tokenizer_lib
 from transformer.config import EOS_ID, ConfigError
+from transformer.data import tokenizer as tokenizer_lib
 from transformer.training import checkpoints
 
 # Model keys that only training reads: a draft may set them apart from its target.
@@ -32,33 +32,43 @@ def prepare_config(config: ml_collections.ConfigDict) -> None:
   d = config.draft
   if not d.num_layers:
     if d.target_workdir or d.shortlist or d.shortlist_size or d.d_ff:
-      raise ConfigError("config.draft.num_layers: is 0 but other draft keys are set: set "
-                        "num_layers to train a shallow draft")
+      raise ConfigError(
+        "config.draft.num_layers: is 0 but other draft keys are set: set "
+        "num_layers to train a shallow draft"
+      )
     return
   target_workdir = config.draft.target_workdir
   target = checkpoints.load_run_config(target_workdir)
-  pairs = [(f"model.{key}", target.model[key], config.model[key]) for key in config.model
-           if key not in _TRAINING_ONLY_MODEL_KEYS]
-  pairs += [(key, target[key], config[key]) for key in ("vocab_size", "max_len",
-                                                        "max_decode_extra_len")]
+  pairs = [
+    (f"model.{key}", target.model[key], config.model[key])
+    for key in config.model
+    if key not in _TRAINING_ONLY_MODEL_KEYS
+  ]
+  pairs += [
+    (key, target[key], config[key]) for key in ("vocab_size", "max_len", "max_decode_extra_len")
+  ]
   for key, was, now in pairs:
     if was != now:
-      raise ConfigError(f"config.{key}: the draft's target ({target_workdir}) has {was!r}, "
-                        f"this config {now!r}; a shallow draft must describe its target")
+      raise ConfigError(
+        f"config.{key}: the draft's target ({target_workdir}) has {was!r}, "
+        f"this config {now!r}; a shallow draft must describe its target"
+      )
   config.vocab_from = target_workdir
   if config.draft.shortlist_size and not config.draft.shortlist:
     tokenizer = tokenizer_lib.vocab_from_run(target_workdir, config.vocab_size)
-    config.draft.shortlist = frequent_target_ids(config, tokenizer,
-                                                 config.draft.shortlist_size)
+    config.draft.shortlist = frequent_target_ids(config, tokenizer, config.draft.shortlist_size)
 
 
-def frequent_target_ids(config: ml_collections.ConfigDict, tokenizer: data.Tokenizer,
-                        count: int) -> list[int]:
+def frequent_target_ids(
+  config: ml_collections.ConfigDict, tokenizer: data.Tokenizer, count: int
+) -> list[int]:
   """The `count` ids most frequent on the target side of the training split (EOS
   included), most frequent first; ties go to the lower id."""
   targets = [target for _, target in data.load_raw_pairs(config, "train")]
-  ids = np.concatenate([np.asarray(row, np.int64) for row in tokenizer.encode_batch(targets)]
-                       + [np.full(len(targets), EOS_ID, np.int64)])
+  ids = np.concatenate(
+    [np.asarray(row, np.int64) for row in tokenizer.encode_batch(targets)]
+    + [np.full(len(targets), EOS_ID, np.int64)]
+  )
   counts_V = np.bincount(ids, minlength=config.vocab_size)
   order_V = np.argsort(-counts_V, kind="stable")
   return [int(i) for i in order_V[:count]]
@@ -73,11 +83,15 @@ def init_from_target(setup, fresh_state):
   # Imported here: state imports the model package, which this module's importers
   # (the training loop) already hold.
   from transformer.training import state as state_lib
+
   target_config = checkpoints.load_run_config(config.draft.target_workdir)
   target_setup = state_lib.setup(target_config, mesh=setup.mesh)
   target_params, _ = checkpoints.restore_params(config.draft.target_workdir, target_setup)
   params = dict(fresh_state.params)
   for part in FROZEN_PARTS:
-    params[part] = jax.tree.map(lambda copied, fresh: jax.device_put(copied, fresh.sharding),
-                                target_params[part], params[part])
+    params[part] = jax.tree.map(
+      lambda copied, fresh: jax.device_put(copied, fresh.sharding),
+      target_params[part],
+      params[part],
+    )
   return fresh_state.replace(params=params)

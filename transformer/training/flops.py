@@ -35,6 +35,8 @@ from __future__ import annotations
 import socket
 import time
 import zlib
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +123,7 @@ def _segment_lengths(
   return lengths.at[rows, segments_BxL].add(1.0).at[:, 0].set(0.0)
 
 
-def count_tokens(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def count_tokens(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
   """The sums `real_training_flops` needs, over a batch's sentence pairs (jittable).
 
   Keys: source_tokens and target_tokens (sum s, sum t), source_sq and target_sq

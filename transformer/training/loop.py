@@ -14,7 +14,8 @@ import math
 import os
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.experimental.multihost_utils
@@ -23,12 +24,19 @@ import numpy as np
 from absl import logging
 
 from transformer import config as config_lib
-from transformer import storage
-from transformer import data
-from transformer import versions
+from transformer import data, storage, versions
 from transformer.model import ModelConfig
-from transformer.training import (checkpoints, draft, flops, metrics, prefetch, reporting,
-                                  sharding, state, steps)
+from transformer.training import (
+  checkpoints,
+  draft,
+  flops,
+  metrics,
+  prefetch,
+  reporting,
+  sharding,
+  state,
+  steps,
+)
 
 
 class TrainingError(RuntimeError):
@@ -61,8 +69,7 @@ class PreemptionSignal:
     self.received = signal.Signals(signum).name
     if self._several_processes:  # jax.distributed's handler takes it from here
       os.kill(os.getpid(), signal.SIGTERM)
-    logging.warning("%s received: saving a checkpoint after this step, then exiting",
-                    self.received)
+    logging.warning("%s received: saving a checkpoint after this step, then exiting", self.received)
 
   def restore(self):
     for sig, handler in self._previous.items():
@@ -100,13 +107,17 @@ class Progress:
   checkpoint saves (`paused`): throughput is the training step's.
 
   A window that computed faster than the peak (HFU above 100%) shows the peak was read
-  low: `remeasure_peak` (the loop's: flops.total_peak_flops with remeasure=True) gives it again, between
-  windows so outside their time, and the higher value stays.
+  low: `remeasure_peak` (the loop's: flops.total_peak_flops with remeasure=True) gives it
+  again, between windows so outside their time, and the higher value stays.
   """
 
-  def __init__(self, peak_flops: float | None, total_steps: int,
-               model_config: ModelConfig | None = None,
-               remeasure_peak: Callable[[], float] | None = None):
+  def __init__(
+    self,
+    peak_flops: float | None,
+    total_steps: int,
+    model_config: ModelConfig | None = None,
+    remeasure_peak: Callable[[], float | None] | None = None,
+  ):
     self.peak_flops = peak_flops
     self.remeasure_peak = remeasure_peak
     self.total_steps = total_steps
@@ -117,8 +128,9 @@ class Progress:
     self._pending_counts: list[dict] = []  # flops.count_tokens of each step, on device
     self._window_start = time.time()
 
-  def add(self, step: int, step_metrics: dict, step_flops: int,
-          token_counts: dict | None = None) -> None:
+  def add(
+    self, step: int, step_metrics: dict, step_flops: int, token_counts: dict | None = None
+  ) -> None:
     self._pending.append((step, step_metrics))
     self._pending_flops += step_flops
     if token_counts is not None:
@@ -139,15 +151,16 @@ class Progress:
 
   def check_finite(self) -> None:
     """Raises at the first step whose loss is NaN or Inf (fetches unchecked losses)."""
-    unchecked = self._pending[self._checked:]
+    unchecked = self._pending[self._checked :]
     losses = jax.device_get([m["loss"] for _, m in unchecked])
     for (step, _), loss in zip(unchecked, losses):
       if not math.isfinite(float(loss)):
-        raise TrainingError(f"loss is {float(loss)} at step {step}: stopping; "
-                            "the last checkpoint before it is intact")
+        raise TrainingError(
+          f"loss is {float(loss)} at step {step}: stopping; the last checkpoint before it is intact"
+        )
     self._checked = len(self._pending)
 
-  def record(self, step: int) -> dict[str, float]:
+  def record(self, step: int) -> dict[str, float | None]:
     """Averages since the last record, throughput, MFU/HFU and ETA; starts a new window."""
     self.check_finite()
     count = len(self._pending)
@@ -157,22 +170,22 @@ class Progress:
     averages = metrics.token_averages(sums)
     del averages["num_tokens"]
     record = {
-        **averages,
-        "lr": sums["lr"] / count,
-        "grad_norm": sums["grad_norm"] / count,
-        "tokens_per_sec": sums["num_tokens"] / elapsed,
-        "steps_per_sec": steps_per_sec,
-        **self._utilisation(elapsed, count),
-        "eta_s": (self.total_steps - step) / max(steps_per_sec, 1e-9),
+      **averages,
+      "lr": sums["lr"] / count,
+      "grad_norm": sums["grad_norm"] / count,
+      "tokens_per_sec": sums["num_tokens"] / elapsed,
+      "steps_per_sec": steps_per_sec,
+      **self._utilisation(elapsed, count),
+      "eta_s": (self.total_steps - step) / max(steps_per_sec, 1e-9),
     }
     self._pending, self._checked, self._pending_flops = [], 0, 0
     self._pending_counts = []
     self._window_start = time.time()
     return record
 
-  def _utilisation(self, elapsed: float, count: int) -> dict[str, float]:
+  def _utilisation(self, elapsed: float, count: int) -> dict[str, float | None]:
     """mfu, hfu, padding_efficiency (and the source's): each only where it is known."""
-    out = {}
+    out: dict[str, float | None] = {}
     counts = None
     if self.model_config is not None and count and len(self._pending_counts) == count:
       per_step = jax.device_get(self._pending_counts)
@@ -180,13 +193,19 @@ class Progress:
       out["padding_efficiency"] = counts["target_tokens"] / counts["target_slots"]
       if counts["source_slots"]:
         out["source_padding_efficiency"] = counts["source_tokens"] / counts["source_slots"]
-    if (self.peak_flops is not None and self.remeasure_peak is not None
-        and self._pending_flops / elapsed > self.peak_flops):
-      self.peak_flops = max(self.peak_flops, self.remeasure_peak())
+    if (
+      self.peak_flops is not None
+      and self.remeasure_peak is not None
+      and self._pending_flops / elapsed > self.peak_flops
+    ):
+      remeasured = self.remeasure_peak()
+      if remeasured is not None:
+        self.peak_flops = max(self.peak_flops, remeasured)
     if self.peak_flops is not None:
-      if counts is not None:
-        out["mfu"] = flops.utilisation(flops.real_training_flops(self.model_config, counts),
-                                       elapsed, self.peak_flops)
+      if counts is not None and self.model_config is not None:
+        out["mfu"] = flops.utilisation(
+          flops.real_training_flops(self.model_config, counts), elapsed, self.peak_flops
+        )
       out["hfu"] = flops.utilisation(self._pending_flops, elapsed, self.peak_flops)
     return out
 
@@ -203,16 +222,19 @@ class ValidationLoss:
   def __init__(self, config, run_setup: state.Setup, tokenizer):
     self.config, self.setup, self.tokenizer = config, run_setup, tokenizer
     self._eval_step = steps.jit_eval_step(run_setup)
-    self._batches = data.make_eval_batches(config, tokenizer, "validation",
-                                           max_batches=config.num_eval_batches)
+    self._batches = data.make_eval_batches(
+      config, tokenizer, "validation", max_batches=config.num_eval_batches
+    )
 
   def __call__(self, params) -> dict[str, Any]:
-    return metrics.evaluate_loss(self._eval_step, params, self._batches, self.setup.mesh,
-                                 self.setup.rules)
+    return metrics.evaluate_loss(
+      self._eval_step, params, self._batches, self.setup.mesh, self.setup.rules
+    )
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       validation=ValidationLoss) -> dict[str, Any]:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: str, validation=ValidationLoss
+) -> dict[str, Any]:
   """Trains (or resumes) in `workdir`; returns the last validation metrics.
 
   validation: what runs every config.eval_every_steps, built as
@@ -237,51 +259,60 @@ def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> data.To
   """
   if jax.process_count() == 1:
     return data.get_tokenizer(config, workdir)
-  model_proto = data.get_tokenizer(config, workdir).model_proto if jax.process_index() == 0 \
-      else b""
+  model_proto = data.get_tokenizer(config, workdir).model_proto if jax.process_index() == 0 else b""
   broadcast = jax.experimental.multihost_utils.broadcast_one_to_all
   size = int(broadcast(np.int64(len(model_proto))))
   buffer = np.zeros(size, np.uint8)
-  buffer[:len(model_proto)] = np.frombuffer(model_proto, np.uint8)
+  buffer[: len(model_proto)] = np.frombuffer(model_proto, np.uint8)
   return data.Tokenizer(np.asarray(broadcast(buffer)).tobytes())
 
 
 class TrainingRun:
   """One run in a workdir: built (and restored) at construction, then `train()`."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               validation=ValidationLoss):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, validation=ValidationLoss):
     self.config = config
     self.is_chief = jax.process_index() == 0
     draft.prepare_config(config)  # a shallow draft reads its target run's settings
     # --- Mesh, model, optimizer and the sharded state's shapes.
     self.setup = state.setup(config)
-    logging.info("mesh %s over %d devices, %d processes", dict(self.setup.mesh.shape),
-                 jax.device_count(), jax.process_count())
+    logging.info(
+      "mesh %s over %d devices, %d processes",
+      dict(self.setup.mesh.shape),
+      jax.device_count(),
+      jax.process_count(),
+    )
     if self.is_chief:
       write_run_config(config, workdir)
     # --- Data.
     self.tokenizer = shared_tokenizer(config, workdir)
     self.train_iter = data.make_train_iterator(
-        config, self.tokenizer, process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        row_multiple=sharding.batch_row_multiple(self.setup.mesh, self.setup.rules))
+      config,
+      self.tokenizer,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      row_multiple=sharding.batch_row_multiple(self.setup.mesh, self.setup.rules),
+    )
     # --- Restore, or start fresh.
-    self.checkpointer = checkpoints.Checkpointer(workdir, config.keep_checkpoints,
-                                                 clean_torn=True,
-                                                 timeout_s=config.storage_timeout_s)
+    self.checkpointer = checkpoints.Checkpointer(
+      workdir, config.keep_checkpoints, clean_torn=True, timeout_s=config.storage_timeout_s
+    )
     self.state = self._restore_or_init()
     logging.info("%s parameters", f"{self.setup.num_params:,}")
-    self.writer = reporting.MetricsWriter(workdir, enabled=self.is_chief,
-                                          timeout_s=config.storage_timeout_s)
+    self.writer = reporting.MetricsWriter(
+      workdir, enabled=self.is_chief, timeout_s=config.storage_timeout_s
+    )
     self.total_steps = config.num_train_steps * config.grad_accum_steps
-    self.progress = Progress(flops.total_peak_flops(), self.total_steps,
-                             self.setup.model.config,
-                             remeasure_peak=functools.partial(flops.total_peak_flops,
-                                                              remeasure=True))
-    self.validate = validation(config, self.setup, self.tokenizer) if (
-        config.eval_every_steps) else None
-    self.batches = None
+    self.progress = Progress(
+      flops.total_peak_flops(),
+      self.total_steps,
+      self.setup.model.config,
+      remeasure_peak=functools.partial(flops.total_peak_flops, remeasure=True),
+    )
+    self.validate = (
+      validation(config, self.setup, self.tokenizer) if (config.eval_every_steps) else None
+    )
+    self.batches: prefetch.Prefetcher  # set by train(): the global batches, built ahead
     self.last_save_time = time.time()
 
   def _restore_or_init(self) -> state.TrainState:
@@ -292,8 +323,9 @@ class TrainingRun:
     checkpoints.check_compatible(self.checkpointer.saved_config(latest), self.config)
     # The data first: a batch plan this mesh cannot split fails before the arrays load.
     self.train_iter.set_state(
-        self.checkpointer.saved_iterator_state(latest),
-        layout=f"mesh {dict(self.setup.mesh.shape)} over {jax.process_count()} processes")
+      self.checkpointer.saved_iterator_state(latest),
+      layout=f"mesh {dict(self.setup.mesh.shape)} over {jax.process_count()} processes",
+    )
     restored, _ = self.checkpointer.restore(latest, self.setup.restore_target())
     logging.info("resumed from step %d", latest)
     return restored
@@ -307,8 +339,8 @@ class TrainingRun:
       return {"step": start_step}
     p_train_step = steps.jit_train_step(self.setup)
     self.batches = prefetch.Prefetcher(
-        self.train_iter, lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules),
-        size=2)
+      self.train_iter, lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules), size=2
+    )
     preemption = PreemptionSignal(several_processes=jax.process_count() > 1)
     started = time.time()
     eval_metrics: dict[str, Any] = {}
@@ -331,8 +363,11 @@ class TrainingRun:
             self._save(step)
         if preempted:
           self.checkpointer.wait()
-          logging.info("checkpoint at step %d written after %s; exiting", step,
-                       preemption.received or "preemption notice")
+          logging.info(
+            "checkpoint at step %d written after %s; exiting",
+            step,
+            preemption.received or "preemption notice",
+          )
           break
       finished = True
     finally:
@@ -355,12 +390,15 @@ class TrainingRun:
       print(reporting.progress_line(step, self.total_steps, record, started), flush=True)
 
   def _evaluate(self, step: int) -> dict[str, Any]:
+    assert self.validate is not None  # called only when validation is on
     result = self.validate(self.state.params)
     self.writer.write(step, result, kind="validation")
     if self.is_chief:
       bleu_text = f" | BLEU {result['bleu']:.2f}" if "bleu" in result else ""
-      print(f"validation at step {step}: ce {result['ce']:.4f} | ppl {result['ppl']:.2f}"
-            f"{bleu_text}", flush=True)
+      print(
+        f"validation at step {step}: ce {result['ce']:.4f} | ppl {result['ppl']:.2f}{bleu_text}",
+        flush=True,
+      )
     return result
 
   def _checkpoint_due(self, step: int) -> bool:

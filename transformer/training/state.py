@@ -25,6 +25,9 @@ from transformer.model.draft import ShallowDraft, draft_decoder_config
 from transformer.training import sharding
 from transformer.training.optimizer import make_optimizer
 
+# What a run trains: the Transformer, or a shallow draft on a trained one's encoder.
+Model = Transformer | ShallowDraft
+
 Array = jax.Array
 
 
@@ -35,13 +38,15 @@ class TrainState:
   opt_state: Any
 
 
-def build_model(config: ml_collections.ConfigDict) -> Transformer | ShallowDraft:
+def build_model(config: ml_collections.ConfigDict) -> Model:
   """The config's Transformer, or with draft.num_layers its shallow draft (model/draft.py)."""
   model_config = ModelConfig.from_config(config)
   if config.draft.num_layers:
     return ShallowDraft(
-        draft_decoder_config(model_config, config.draft.num_layers, config.draft.d_ff),
-        model_config, tuple(int(i) for i in config.draft.shortlist))
+      draft_decoder_config(model_config, config.draft.num_layers, config.draft.d_ff),
+      model_config,
+      tuple(int(i) for i in config.draft.shortlist),
+    )
   return Transformer(model_config)
 
 
@@ -51,20 +56,21 @@ def dummy_inputs(config: ml_collections.ConfigDict) -> dict[str, Array | None]:
   return {"source": None if config.model.decoder_only else tokens, "decoder_input": tokens}
 
 
-def init_boxed_state(model: Transformer, optimizer, config, rng: Array) -> TrainState:
+def init_boxed_state(model: Model, optimizer, config, rng: Array) -> TrainState:
   """The state with parameters still wrapped in their logical axis names."""
-  params = model.init(rng, **dummy_inputs(config))["params"]
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer.init(params))
+  inputs = dummy_inputs(config)
+  params = model.init(rng, inputs["source"], inputs["decoder_input"])["params"]
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """A config's model, optimizer and mesh, and the train state's shapes and shardings."""
+
   config: ml_collections.ConfigDict
   mesh: Mesh
   rules: tuple  # logical axis rules, as flax takes them
-  model: Transformer
+  model: Model
   optimizer: optax.GradientTransformation
   abstract_state: TrainState  # ShapeDtypeStructs, unboxed
   state_shardings: TrainState  # NamedShardings, same tree
@@ -80,8 +86,11 @@ class Setup:
 
   def restore_target(self) -> TrainState:
     """ShapeDtypeStructs carrying shardings: what a checkpoint restores into."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        self.abstract_state, self.state_shardings)
+    return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      self.abstract_state,
+      self.state_shardings,
+    )
 
 
 def setup(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> Setup:
@@ -90,11 +99,14 @@ def setup(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> Setup:
   rules = sharding.axis_rules(config)
   row_shards = sharding.batch_row_shards(mesh, rules)
   if config.eval_batch_size % row_shards:
-    raise ConfigError(f"eval_batch_size: {config.eval_batch_size} sentences do not split "
-                      f"over the {row_shards} devices a batch's rows are spread over")
+    raise ConfigError(
+      f"eval_batch_size: {config.eval_batch_size} sentences do not split "
+      f"over the {row_shards} devices a batch's rows are spread over"
+    )
   model = build_model(config)
   optimizer = make_optimizer(config)
-  boxed = jax.eval_shape(functools.partial(init_boxed_state, model, optimizer, config),
-                         jax.random.key(0))
+  boxed = jax.eval_shape(
+    functools.partial(init_boxed_state, model, optimizer, config), jax.random.key(0)
+  )
   shardings = sharding.logical_to_sharding(boxed, mesh, rules)
   return Setup(config, mesh, rules, model, optimizer, nn.unbox(boxed), shardings)

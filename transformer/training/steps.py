@@ -17,10 +17,10 @@ import ml_collections
 import optax
 
 from transformer.config import PAD_ID
-from transformer.model import Transformer, model_inputs
+from transformer.model import model_inputs
 from transformer.training import flops, sharding
 from transformer.training.optimizer import learning_rate_schedule
-from transformer.training.state import Setup, TrainState
+from transformer.training.state import Model, Setup, TrainState
 
 Array = jax.Array
 
@@ -108,7 +108,7 @@ def loss_fn(
   batch: dict[str, Array],
   dropout_rng: Array,
   *,
-  model: Transformer,
+  model: Model,
   label_smoothing: float,
   nan_at_step: Array | None = None,
 ):
@@ -144,7 +144,7 @@ def train_step(
   state: TrainState,
   batch: dict[str, Array],
   *,
-  model: Transformer,
+  model: Model,
   optimizer,
   config: ml_collections.ConfigDict,
 ) -> tuple[TrainState, dict]:
@@ -191,7 +191,7 @@ def train_step(
 
 
 def eval_step(
-  params, batch: dict[str, Array], *, model: Transformer, config: ml_collections.ConfigDict
+  params, batch: dict[str, Array], *, model: Model, config: ml_collections.ConfigDict
 ) -> dict[str, Array]:
   logits_BxTxV = cast(  # the output alone: no mutable=
     Array, model.apply({"params": params}, **model_inputs(batch), deterministic=True)

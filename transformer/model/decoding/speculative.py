@@ -38,7 +38,7 @@ lockstep and emit PAD. Shape letters: transformer/model/primitives.py; J1 = J + 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,7 @@ class Speculative:
   """The target's own `search`, Greedy() or a Sampling, reproduced exactly with
   draft_len tokens of `draft_model` checked per target pass. `decode` passes the
   draft's parameters as draft_params."""
+
   draft_model: Any
   draft_len: int = 4
   search: Greedy = Greedy()
@@ -88,19 +89,28 @@ class Speculative:
       raise ValueError("the draft must share the target's vocabulary")
     if reads_target_encoding(self.draft_model):
       if model.config.decoder_only or draft_config.d_model != model.config.d_model:
-        raise ValueError("a draft reading the target's encoding needs an encoder-decoder "
-                         "target of its d_model")
+        raise ValueError(
+          "a draft reading the target's encoding needs an encoder-decoder target of its d_model"
+        )
     elif draft_config.decoder_only != model.config.decoder_only:
       raise ValueError("the draft must be of the target's kind (decoder-only or not)")
 
-  def run(self, model, params, prompts: search_lib.Prompts, rng: Optional[Array],
-          draft_params: Any, use_cache: bool = True) -> search_lib.Generation:
+  def run(
+    self,
+    model,
+    params,
+    prompts: search_lib.Prompts,
+    rng: Array | None,
+    draft_params: Any,
+    use_cache: bool = True,
+  ) -> search_lib.Generation:
     self.check(model)
     model, params = cache_lib.unrolled(model, params)
     draft_model, draft_params = cache_lib.unrolled(self.draft_model, draft_params)
     init_rng, rounds_rng = jax.random.split(rng) if rng is not None else (None, None)
-    s, prompt_len_B = self._start(model, params, draft_model, draft_params, prompts, init_rng,
-                                  use_cache)
+    s, prompt_len_B = self._start(
+      model, params, draft_model, draft_params, prompts, init_rng, use_cache
+    )
     budget_B = prompts.budget_B
     active = lambda s: ~s.finished_B & (s.generated_B < budget_B)
 
@@ -110,55 +120,96 @@ class Speculative:
       # `last` sits right behind the row's prompt and the tokens before it. Rows without
       # any budget never had a first token; p >= 1 keeps their draft call in bounds.
       position_B = _cache_positions(prompt_len_B - 1 + jnp.maximum(s.generated_B, 1))
-      draft, drafts_BxJ, logq_BxJxV = self._propose(draft_model, draft_params, s, position_B,
-                                                    draft_rng)
+      draft, drafts_BxJ, logq_BxJxV = self._propose(
+        draft_model, draft_params, s, position_B, draft_rng
+      )
       fed_BxJ1 = jnp.concatenate([s.last_B[:, None], drafts_BxJ], axis=1)
       logits_BxJ1xV, target = cache_lib.feed(model, params, s.target, fed_BxJ1, position_B)
       if isinstance(self.search, Sampling):
-        n_B, next_B = _verify_sampled(self.search, logits_BxJ1xV, drafts_BxJ, logq_BxJxV,
-                                      verify_rng)
+        # A sampling search has an rng, and its draft gives its log-probs.
+        assert logq_BxJxV is not None and verify_rng is not None
+        n_B, next_B = _verify_sampled(
+          self.search, logits_BxJ1xV, drafts_BxJ, logq_BxJxV, verify_rng
+        )
       else:
         n_B, next_B = _verify_greedy(logits_BxJ1xV, drafts_BxJ)
       s = s._replace(target=target, draft=draft)
-      return _emit(s, active(s), budget_B, fed_BxJ1, n_B, next_B,
-                   jax.nn.log_softmax(logits_BxJ1xV))
+      return _emit(s, active(s), budget_B, fed_BxJ1, n_B, next_B, jax.nn.log_softmax(logits_BxJ1xV))
 
     s = jax.lax.while_loop(lambda s: jnp.any(active(s)), body, s)
-    return search_lib.Generation(s.tokens_BxO[:, :prompts.out_len], s.logprob_B, s.calls,
-                                 s.proposed // self.draft_len, s.proposed, s.accepted)
+    return search_lib.Generation(
+      s.tokens_BxO[:, : prompts.out_len],
+      s.logprob_B,
+      s.calls,
+      s.proposed // self.draft_len,
+      s.proposed,
+      s.accepted,
+    )
 
-  def _start(self, model, params, draft_model, draft_params, prompts: search_lib.Prompts,
-             rng: Optional[Array], use_cache: bool) -> tuple[_Round, Array]:
+  def _start(
+    self,
+    model,
+    params,
+    draft_model,
+    draft_params,
+    prompts: search_lib.Prompts,
+    rng: Array | None,
+    use_cache: bool,
+  ) -> tuple[_Round, Array]:
     """Both prefills and the first token, from the target's prefill logits."""
     prompt_BxP, j = prompts.prompt_BxP, self.draft_len
     batch, prompt_len = prompt_BxP.shape
     cache_len = prompt_len + prompts.out_len + j
-    target = cache_lib.prefill(model, params, prompt_BxP, cache_len=cache_len,
-                               source_BxS=prompts.source_BxS, use_cache=use_cache)
+    target = cache_lib.prefill(
+      model,
+      params,
+      prompt_BxP,
+      cache_len=cache_len,
+      source_BxS=prompts.source_BxS,
+      use_cache=use_cache,
+    )
     shared = target.encoded_BxSxD if reads_target_encoding(self.draft_model) else None
-    draft = cache_lib.prefill(draft_model, draft_params, prompt_BxP, cache_len=cache_len,
-                              source_BxS=prompts.source_BxS, encoded_BxSxD=shared,
-                              use_cache=use_cache)
+    draft = cache_lib.prefill(
+      draft_model,
+      draft_params,
+      prompt_BxP,
+      cache_len=cache_len,
+      source_BxS=prompts.source_BxS,
+      encoded_BxSxD=shared,
+      use_cache=use_cache,
+    )
     first_B = self.search.choose(target.logits_BxV, jnp.array(0), rng)
     has_budget_B = prompts.budget_B >= 1
     first_B = jnp.where(has_budget_B, first_B, PAD_ID).astype(jnp.int32)
-    logprob_B = jnp.where(has_budget_B, jnp.take_along_axis(
-        jax.nn.log_softmax(target.logits_BxV), first_B[:, None], axis=1)[:, 0], 0.0)
+    logprob_B = jnp.where(
+      has_budget_B,
+      jnp.take_along_axis(jax.nn.log_softmax(target.logits_BxV), first_B[:, None], axis=1)[:, 0],
+      0.0,
+    )
     tokens_BxO = jnp.zeros((batch, prompts.out_len + j + 1), jnp.int32).at[:, 0].set(first_B)
-    last_prompt_B = jnp.take_along_axis(prompt_BxP, (target.prompt_len_B - 1)[:, None],
-                                        axis=1)[:, 0]
+    last_prompt_B = jnp.take_along_axis(prompt_BxP, (target.prompt_len_B - 1)[:, None], axis=1)[
+      :, 0
+    ]
     zero = jnp.array(0, jnp.int32)
     # Rows roll back by different amounts: a position per row from here on (one for a
     # batch of one sentence).
-    per_row = lambda state: cache_lib.set_positions(state,
-                                                    _cache_positions(target.prompt_len_B))
-    s = _Round(has_budget_B.astype(jnp.int32), first_B, last_prompt_B, first_B == EOS_ID,
-               tokens_BxO, logprob_B, per_row(target.state), per_row(draft.state), zero,
-               zero, zero)
+    per_row = lambda state: cache_lib.set_positions(state, _cache_positions(target.prompt_len_B))
+    s = _Round(
+      has_budget_B.astype(jnp.int32),
+      first_B,
+      last_prompt_B,
+      first_B == EOS_ID,
+      tokens_BxO,
+      logprob_B,
+      per_row(target.state),
+      per_row(draft.state),
+      zero,
+      zero,
+      zero,
+    )
     return s, target.prompt_len_B
 
-  def _propose(self, draft_model, draft_params, s: _Round, position_B: Array,
-               rng: Optional[Array]):
+  def _propose(self, draft_model, draft_params, s: _Round, position_B: Array, rng: Array | None):
     """The draft's J tokens [B, J] (and, sampling, its log-probs [B, J, V])."""
     sampling = self.search if isinstance(self.search, Sampling) else None
     batch, j = s.last_B.shape[0], self.draft_len
@@ -170,19 +221,23 @@ class Speculative:
       token_B = jax.random.categorical(jax.random.fold_in(rng, index), logq_BxV, axis=-1)
       return token_B.astype(jnp.int32), logq_BxV
 
-    logits_Bx2xV, draft = cache_lib.feed(draft_model, draft_params, s.draft,
-                                         jnp.stack([s.prev_B, s.last_B], axis=1),
-                                         position_B - 1)
+    logits_Bx2xV, draft = cache_lib.feed(
+      draft_model, draft_params, s.draft, jnp.stack([s.prev_B, s.last_B], axis=1), position_B - 1
+    )
     token_B, logq_BxV = choose(logits_Bx2xV[:, 1], 0)
     drafts_BxJ = jnp.zeros((batch, j), jnp.int32).at[:, 0].set(token_B)
-    logq_BxJxV = None if sampling is None else jnp.zeros(
-        (batch, j) + logq_BxV.shape[1:]).at[:, 0].set(logq_BxV)
+    logq_BxJxV = (
+      None
+      if sampling is None
+      else jnp.zeros((batch, j) + logq_BxV.shape[1:]).at[:, 0].set(logq_BxV)
+    )
 
     def step(i, carry):
       draft, drafts_BxJ, logq_BxJxV = carry
       # The draft's own counter has advanced to proposal i - 1's slot.
-      logits_Bx1xV, draft = cache_lib.feed(draft_model, draft_params, draft,
-                                           drafts_BxJ[:, i - 1][:, None])
+      logits_Bx1xV, draft = cache_lib.feed(
+        draft_model, draft_params, draft, drafts_BxJ[:, i - 1][:, None]
+      )
       token_B, logq_BxV = choose(logits_Bx1xV[:, 0], i)
       drafts_BxJ = drafts_BxJ.at[:, i].set(token_B)
       if logq_BxJxV is not None:
@@ -190,8 +245,7 @@ class Speculative:
       return draft, drafts_BxJ, logq_BxJxV
 
     if j > 1:  # J = 1 traces (and compiles) no second draft call
-      draft, drafts_BxJ, logq_BxJxV = jax.lax.fori_loop(1, j, step,
-                                                         (draft, drafts_BxJ, logq_BxJxV))
+      draft, drafts_BxJ, logq_BxJxV = jax.lax.fori_loop(1, j, step, (draft, drafts_BxJ, logq_BxJxV))
     return draft, drafts_BxJ, logq_BxJxV
 
 
@@ -211,15 +265,15 @@ def _verify_greedy(logits_BxJ1xV: Array, drafts_BxJ: Array) -> tuple[Array, Arra
   return n_B, jnp.take_along_axis(choice_BxJ1, n_B[:, None], axis=1)[:, 0]
 
 
-def _verify_sampled(sampling: Sampling, logits_BxJ1xV: Array, drafts_BxJ: Array,
-                    logq_BxJxV: Array, rng: Array) -> tuple[Array, Array]:
+def _verify_sampled(
+  sampling: Sampling, logits_BxJ1xV: Array, drafts_BxJ: Array, logq_BxJxV: Array, rng: Array
+) -> tuple[Array, Array]:
   """Accepts d_j with probability min(1, p(d_j) / q(d_j)): the output then follows p
   (Leviathan et al., Theorem 1) whatever q is. (n_B, the target's own next token_B)."""
   batch, j = drafts_BxJ.shape
   uniform_key, residual_key = jax.random.split(rng)
   logp_BxJ1xV = sampling.filtered_logprobs(logits_BxJ1xV)
-  logp_drafts_BxJ = jnp.take_along_axis(logp_BxJ1xV[:, :j], drafts_BxJ[..., None],
-                                        axis=-1)[..., 0]
+  logp_drafts_BxJ = jnp.take_along_axis(logp_BxJ1xV[:, :j], drafts_BxJ[..., None], axis=-1)[..., 0]
   logq_drafts_BxJ = jnp.take_along_axis(logq_BxJxV, drafts_BxJ[..., None], axis=-1)[..., 0]
   uniform_BxJ = jax.random.uniform(uniform_key, (batch, j))
   accept_BxJ = uniform_BxJ < jnp.exp(logp_drafts_BxJ - logq_drafts_BxJ)
@@ -228,44 +282,53 @@ def _verify_sampled(sampling: Sampling, logits_BxJ1xV: Array, drafts_BxJ: Array,
   # accepted, sample the bonus from p_J: q padded with a zero distribution at J.
   pick = lambda x_BxJ1xV: jnp.take_along_axis(x_BxJ1xV, n_B[:, None, None], axis=1)[:, 0]
   p_BxV = jnp.exp(pick(logp_BxJ1xV))
-  q_padded_BxJ1xV = jnp.concatenate([jnp.exp(logq_BxJxV), jnp.zeros_like(p_BxV)[:, None]],
-                                    axis=1)
+  q_padded_BxJ1xV = jnp.concatenate([jnp.exp(logq_BxJxV), jnp.zeros_like(p_BxV)[:, None]], axis=1)
   residual_BxV = jnp.maximum(p_BxV - pick(q_padded_BxJ1xV), 0.0)
   # Rounding can reject where p <= q everywhere (p = q): then p itself is the answer.
-  residual_BxV = jnp.where(jnp.sum(residual_BxV, axis=-1, keepdims=True) > 0, residual_BxV,
-                           p_BxV)
+  residual_BxV = jnp.where(jnp.sum(residual_BxV, axis=-1, keepdims=True) > 0, residual_BxV, p_BxV)
   token_B = jax.random.categorical(residual_key, jnp.log(residual_BxV), axis=-1)
   return n_B, token_B.astype(jnp.int32)
 
 
-def _emit(s: _Round, active_B: Array, budget_B: Array, fed_BxJ1: Array, n_B: Array,
-          next_B: Array, logp_BxJ1xV: Array) -> _Round:
+def _emit(
+  s: _Round,
+  active_B: Array,
+  budget_B: Array,
+  fed_BxJ1: Array,
+  n_B: Array,
+  next_B: Array,
+  logp_BxJ1xV: Array,
+) -> _Round:
   """Writes d_1 .. d_n and the target's token, up to the budget and the first EOS, and
   moves each active row's `prev` and `last` to the accepted prefix's end: both caches
   roll back there through the positions set next round (from generated_B)."""
   j1 = fed_BxJ1.shape[1]
   slot_J1 = jnp.arange(j1)
-  emitted_BxJ1 = jnp.where(slot_J1 < n_B[:, None], jnp.roll(fed_BxJ1, -1, axis=1),
-                           next_B[:, None])
+  emitted_BxJ1 = jnp.where(slot_J1 < n_B[:, None], jnp.roll(fed_BxJ1, -1, axis=1), next_B[:, None])
   is_eos_BxJ1 = emitted_BxJ1 == EOS_ID
   after_eos_BxJ1 = (jnp.cumsum(is_eos_BxJ1, axis=1) - is_eos_BxJ1) > 0
-  valid_BxJ1 = (active_B[:, None] & (slot_J1 <= n_B[:, None]) & ~after_eos_BxJ1
-                & (s.generated_B[:, None] + slot_J1 < budget_B[:, None]))
+  valid_BxJ1 = (
+    active_B[:, None]
+    & (slot_J1 <= n_B[:, None])
+    & ~after_eos_BxJ1
+    & (s.generated_B[:, None] + slot_J1 < budget_B[:, None])
+  )
   logp_BxJ1 = jnp.take_along_axis(logp_BxJ1xV, emitted_BxJ1[..., None], axis=-1)[..., 0]
   emitted_BxJ1 = jnp.where(valid_BxJ1, emitted_BxJ1, PAD_ID)
   # Slots from generated_B on hold PAD (done rows) or nothing yet, so writing all J + 1
   # there, PAD included, loses nothing.
-  tokens_BxO = jax.vmap(lambda row_O, new_J1, at: jax.lax.dynamic_update_slice(
-      row_O, new_J1, (at,)))(s.tokens_BxO, emitted_BxJ1, s.generated_B)
+  tokens_BxO = jax.vmap(
+    lambda row_O, new_J1, at: jax.lax.dynamic_update_slice(row_O, new_J1, (at,))
+  )(s.tokens_BxO, emitted_BxJ1, s.generated_B)
   n_active_B = jnp.where(active_B, n_B, 0)
   return s._replace(
-      generated_B=s.generated_B + jnp.sum(valid_BxJ1, axis=1, dtype=jnp.int32),
-      last_B=jnp.where(active_B, next_B, s.last_B),
-      prev_B=jnp.where(active_B, jnp.take_along_axis(fed_BxJ1, n_B[:, None], axis=1)[:, 0],
-                       s.prev_B),
-      finished_B=s.finished_B | jnp.any(valid_BxJ1 & is_eos_BxJ1, axis=1),
-      tokens_BxO=tokens_BxO,
-      logprob_B=s.logprob_B + jnp.sum(jnp.where(valid_BxJ1, logp_BxJ1, 0.0), axis=1),
-      calls=s.calls + 1,
-      proposed=s.proposed + (j1 - 1) * jnp.sum(active_B, dtype=jnp.int32),
-      accepted=s.accepted + jnp.sum(n_active_B, dtype=jnp.int32))
+    generated_B=s.generated_B + jnp.sum(valid_BxJ1, axis=1, dtype=jnp.int32),
+    last_B=jnp.where(active_B, next_B, s.last_B),
+    prev_B=jnp.where(active_B, jnp.take_along_axis(fed_BxJ1, n_B[:, None], axis=1)[:, 0], s.prev_B),
+    finished_B=s.finished_B | jnp.any(valid_BxJ1 & is_eos_BxJ1, axis=1),
+    tokens_BxO=tokens_BxO,
+    logprob_B=s.logprob_B + jnp.sum(jnp.where(valid_BxJ1, logp_BxJ1, 0.0), axis=1),
+    calls=s.calls + 1,
+    proposed=s.proposed + (j1 - 1) * jnp.sum(active_B, dtype=jnp.int32),
+    accepted=s.accepted + jnp.sum(n_active_B, dtype=jnp.int32),
+  )
