@@ -21,7 +21,7 @@ from transformer.tools import render_docs
 ROOT = config_lib.REPO_ROOT
 TOP_LEVEL = ("transformer/", "configs/", "docs/", "tests/", "bench/", "data/")
 FILE_SUFFIXES = ("py", "md", "sh", "toml", "jsonl", "json", "png", "csv", "gz", "tsv")
-CONFIG_PREFIXES = ("model.", "mesh.")
+CONFIG_PREFIXES = ("model.", "mesh.", "draft.")
 # Written by the commands, not kept in the repository (.gitignore).
 GENERATED = ("bench/results/", "workdirs/")
 

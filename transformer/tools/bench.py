@@ -519,6 +519,28 @@ def measure_speculative(
   return results
 
 
+def _identical_outputs(outputs: dict[str, list[Any]], num_lines: int) -> tuple[int, int]:
+  """(tokens generated, greedy's target passes) over the batches, once speculative
+  decoding is checked to give greedy's tokens on every sentence."""
+  # Only the last batch has fill rows: the first num_lines rows hold the sentences.
+  differ, generated, greedy_passes = 0, 0, 0
+  for b, (plain, spec) in enumerate(zip(outputs["greedy"], outputs["speculative"])):
+    rows = np.asarray(plain).shape[0]
+    real = np.arange(rows) < num_lines - b * rows
+    fast = np.asarray(spec.tokens_BxO)
+    differ += int(np.sum(np.any(np.asarray(plain) != fast, axis=1) & real))
+    generated += int(np.sum((fast != config_lib.PAD_ID) & real[:, None]))
+    # Greedy decoding runs one target pass per token until every row (fill rows too)
+    # is done: as many passes as the batch's longest output.
+    greedy_passes += int(np.max(np.sum(np.asarray(plain) != config_lib.PAD_ID, axis=1)))
+  if differ:
+    raise RuntimeError(
+      f"speculative greedy decoding differs from greedy decoding on "
+      f"{differ} of {num_lines} sentences at batch {rows}"
+    )
+  return generated, greedy_passes
+
+
 def _compare_at_batch(
   config, target, sources: list, num_lines: int, draft_len: int
 ) -> dict[str, Any]:
@@ -550,21 +572,7 @@ def _compare_at_batch(
       out, elapsed = _timed(decoders[name], source)
       seconds[name] += elapsed
       outputs[name].append(jax.device_get(out))
-  # Only the last batch has fill rows: the first num_lines rows hold the sentences.
-  differ, generated, greedy_passes = 0, 0, 0
-  for b, (plain, spec) in enumerate(zip(outputs["greedy"], outputs["speculative"])):
-    real = np.arange(rows) < num_lines - b * rows
-    fast = np.asarray(spec.tokens_BxO)
-    differ += int(np.sum(np.any(np.asarray(plain) != fast, axis=1) & real))
-    generated += int(np.sum((fast != config_lib.PAD_ID) & real[:, None]))
-    # Greedy decoding runs one target pass per token until every row (fill rows too)
-    # is done: as many passes as the batch's longest output.
-    greedy_passes += int(np.max(np.sum(np.asarray(plain) != config_lib.PAD_ID, axis=1)))
-  if differ:
-    raise RuntimeError(
-      f"speculative greedy decoding differs from greedy decoding on "
-      f"{differ} of {num_lines} sentences at batch {rows}"
-    )
+  generated, greedy_passes = _identical_outputs(outputs, num_lines)
   spec_out = outputs["speculative"]
   proposed = sum(int(o.proposed) for o in spec_out)
   accepted = sum(int(o.accepted) for o in spec_out)

@@ -38,6 +38,7 @@ lockstep and emit PAD. Shape letters: transformer/model/primitives.py; J1 = J + 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -160,24 +161,16 @@ class Speculative:
     prompt_BxP, j = prompts.prompt_BxP, self.draft_len
     batch, prompt_len = prompt_BxP.shape
     cache_len = prompt_len + prompts.out_len + j
-    target = cache_lib.prefill(
-      model,
-      params,
-      prompt_BxP,
+    prefill = functools.partial(
+      cache_lib.prefill,
+      prompt_BxP=prompt_BxP,
       cache_len=cache_len,
       source_BxS=prompts.source_BxS,
       use_cache=use_cache,
     )
+    target = prefill(model, params)
     shared = target.encoded_BxSxD if reads_target_encoding(self.draft_model) else None
-    draft = cache_lib.prefill(
-      draft_model,
-      draft_params,
-      prompt_BxP,
-      cache_len=cache_len,
-      source_BxS=prompts.source_BxS,
-      encoded_BxSxD=shared,
-      use_cache=use_cache,
-    )
+    draft = prefill(draft_model, draft_params, encoded_BxSxD=shared)
     first_B = self.search.choose(target.logits_BxV, jnp.array(0), rng)
     has_budget_B = prompts.budget_B >= 1
     first_B = jnp.where(has_budget_B, first_B, PAD_ID).astype(jnp.int32)
