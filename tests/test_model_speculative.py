@@ -287,8 +287,7 @@ def test_speculative_sampling_has_the_targets_distribution():
 
 
 def test_speculative_greedy_of_one_sentence_at_a_time_equals_greedy():
-  """A batch of one keeps one scalar cache position (one contiguous K/V write per call),
-  the path a user translating a line takes; its output is greedy's all the same."""
+  """One sentence at a time, as a user translating a line decodes: greedy's tokens."""
   target, target_params = make_model(2)
   draft, draft_params = make_model(9, num_layers=1)
   accepted = 0

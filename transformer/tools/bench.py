@@ -428,9 +428,7 @@ def _pass_costs(
   batch = source_BxS.shape[0]
   bos_Bx1 = jnp.full((batch, 1), BOS_ID, jnp.int32)
   cache_len = source_BxS.shape[1] + extra + draft_len + 1
-  # Speculative decoding writes each row at its own position, except for a batch of one
-  # sentence, which keeps one scalar position (decoding/speculative.py).
-  row_position_B = jnp.ones((batch,), jnp.int32) if batch > 1 else jnp.array(1, jnp.int32)
+  row_position_B = jnp.ones((batch,), jnp.int32)  # speculative decoding's, one per row
   prefill = jax.jit(cache_lib.prefill, static_argnames=("model", "cache_len"))
   target_model, target_params = cache_lib.unrolled(target.model, target.params)
   draft_model, draft_params = cache_lib.unrolled(draft.model, draft.params)

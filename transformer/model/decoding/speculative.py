@@ -120,7 +120,7 @@ class Speculative:
       draft_rng, verify_rng = (None, None) if round_rng is None else jax.random.split(round_rng)
       # `last` sits right behind the row's prompt and the tokens before it. Rows without
       # any budget never had a first token; p >= 1 keeps their draft call in bounds.
-      position_B = _cache_positions(prompt_len_B - 1 + jnp.maximum(s.generated_B, 1))
+      position_B = prompt_len_B - 1 + jnp.maximum(s.generated_B, 1)
       draft, drafts_BxJ, logq_BxJxV = self._propose(
         draft_model, draft_params, s, position_B, draft_rng
       )
@@ -184,9 +184,8 @@ class Speculative:
       :, 0
     ]
     zero = jnp.array(0, jnp.int32)
-    # Rows roll back by different amounts: a position per row from here on (one for a
-    # batch of one sentence).
-    per_row = lambda state: cache_lib.set_positions(state, _cache_positions(target.prompt_len_B))
+    # Rows roll back by different amounts: a position per row from here on.
+    per_row = lambda state: cache_lib.set_positions(state, target.prompt_len_B)
     s = _Round(
       has_budget_B.astype(jnp.int32),
       first_B,
@@ -240,14 +239,6 @@ class Speculative:
     if j > 1:  # J = 1 traces (and compiles) no second draft call
       draft, drafts_BxJ, logq_BxJxV = jax.lax.fori_loop(1, j, step, (draft, drafts_BxJ, logq_BxJxV))
     return draft, drafts_BxJ, logq_BxJxV
-
-
-def _cache_positions(position_B: Array) -> Array:
-  """The positions the caches are written at: one per row [B], or for a batch of one
-  sentence (what a user translating a line waits for) the scalar position_B[0], whose
-  K/V write is one contiguous slice instead of a per-row scatter. Same slots either way;
-  the scalar path makes the (J + 1)-token check cost about one one-token target pass."""
-  return position_B[0] if position_B.shape[0] == 1 else position_B
 
 
 def _verify_greedy(logits_BxJ1xV: Array, drafts_BxJ: Array) -> tuple[Array, Array]:
