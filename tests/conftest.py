@@ -44,12 +44,14 @@ def small_corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_run(small_corpus, tmp_path_factory):
-  """(config, workdir) of a 4-step tiny run with checkpoints at steps 2 and 4, shared by
-  the tests that evaluate, translate or average a run and leave it as it is."""
+  """(config, workdir) of a tiny run with checkpoints at tiny_run.TRAINED_RUN_STEPS, shared
+  by the tests that evaluate, translate or average a run and leave it as it is."""
   from tests.helpers import tiny_run
   from transformer.training import loop
   workdir = str(tmp_path_factory.mktemp("run"))
-  config = tiny_run.make_config(small_corpus, num_train_steps=4, max_decode_extra_len=5)
+  first, last = tiny_run.TRAINED_RUN_STEPS
+  config = tiny_run.make_config(small_corpus, num_train_steps=last,
+                                checkpoint_every_steps=first, max_decode_extra_len=5)
   loop.train_and_evaluate(config, workdir)
   return config, workdir
 

@@ -112,7 +112,7 @@ def test_speculative_greedy_split_is_the_greedy_split(trained_run, draft_run):
   spec = _translator(workdir, "greedy", draft_workdir=draft_run, draft_len=3,
                      eval_batch_size=SPLIT_BATCH)
   results = score.evaluate_split(spec, "test")
-  assert results["path"].endswith(os.path.join("eval", "test-4-greedy-spec.json"))
+  assert results["path"].endswith(os.path.join("eval", f"test-{spec.step}-greedy-spec.json"))
   files, saved = _read(results["path"].removesuffix(".json"))
   assert saved["search"] == "greedy" and "beam_size" not in saved
   assert saved["draft_workdir"] == draft_run and saved["draft_len"] == 3
@@ -126,8 +126,8 @@ def test_speculative_greedy_split_is_the_greedy_split(trained_run, draft_run):
   # Token for token the target's own greedy output, in the split's order.
   assert greedy.translate_lines(files["src"]) == files["hyp"]
   # Plain greedy and sampled runs write beside beam search's files, not over them.
-  assert score._output_stem(greedy, "test").endswith("test-4-greedy")
-  assert score._output_stem(_translator(workdir), "test").endswith("test-4")
+  assert score._output_stem(greedy, "test").endswith(f"test-{greedy.step}-greedy")
+  assert score._output_stem(_translator(workdir), "test").endswith(f"test-{greedy.step}")
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(trained_run, draft_run):

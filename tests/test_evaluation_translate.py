@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers.tiny_run import REPO
+from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.evaluation import score, translate
 from transformer.training import checkpoints
 from transformer.config import ConfigError
@@ -20,10 +20,10 @@ from transformer.data import pipeline
 def test_split_is_translated_once_in_order(trained_run):
   config, workdir = trained_run
   translator = translate.Translator(checkpoints.load_run_config(workdir), workdir)
-  assert translator.step == 4
+  assert translator.step == TRAINED_RUN_STEPS[-1]
   results = score.evaluate_split(translator, "test")
   pairs = pipeline.load_raw_pairs(config, "test")
-  stem = os.path.join(workdir, "eval", "test-4")
+  stem = os.path.join(workdir, "eval", f"test-{translator.step}")
   files = {s: open(f"{stem}.{s}.txt", encoding="utf-8").read().split("\n")[:-1]
            for s in ("src", "ref", "hyp")}
   assert files["src"] == [s for s, _ in pairs]
@@ -70,7 +70,7 @@ def test_a_file_with_references_is_scored_as_a_split(trained_run, tmp_path):
   (tmp_path / "news.ref").write_text("\n".join(references) + "\n")
   results = score.evaluate_files(translator, str(tmp_path / "news.txt"),
                                  str(tmp_path / "news.ref"))
-  stem = os.path.join(workdir, "eval", "news-4")
+  stem = os.path.join(workdir, "eval", f"news-{TRAINED_RUN_STEPS[-1]}")
   assert results["path"] == stem + ".json" and results["num_sentences"] == 2
   hypotheses = open(f"{stem}.hyp.txt", encoding="utf-8").read().split("\n")[:-1]
   assert hypotheses == translator.translate_lines(sources)

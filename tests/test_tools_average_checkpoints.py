@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers.tiny_run import REPO
+from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.config import ConfigError
 from transformer.tools import average_checkpoints
 from transformer.training import checkpoints, state
@@ -24,36 +24,37 @@ def _params(workdir, config, **kwargs):
 
 def test_averaging_gives_the_mean(trained_run, tmp_path):
   config, workdir = trained_run
-  p2, _ = _params(workdir, config, step=2)
-  p4, step = _params(workdir, config)
-  assert step == 4
+  first, last = TRAINED_RUN_STEPS
+  p_first, _ = _params(workdir, config, step=first)
+  p_last, step = _params(workdir, config)
+  assert step == last
   averaged, step = _params(workdir, config, average_last=2)
-  assert step == 4
+  assert step == last
   jax.tree.map(lambda a, x, y: np.testing.assert_allclose(a, (x + y) / 2, rtol=1e-6),
-               averaged, p2, p4)
+               averaged, p_first, p_last)
   same, _ = _params(workdir, config, average_last=1)
-  jax.tree.map(np.testing.assert_array_equal, same, p4)
+  jax.tree.map(np.testing.assert_array_equal, same, p_last)
   with pytest.raises(ConfigError, match="only 2 checkpoints"):
     _params(workdir, config, average_last=3)
 
   out = str(tmp_path / "avg")
-  assert average_checkpoints.average_into(workdir, out, 2) == 4
+  assert average_checkpoints.average_into(workdir, out, 2) == last
   written, _ = _params(out, checkpoints.load_run_config(out))
   jax.tree.map(np.testing.assert_array_equal, written, averaged)
 
 
 def test_averaging_identical_checkpoints_returns_them(trained_run, tmp_path):
   config, workdir = trained_run
-  p4, _ = _params(workdir, config)
+  p_last, last = _params(workdir, config)
   once = str(tmp_path / "once")
   average_checkpoints.average_into(workdir, once, 1)
   # A run whose two checkpoints hold the same parameters averages to exactly them.
   twice = checkpoints.Checkpointer(once, keep=5, async_save=False)
-  restored, iterator = twice.restore(4, state.setup(config).restore_target())
-  twice.save(5, restored, iterator, config)
+  restored, iterator = twice.restore(last, state.setup(config).restore_target())
+  twice.save(last + 1, restored, iterator, config)
   twice.close()
   averaged, _ = _params(once, config, average_last=2)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-7), averaged, p4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-7), averaged, p_last)
 
 
 def test_averaged_run_is_a_complete_workdir(trained_run, tmp_path):
@@ -62,17 +63,18 @@ def test_averaged_run_is_a_complete_workdir(trained_run, tmp_path):
   that checkpoint's; --step picks which checkpoints are averaged."""
   config, workdir = trained_run
   out = str(tmp_path / "avg")
-  assert average_checkpoints.average_into(workdir, out, 1, step=2) == 2
+  first = TRAINED_RUN_STEPS[0]
+  assert average_checkpoints.average_into(workdir, out, 1, step=first) == first
   for name in ("config.json", "vocab.model"):
     with open(os.path.join(workdir, name), "rb") as a, open(os.path.join(out, name), "rb") as b:
       assert a.read() == b.read(), name
-  assert checkpoints.steps_on_disk(out) == [2]
+  assert checkpoints.steps_on_disk(out) == [first]
   target = state.setup(config).restore_target()
   source = checkpoints.Checkpointer(workdir, keep=10**6, async_save=False)
-  original, original_iterator = source.restore(2, target)
+  original, original_iterator = source.restore(first, target)
   source.close()
   result = checkpoints.Checkpointer(out, keep=10**6, async_save=False)
-  written, written_iterator = result.restore(2, target)
+  written, written_iterator = result.restore(first, target)
   result.close()
   assert written_iterator == original_iterator
   assert int(written.step) == int(original.step)
@@ -107,7 +109,7 @@ def test_output_that_holds_checkpoints_is_a_one_line_error(trained_run, tmp_path
   """An output that already holds a checkpoint is refused, and left as it was."""
   _, workdir = trained_run
   out = str(tmp_path / "avg")
-  assert average_checkpoints.average_into(workdir, out, 2) == 4
+  assert average_checkpoints.average_into(workdir, out, 2) == TRAINED_RUN_STEPS[-1]
   before = {p: os.path.getmtime(os.path.join(out, "checkpoints", p))
             for p in os.listdir(os.path.join(out, "checkpoints"))}
   with pytest.raises(ConfigError) as error:
@@ -121,8 +123,9 @@ def test_an_empty_checkpoint_folder_from_a_failed_try_is_reused(trained_run, tmp
   _, workdir = trained_run
   out = tmp_path / "avg"
   (out / "checkpoints").mkdir(parents=True)
-  assert average_checkpoints.average_into(workdir, str(out), 2) == 4
-  assert checkpoints.steps_on_disk(str(out)) == [4]
+  last = TRAINED_RUN_STEPS[-1]
+  assert average_checkpoints.average_into(workdir, str(out), 2) == last
+  assert checkpoints.steps_on_disk(str(out)) == [last]
 
 
 def _average_checkpoints(*args):

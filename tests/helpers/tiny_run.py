@@ -18,6 +18,11 @@ OVERRIDES = {
     "model.num_heads": 2, "model.d_k": 16, "model.d_v": 16,
 }
 
+# The checkpoints of conftest's shared `trained_run`. Thirty steps take the model past
+# the first few, where EOS and "." are about equally likely first tokens (every sentence
+# ends with both) and greedy search can emit nothing: the generation tests need outputs.
+TRAINED_RUN_STEPS = (15, 30)
+
 
 def write_small_corpus(directory, every: int = 50) -> str:
   """Every `every`-th line of the bundled corpus as a TSV file; returns its path."""
