@@ -50,7 +50,7 @@ class Bucket:
 
   def start(self, script, workdir, num_processes, devices, *extra, faults=None,
             **overrides):
-    """faults: tests/fault_injection.py's variables; the job then runs under it."""
+    """faults: tests/helpers/fault_injection.py's variables; the job then runs under it."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(self.fake.env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(faults or {}),
@@ -58,7 +58,7 @@ class Bucket:
                # be built again, by every process of every job.
                MPLCONFIGDIR=str(self.tmp_path / "matplotlib"))
     flat = {**self.overrides, **overrides}
-    entry = ["tests/fault_injection.py", script] if faults else [script]
+    entry = ["tests/helpers/fault_injection.py", script] if faults else [script]
     command = [sys.executable, *entry, "--workdir", f"{self.url}/{workdir}", *extra]
     if script == "train.py":
       command += ["--config", "configs/default.py"] + [f"--config.{k}={v}"
@@ -131,7 +131,11 @@ class Bucket:
 def wait_until(condition, hosts, what, timeout=600):
   deadline = time.time() + timeout
   while not condition():
-    assert all(p.poll() is None for p, _ in hosts), f"a host exited before {what}"
+    for i, (process, log) in enumerate(hosts):
+      if process.poll() is not None:
+        log.seek(0)
+        raise AssertionError(f"host {i} exited ({process.returncode}) before {what}:\n"
+                             f"{log.read()[-3000:]}")
     assert time.time() < deadline, f"timed out waiting for {what}"
     time.sleep(0.1)
 

@@ -2,7 +2,7 @@
 
 As a launcher it runs an entry point with the fault armed:
 
-  FAULT_SLOW_SAVE_STEP=8 python tests/fault_injection.py train.py --config ...
+  FAULT_SLOW_SAVE_STEP=8 python tests/helpers/fault_injection.py train.py --config ...
 
 - FAULT_SLOW_SAVE_STEP=N: the background write of checkpoint N stalls (FAULT_SLOW_SAVE_S
   seconds, default 600) after Orbax created `N.orbax-checkpoint-tmp`, so a `kill -9` lands
