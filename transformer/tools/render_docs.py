@@ -38,6 +38,7 @@ region no longer matches its records.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -223,13 +224,7 @@ def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
   return found
 
 
-def main(argv: list[str]) -> int:
-  import argparse
-
-  command = []
-  if "--" in argv:
-    command = argv[argv.index("--") + 1 :]
-    argv = argv[: argv.index("--")]
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="python -m transformer.tools.render_docs",
     description="Render the results regions of README, docs/ and the configs from "
@@ -268,47 +263,60 @@ def main(argv: list[str]) -> int:
     "--machine",
     help="With --record: the hardware, in words (default: the CPU's model and core count).",
   )
-  args = parser.parse_args(argv)
+  return parser
 
+
+def _record(args: argparse.Namespace, parser: argparse.ArgumentParser, command: list[str]) -> int:
+  """--record: appends the records of a command's output, a JSON file or a workdir."""
+  if sum(map(bool, (command, args.from_json, args.from_workdir))) != 1:
+    parser.error("--record takes one of: a command after --, --from_json, --from_workdir")
+  if (args.from_json or args.from_workdir) and not args.command:
+    parser.error("--from_json and --from_workdir need --command: the command that ran")
+  if args.from_workdir:
+    if args.wall_time_s is None:
+      parser.error("--from_workdir needs --wall_time_s: how long the command took")
+    try:
+      records = [make_train_record(args.from_workdir, args.wall_time_s)]
+    except (RecordError, OSError, KeyError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+    where = provenance(args.command, args.machine)
+  elif args.from_json:
+    with open(args.from_json, encoding="utf-8") as f:
+      text = f.read()
+    try:
+      records = [json.loads(text)]
+    except json.JSONDecodeError:
+      records = json_objects(text.splitlines())
+    where = provenance(args.command, args.machine)
+  else:
+    where = provenance(" ".join(command), args.machine)
+    process = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    sys.stdout.write(process.stdout)
+    if process.returncode != 0:
+      print(
+        f"error: the command exited with code {process.returncode}; nothing recorded",
+        file=sys.stderr,
+      )
+      return 1
+    records = json_objects(process.stdout.splitlines())
+    if not records:
+      print("error: the command printed no JSON object; nothing recorded", file=sys.stderr)
+      return 1
+  append_records(args.record, records, where)
+  print(f"appended {len(records)} record(s) to {args.record}; run `make docs` to render them")
+  return 0
+
+
+def main(argv: list[str]) -> int:
+  command = []
+  if "--" in argv:
+    command = argv[argv.index("--") + 1 :]
+    argv = argv[: argv.index("--")]
+  parser = _parser()
+  args = parser.parse_args(argv)
   if args.record:
-    if sum(map(bool, (command, args.from_json, args.from_workdir))) != 1:
-      parser.error("--record takes one of: a command after --, --from_json, --from_workdir")
-    if (args.from_json or args.from_workdir) and not args.command:
-      parser.error("--from_json and --from_workdir need --command: the command that ran")
-    if args.from_workdir:
-      if args.wall_time_s is None:
-        parser.error("--from_workdir needs --wall_time_s: how long the command took")
-      try:
-        records = [make_train_record(args.from_workdir, args.wall_time_s)]
-      except (RecordError, OSError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-      where = provenance(args.command, args.machine)
-    elif args.from_json:
-      with open(args.from_json, encoding="utf-8") as f:
-        text = f.read()
-      try:
-        records = [json.loads(text)]
-      except json.JSONDecodeError:
-        records = json_objects(text.splitlines())
-      where = provenance(args.command, args.machine)
-    else:
-      where = provenance(" ".join(command), args.machine)
-      process = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-      sys.stdout.write(process.stdout)
-      if process.returncode != 0:
-        print(
-          f"error: the command exited with code {process.returncode}; nothing recorded",
-          file=sys.stderr,
-        )
-        return 1
-      records = json_objects(process.stdout.splitlines())
-      if not records:
-        print("error: the command printed no JSON object; nothing recorded", file=sys.stderr)
-        return 1
-    append_records(args.record, records, where)
-    print(f"appended {len(records)} record(s) to {args.record}; run `make docs` to render them")
-    return 0
+    return _record(args, parser, command)
 
   try:
     changed = render(check=args.check)
