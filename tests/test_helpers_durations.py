@@ -42,11 +42,14 @@ def test_new_files_first_then_the_longest_keeping_the_order_inside_each():
 
 
 def test_stored_durations_merge_and_drop_files_that_are_gone(tmp_path, monkeypatch):
+  """A file that ran keeps only this run's tests (test_renamed goes); one that did not
+  run keeps its entries; a file that is gone loses them."""
   (tmp_path / "tests").mkdir()
   for name in ("test_a.py", "test_b.py"):
     (tmp_path / "tests" / name).write_text("")
   path = tmp_path / "durations.json"
   path.write_text(json.dumps({"tests/test_a.py::test_old": 1.0, "tests/test_b.py::test_x": 2.0,
+                              "tests/test_b.py::test_renamed": 4.0,
                               "tests/test_gone.py::test_y": 3.0}))
   monkeypatch.setattr(durations, "PATH", str(path))
   store = durations.StoreDurations(str(tmp_path))

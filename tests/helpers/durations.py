@@ -93,8 +93,8 @@ class LongestFilesFirst:
 class StoreDurations:
   """--store-durations: adds each test's setup, call and teardown times, in the process
   that reports them (the xdist controller, or pytest alone), and writes them at the end.
-  Merged into what the file held, so a partial run updates only what it ran; tests whose
-  file is gone are dropped."""
+  A file that ran has its entries replaced by this run's (a renamed or removed test goes);
+  files that did not run keep theirs, unless the file is gone."""
 
   def __init__(self, rootdir: str):
     self.rootdir = rootdir
@@ -104,8 +104,10 @@ class StoreDurations:
     self.measured[report.nodeid] += report.duration
 
   def pytest_sessionfinish(self):
+    ran = {node_id.split("::")[0] for node_id in self.measured}
     durations = {node_id: seconds for node_id, seconds in load().items()
-                 if os.path.exists(os.path.join(self.rootdir, node_id.split("::")[0]))}
+                 if node_id.split("::")[0] not in ran
+                 and os.path.exists(os.path.join(self.rootdir, node_id.split("::")[0]))}
     durations.update({node_id: round(seconds, 2) for node_id, seconds in self.measured.items()})
     with open(PATH, "w", encoding="utf-8") as f:
       json.dump(dict(sorted(durations.items())), f, indent=0)
