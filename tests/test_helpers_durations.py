@@ -15,8 +15,12 @@ MEASURED = {
 
 
 def test_tests_over_the_threshold_are_slow_except_each_files_quickest():
-  assert durations.slow_tests(MEASURED, threshold_s=5.0) == {
+  assert durations.slow_tests(MEASURED, threshold_s=5.0, quickest_kept_max_s=60.0) == {
       "tests/test_a.py::test_long", "tests/test_c.py::test_long_1"}
+  # A file whose quickest test is itself long keeps none in the fast tier.
+  assert durations.slow_tests(MEASURED, threshold_s=5.0, quickest_kept_max_s=30.0) == {
+      "tests/test_a.py::test_long", "tests/test_c.py::test_long_1",
+      "tests/test_b.py::test_only_one_and_long"}
 
 
 def _items(*node_ids):

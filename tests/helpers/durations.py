@@ -11,7 +11,8 @@ workers as `make test` runs. Two things follow from it:
   up last would leave one worker running it alone while the other sits idle.
 - The fast tier: a test measured above SLOW_TEST_S is marked `slow`, so
   `pytest -m "not slow"` (make test-fast) skips it, except each file's quickest test,
-  which stays, so that the fast tier still touches every module the suite tests.
+  which stays (if under QUICKEST_KEPT_MAX_S), so that the fast tier still touches every
+  module the suite tests.
   A test may also carry @pytest.mark.slow itself. Tests not yet measured count as fast.
 
 Remeasure after adding or changing slow tests; the file is small and reviewed like code.
@@ -30,6 +31,9 @@ PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Measured with two workers on a 2-core machine: every test above this goes to the full
 # suite only; the rest of the suite takes about two minutes there.
 SLOW_TEST_S = 5.0
+# A file's quickest test stays fast only up to this: a file of one long test (a pod
+# rehearsal of many processes) is an end-to-end check, not a module's quick test.
+QUICKEST_KEPT_MAX_S = 30.0
 OPTION = "--store-durations"
 
 
@@ -41,16 +45,19 @@ def load(path: str | None = None) -> dict[str, float]:
     return json.load(f)
 
 
-def slow_tests(durations: dict[str, float], threshold_s: float = SLOW_TEST_S) -> set[str]:
-  """Node ids measured above threshold_s, less each file's quickest test."""
+def slow_tests(durations: dict[str, float], threshold_s: float = SLOW_TEST_S,
+               quickest_kept_max_s: float = QUICKEST_KEPT_MAX_S) -> set[str]:
+  """Node ids measured above threshold_s, less each file's quickest test unless that one
+  too is above quickest_kept_max_s."""
   by_file = collections.defaultdict(list)
   for node_id, seconds in durations.items():
     by_file[node_id.split("::")[0]].append((seconds, node_id))
   slow = set()
   for tests in by_file.values():
-    quickest = min(tests)[1]
+    quickest_s, quickest = min(tests)
+    keep = quickest if quickest_s <= quickest_kept_max_s else None
     slow |= {node_id for seconds, node_id in tests
-             if seconds > threshold_s and node_id != quickest}
+             if seconds > threshold_s and node_id != keep}
   return slow
 
 
