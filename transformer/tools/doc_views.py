@@ -176,8 +176,10 @@ def make_train_expected() -> str:
 def make_test() -> str:
   r = read_records("make_test")[-1]
   low, high = r["wall_time_min_range"]
+  minutes = f"{low} minutes" if low == high else f"{low} to {high} minutes"
+  install = "install included" if r["install_included"] else "with the install already done"
   return (
-    f"It ran {r['tests']} tests in {low} to {high} minutes, install included, on a "
+    f"It ran {r['tests']} tests in {minutes}, {install}, on a "
     f"{r['machine']} ({r['date']}, commit {r['commit']}; `docs/results/make_test.jsonl`)."
   )
 
