@@ -48,6 +48,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from transformer import storage
 from transformer.tools.doc_views import REPO_ROOT, RecordError
 from transformer.tools.doc_views import views as all_views
 
@@ -282,8 +283,7 @@ def _record(args: argparse.Namespace, parser: argparse.ArgumentParser, command: 
       return 1
     where = provenance(args.command, args.machine)
   elif args.from_json:
-    with open(args.from_json, encoding="utf-8") as f:
-      text = f.read()
+    text = storage.read_text(args.from_json)  # eval.py's file may be in a gs:// workdir
     try:
       records = [json.loads(text)]
     except json.JSONDecodeError:
