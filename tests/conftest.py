@@ -1,4 +1,5 @@
-"""Test-wide setup: eight fake CPU devices, so meshes and sharding are exercised here.
+"""Test-wide setup: eight fake CPU devices, so meshes and sharding are exercised here, and
+the compiler flags of tests/helpers/processes.py.
 
 Set before JAX is imported anywhere. Tests that need a real process boundary (kill,
 preemption, several hosts) start subprocesses with their own environment.
@@ -9,9 +10,15 @@ import shutil
 import sys
 import tempfile
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+  sys.path.insert(0, REPO_ROOT)
+
+from tests.helpers import processes  # noqa: E402  (no JAX in it)
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
+                           processes.xla_flags(devices=8)).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # One persistent compilation cache for the whole run, made by the first process that
@@ -23,11 +30,6 @@ _OWN_COMPILATION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="transformer-tests-jax-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-  sys.path.insert(0, REPO_ROOT)
-
 
 import pytest  # noqa: E402  (after the environment is set)
 

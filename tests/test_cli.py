@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from transformer import cli
+from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides
 
 
@@ -51,7 +52,7 @@ def _train(small_corpus, workdir, *extra):
   command = [sys.executable, os.path.join(REPO, "train.py"), "--config", "configs/default.py",
              "--workdir", workdir, *flag_overrides(small_corpus, num_train_steps=2,
                                                    checkpoint_every_steps=2), *extra]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env(devices=1)
   result = subprocess.run(command, cwd=os.path.dirname(workdir), env=env, capture_output=True,
                           text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]

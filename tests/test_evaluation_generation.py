@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers.processes import subprocess_env
 from tests.helpers import tiny_run
 from tests.helpers.model_helpers import SOURCE, make_model, strip
 from transformer.config import ConfigError, EOS_ID, PAD_ID
@@ -65,7 +66,7 @@ def _read(stem):
 
 
 def _run(script, *args):
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env = subprocess_env(devices=1)
   return subprocess.run([sys.executable, script, *args], cwd=tiny_run.REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 

@@ -7,14 +7,13 @@ import shutil
 import subprocess
 import sys
 
+from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, free_port
 
 
 def _evaluate(workdir, num_processes, devices_per_process, order):
   """(scores printed by process 0, hypotheses) of tests/helpers/multihost_eval.py."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-             JAX_PLATFORMS="cpu")
+  env = subprocess_env(devices_per_process)
   port = free_port()
   processes = [subprocess.Popen(
       [sys.executable, "tests/helpers/multihost_eval.py", workdir, "test", str(i),

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.evaluation import score, translate
 from transformer.training import checkpoints
@@ -57,7 +58,7 @@ def test_incompatible_config_fails_naming_the_key(trained_run):
 
 
 def _run(script, *args):
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env = subprocess_env(devices=1)
   return subprocess.run([sys.executable, script, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 

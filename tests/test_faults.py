@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, free_port, make_config, read_metrics
 from transformer.training import checkpoints, loop, sharding, state
 from transformer import config as config_lib
@@ -31,10 +32,7 @@ EVERY = 4  # checkpoint_every_steps
 
 
 def _env(devices=1, **extra):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
-  return env
+  return subprocess_env(devices, PYTHONUNBUFFERED="1", **extra)
 
 
 def _train_command(workdir, corpus, *extra, launcher=False, **overrides):

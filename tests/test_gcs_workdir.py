@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tests.helpers.processes import subprocess_env
 from tests.helpers import sweep_helpers
 from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 from tests.helpers.tiny_run import OVERRIDES, REPO
@@ -44,9 +45,8 @@ def bucket_run(gcs, small_corpus, tmp_path):  # noqa: F811
   cwd, home = tmp_path / "cwd", tmp_path / "home"
   cwd.mkdir()
   home.mkdir()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(gcs.env, HOME=str(home), XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
+  env = subprocess_env(devices=1)
+  env.update(gcs.env, HOME=str(home), PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
              PYTHONPATH=REPO,
              # Libraries' own settings, which their imports write under HOME otherwise.
              MPLCONFIGDIR=str(tmp_path / "matplotlib"), KERAS_HOME=str(tmp_path / "keras"))

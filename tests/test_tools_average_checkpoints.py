@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.config import ConfigError
 from transformer.tools import average_checkpoints
@@ -129,7 +130,7 @@ def test_an_empty_checkpoint_folder_from_a_failed_try_is_reused(trained_run, tmp
 
 
 def _average_checkpoints(*args):
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env = subprocess_env(devices=1)
   return subprocess.run([sys.executable, "-m", "transformer.tools.average_checkpoints", *args],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 

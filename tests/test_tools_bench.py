@@ -17,15 +17,14 @@ import numpy as np
 from transformer import versions
 from transformer.training import flops, sharding
 from transformer.model import ModelConfig
+from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config
 
 ROWS, SEQ_LEN = 4, 24
 
 
 def _env():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # rows split over 2 devices
-  return env
+  return subprocess_env(devices=2)  # rows split over 2 devices
 
 
 def run_bench(small_corpus, *args):

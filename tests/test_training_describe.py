@@ -9,6 +9,7 @@ import pytest
 
 from transformer.config import load_config
 from transformer.training import describe
+from tests.helpers.processes import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ def test_dry_run_prints_one_json_line():
   result = subprocess.run(
       [sys.executable, "train.py", "--config", "configs/wmt14.py:big", "--dry_run"],
       cwd=REPO, capture_output=True, text=True, timeout=120,
-      env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+      env=subprocess_env(devices=1))
   assert result.returncode == 0, result.stderr[-2000:]
   lines = [l for l in result.stdout.splitlines() if l.strip()]
   assert len(lines) == 1

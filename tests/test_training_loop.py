@@ -17,6 +17,7 @@ import pytest
 
 from transformer.model import ModelConfig
 from transformer.training import checkpoints, flops, loop, reporting, sharding, state
+from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config, read_metrics
 
 
@@ -140,10 +141,7 @@ def test_unwritable_workdir_is_a_one_line_error(small_corpus, tmp_path):
 
 
 def _env(devices):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  return env
+  return subprocess_env(devices, PYTHONUNBUFFERED="1")
 
 
 def test_sigterm_saves_the_current_step_and_exits_zero(small_corpus, tmp_path):
