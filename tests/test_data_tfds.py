@@ -35,6 +35,8 @@ def test_tatoeba_splits_are_disjoint_by_english_sentence(tatoeba_builder):
   assert len(english["validation"]) > len(sets["validation"])
 
 
+# `tatoeba_builder` prepares the whole bundled corpus (about 24 s) for it in the fast tier.
+@pytest.mark.slow
 def test_tatoeba_source_default_direction_and_attribution(tatoeba_builder):
   config = config_lib.base_config()
   config.data_dir = tatoeba_builder.data_dir.rsplit("/tatoeba_en_es", 1)[0]

@@ -24,6 +24,9 @@ def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path)
     assert key in train[-1], key
 
 
+# Slow when alone: it compiles the validation beam search, which the full suite's
+# earlier test in this file compiled for it (13.7 s there, 61 s in the fast tier).
+@pytest.mark.slow
 def test_the_loops_own_validation_is_the_same_loss_without_bleu(small_corpus, tmp_path):
   """Without evaluation's ValidationWithBleu the loop reports the same validation loss,
   and no BLEU: the training layer never imports the evaluation layer."""

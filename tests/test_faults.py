@@ -352,6 +352,8 @@ def test_train_py_rejects_bad_config_before_building_anything(
 
 # --- 8: evaluation and translation.
 
+# Its module's `straight_run` (a train.py run, about 25 s) is built for it in the fast tier.
+@pytest.mark.slow
 def test_eval_without_checkpoint_or_with_a_broken_config_json_is_one_line(
     straight_run, tmp_path):
   from transformer.evaluation import score, translate
