@@ -66,6 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -542,6 +543,26 @@ def _identical_outputs(outputs: dict[str, list[Any]], num_lines: int) -> tuple[i
   return generated, greedy_passes
 
 
+def _alternating_timings(
+  decoders: dict[str, Callable[[Any], Any]], sources: list
+) -> tuple[dict[str, float], dict[str, float], dict[str, list[Any]]]:
+  """(untimed first pass's seconds, timed seconds, outputs on the host) of each decoder
+  over the same batches. The first pass compiles every batch shape; then the decoders
+  take turns going first on each batch, so a change in the machine's load falls on all."""
+  compile_s = {
+    name: sum(_timed(decode, source)[1] for source in sources) for name, decode in decoders.items()
+  }
+  seconds = {name: 0.0 for name in decoders}
+  outputs: dict[str, list[Any]] = {name: [] for name in decoders}
+  names = list(decoders)
+  for b, source in enumerate(sources):
+    for name in names if b % 2 == 0 else names[::-1]:
+      out, elapsed = _timed(decoders[name], source)
+      seconds[name] += elapsed
+      outputs[name].append(jax.device_get(out))
+  return compile_s, seconds, outputs
+
+
 def _compare_at_batch(
   config, target, sources: list, num_lines: int, draft_len: int
 ) -> dict[str, Any]:
@@ -563,16 +584,7 @@ def _compare_at_batch(
       draft_params=draft.params,
     ),
   }
-  compile_s = {
-    name: sum(_timed(decode, source)[1] for source in sources) for name, decode in decoders.items()
-  }
-  seconds = {name: 0.0 for name in decoders}
-  outputs: dict[str, list[Any]] = {name: [] for name in decoders}
-  for b, source in enumerate(sources):
-    for name in ("greedy", "speculative") if b % 2 == 0 else ("speculative", "greedy"):
-      out, elapsed = _timed(decoders[name], source)
-      seconds[name] += elapsed
-      outputs[name].append(jax.device_get(out))
+  compile_s, seconds, outputs = _alternating_timings(decoders, sources)
   generated, greedy_passes = _identical_outputs(outputs, num_lines)
   spec_out = outputs["speculative"]
   proposed = sum(int(o.proposed) for o in spec_out)
@@ -712,20 +724,13 @@ def describe(result: dict[str, Any]) -> str:
   )
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  config = _CONFIG.value
-  config_lib.validate(config)
-  seq_len = _SEQ_LEN.value or config.max_len
-  batch_tokens = _BATCH_TOKENS.value or config.tokens_per_batch
-  unknown = set(_ONLY.value) - {
-    "train_step",
-    "beam_search",
-    "input_pipeline",
-    "speculative",
-    "train_loop",
-  }
+_MEASUREMENTS = ("train_step", "beam_search", "input_pipeline", "speculative", "train_loop")
+
+
+def _check_flags(config) -> None:
+  """app.UsageError, in one line, for flags the chosen measurements cannot run with:
+  before any model is built or compiled."""
+  unknown = set(_ONLY.value) - set(_MEASUREMENTS)
   if unknown:
     raise app.UsageError(f"--only: unknown measurement(s) {sorted(unknown)}")
   if "speculative" in _ONLY.value:
@@ -742,8 +747,6 @@ def main(argv):
         f"--speculative_batch_sizes: {','.join(_SPECULATIVE_BATCH_SIZES.value)}"
         " must be positive integers"
       )
-  multiple = sharding.batch_row_multiple(sharding.create_mesh(config), sharding.axis_rules(config))
-  rows = sharding.rows_for_tokens(batch_tokens, seq_len, multiple)
   if "train_loop" in _ONLY.value and (
     _LOOP_WINDOW.value < 1
     or _LOOP_STEPS.value % _LOOP_WINDOW.value
@@ -758,34 +761,48 @@ def main(argv):
   if "beam_search" in _ONLY.value and config.model.decoder_only:
     raise app.UsageError("beam_search needs an encoder-decoder config; drop it from --only")
 
-  def report(result):
-    for key in ("tokens_per_sec", "mfu", "step_time_s"):  # every record has these keys
-      result.setdefault(key, None)
-    if _LABEL.value:
-      result["label"] = _LABEL.value
-    result["versions"] = versions.library_versions()
-    if _JSON.value:
-      print(json.dumps(result), flush=True)
-    else:
-      print(describe(result), flush=True)
+
+def _report(result: dict[str, Any]) -> None:
+  """Prints one measurement: a JSON line (--json) or a sentence."""
+  for key in ("tokens_per_sec", "mfu", "step_time_s"):  # every record has these keys
+    result.setdefault(key, None)
+  if _LABEL.value:
+    result["label"] = _LABEL.value
+  result["versions"] = versions.library_versions()
+  if _JSON.value:
+    print(json.dumps(result), flush=True)
+  else:
+    print(describe(result), flush=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = _CONFIG.value
+  config_lib.validate(config)
+  _check_flags(config)
+  seq_len = _SEQ_LEN.value or config.max_len
+  batch_tokens = _BATCH_TOKENS.value or config.tokens_per_batch
+  multiple = sharding.batch_row_multiple(sharding.create_mesh(config), sharding.axis_rules(config))
+  rows = sharding.rows_for_tokens(batch_tokens, seq_len, multiple)
 
   peak = measure_peak()
-  report(peak)
+  _report(peak)
   params = model = None
   if "train_step" in _ONLY.value:
     result, model, params = measure_train_step(
       config, rows, seq_len, peak["peak_flops_per_sec"], _STEPS.value, _WARMUP.value
     )
-    report(result)
+    _report(result)
   if "beam_search" in _ONLY.value:
     if params is None:  # random weights either way: no training step needed
       run = state.setup(config)
       model, params = run.model, run.init_state(jax.random.key(config.seed)).params
-    report(measure_beam_search(config, model, params))
+    _report(measure_beam_search(config, model, params))
   if "input_pipeline" in _ONLY.value:
-    report(measure_input_pipeline(config))
+    _report(measure_input_pipeline(config))
   if "train_loop" in _ONLY.value:
-    report(measure_train_loop(config, _LOOP_STEPS.value, _LOOP_WINDOW.value))
+    _report(measure_train_loop(config, _LOOP_STEPS.value, _LOOP_WINDOW.value))
   if "speculative" in _ONLY.value:
     for result in measure_speculative(
       config,
@@ -795,7 +812,7 @@ def main(argv):
       _SPECULATIVE_SENTENCES.value,
       [int(b) for b in _SPECULATIVE_BATCH_SIZES.value],
     ):
-      report(result)
+      _report(result)
 
 
 if __name__ == "__main__":
