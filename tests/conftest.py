@@ -17,8 +17,9 @@ if REPO_ROOT not in sys.path:
 from tests.helpers import processes  # noqa: E402  (no JAX in it)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
-                           processes.xla_flags(devices=8)).strip()
+if processes.TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist's workers inherit
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
+                             processes.xla_flags(devices=8)).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # One persistent compilation cache for the whole run, made by the first process that
