@@ -26,12 +26,14 @@ $(STAMP): pyproject.toml $(LOCK)
 
 # Resolves pyproject.toml's dependencies again into the three locks, keeping every pin
 # that still satisfies it (uv prefers the versions already in a lock). The GPU and TPU
-# locks are constrained by the CPU one, so all three share every common version.
+# locks are constrained by the CPU one, so all three share every common version;
+# requirements/constraints.txt holds back what it names in all three, and says why.
 # UPGRADE=--upgrade moves everything to the newest versions allowed,
 # UPGRADE="--upgrade-package jax --upgrade-package jaxlib" only those (docs/development.md).
 UPGRADE ?=
 LOCK_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --quiet \
-	--custom-compile-command "make lock" --extra test --extra dev $(UPGRADE)
+	--custom-compile-command "make lock" --extra test --extra dev \
+	-c requirements/constraints.txt $(UPGRADE)
 lock: install
 	$(LOCK_COMPILE) -o requirements/lock.txt
 	$(LOCK_COMPILE) --extra cuda -c requirements/lock.txt -o requirements/lock-cuda.txt
