@@ -10,10 +10,12 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import sacrebleu
-import sacremoses
+
+if TYPE_CHECKING:
+  import sacremoses
 
 # get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'. Python's re.sub
 # scans like perl's /g (no overlapping matches), so "a-b-c" splits the same way.
@@ -34,6 +36,10 @@ def sacre_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> Score:
 
 @functools.cache
 def _moses_tokenizer(lang: str) -> sacremoses.MosesTokenizer:
+  # Imported here: its import (0.7 s of regular expressions) would otherwise be paid by
+  # every process that loads validation, and only the paper's BLEU uses it.
+  import sacremoses
+
   return sacremoses.MosesTokenizer(lang=lang)
 
 
