@@ -256,11 +256,13 @@ def rehearse(bucket, gcs, tmp_path):  # noqa: F811
                              rtol=1e-5)
 
   # --- Evaluated across the two processes: process 0 prints and writes into the bucket.
-  outputs = bucket.run("eval.py", "pod", 2, 1, "--split", "test")
+  # (Greedy search: what is tried here is the job, not the search, and beam search
+  # compiles for longer; tests/test_evaluation_multihost.py checks the gathered rows.)
+  outputs = bucket.run("eval.py", "pod", 2, 1, "--split", "test", "--search", "greedy")
   assert outputs[0].strip().splitlines()[-1].startswith("sacreBLEU ")
   assert "sacreBLEU" not in outputs[1]
-  report = json.loads(gcs.read(f"pod/eval/test-{slice_steps}.json"))
-  hypotheses = gcs.read(f"pod/eval/test-{slice_steps}.hyp.txt").decode().splitlines()
+  report = json.loads(gcs.read(f"pod/eval/test-{slice_steps}-greedy.json"))
+  hypotheses = gcs.read(f"pod/eval/test-{slice_steps}-greedy.hyp.txt").decode().splitlines()
   assert len(hypotheses) == report["num_sentences"] > 0
 
   # Only process 0 of each job ever read or wrote the vocabulary cache on its own disk;
