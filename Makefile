@@ -72,10 +72,12 @@ lint: install
 test-fast: install
 	$(PYTEST) -m "not slow" tests
 
-# Runs the full suite once and records each test's time in tests/durations.json, which
-# orders the files and marks the slow tests (tests/helpers/durations.py).
+# Runs the full suite once and records each test's time in tests/durations.json, then
+# the fast tier on its own into tests/durations_fast.json: they order the files and mark
+# the slow tests (tests/helpers/durations.py).
 durations: install
 	$(PYTEST) --store-durations tests
+	$(PYTEST) -m "not slow" --store-durations=fast tests
 
 # Renders the figures of README, docs/ and the configs' docstrings from the records in
 # docs/results/ (transformer/tools/render_docs.py).

@@ -65,7 +65,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   # Files run longest first, and tests measured as slow carry the `slow` marker
-  # (`make test-fast` leaves them out): both from tests/durations.json.
+  # (`make test-fast` leaves them out): from tests/durations.json and durations_fast.json.
   durations.register(config)
 
 

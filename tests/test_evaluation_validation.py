@@ -4,8 +4,25 @@ import numpy as np
 import pytest
 
 from tests.helpers.tiny_run import make_config, read_metrics
+from transformer import config as config_lib
+from transformer import data
 from transformer.evaluation.validation import ValidationWithBleu
-from transformer.training import loop
+from transformer.training import checkpoints, loop, state
+
+
+def test_without_bleu_sentences_it_is_the_loops_validation(trained_run):
+  """eval_bleu_sentences=0: the loop's validation, the same loss on the same batches and
+  no BLEU, on the shared tiny run's parameters (no training, no beam search: quick)."""
+  trained_config, workdir = trained_run
+  config = trained_config.copy_and_resolve_references()
+  config_lib.apply_overrides(config, {"eval_bleu_sentences": 0, "num_eval_batches": 2})
+  setup = state.setup(config)
+  params, _ = checkpoints.restore_params(workdir, setup)
+  tokenizer = data.load_workdir_tokenizer(workdir)
+  plain = loop.ValidationLoss(config, setup, tokenizer)(params)
+  with_bleu = ValidationWithBleu(config, setup, tokenizer)(params)
+  assert "bleu" not in with_bleu and with_bleu == plain
+  assert plain["ppl"] == pytest.approx(np.exp(plain["ce"]), rel=1e-6) and plain["ppl"] > 1
 
 
 def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path):

@@ -45,7 +45,7 @@ def test_new_files_first_then_the_longest_keeping_the_order_inside_each():
       "tests/test_c.py::test_long_1", "tests/test_c.py::test_long_2"]
 
 
-def test_stored_durations_merge_and_drop_files_that_are_gone(tmp_path, monkeypatch):
+def test_stored_durations_merge_and_drop_files_that_are_gone(tmp_path):
   """A file that ran keeps only this run's tests (test_renamed goes); one that did not
   run keeps its entries; a file that is gone loses them."""
   (tmp_path / "tests").mkdir()
@@ -55,11 +55,23 @@ def test_stored_durations_merge_and_drop_files_that_are_gone(tmp_path, monkeypat
   path.write_text(json.dumps({"tests/test_a.py::test_old": 1.0, "tests/test_b.py::test_x": 2.0,
                               "tests/test_b.py::test_renamed": 4.0,
                               "tests/test_gone.py::test_y": 3.0}))
-  monkeypatch.setattr(durations, "PATH", str(path))
-  store = durations.StoreDurations(str(tmp_path))
+  store = durations.StoreDurations(str(tmp_path), str(path))
   for when, seconds in (("setup", 0.5), ("call", 1.5), ("teardown", 0.5)):
     store.pytest_runtest_logreport(types.SimpleNamespace(nodeid="tests/test_b.py::test_x",
                                                          when=when, duration=seconds))
   store.pytest_sessionfinish()
   assert json.loads(path.read_text()) == {"tests/test_a.py::test_old": 1.0,
                                           "tests/test_b.py::test_x": 2.5}
+
+
+def test_a_test_is_slow_when_either_run_measured_it_slow():
+  """The fast tier's own run can find a test slow that the full suite found quick."""
+  full = {"tests/test_a.py::test_quick": 0.5, "tests/test_a.py::test_first_compile": 1.0,
+          "tests/test_a.py::test_long": 9.0}
+  fast = {"tests/test_a.py::test_quick": 0.6, "tests/test_a.py::test_first_compile": 20.0}
+  merged = durations.longer(full, fast)
+  assert merged == {"tests/test_a.py::test_quick": 0.6,
+                    "tests/test_a.py::test_first_compile": 20.0, "tests/test_a.py::test_long": 9.0}
+  assert durations.slow_tests(merged, threshold_s=2.0) == {
+      "tests/test_a.py::test_first_compile", "tests/test_a.py::test_long"}
+  assert durations.slow_tests(full, threshold_s=2.0) == {"tests/test_a.py::test_long"}

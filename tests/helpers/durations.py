@@ -1,15 +1,18 @@
 """Measured test durations, kept in tests/durations.json: they order and split the suite.
 
-  make durations      # the full suite once, rewriting tests/durations.json
+  make durations      # the full suite, then the fast tier, rewriting both files below
 
-The file maps each test's node id to its seconds (setup, call and teardown together; a
-session fixture's set-up counts for the first test that uses it), measured on two xdist
-workers as `make test` runs. Two things follow from it:
+tests/durations.json maps each test's node id to its seconds (setup, call and teardown
+together; a session fixture's set-up counts for the first test that uses it), measured on
+two xdist workers as `make test` runs; tests/durations_fast.json the same, measured in the
+fast tier's own run (`-m "not slow"`), where a test is often the first of its worker to
+compile a program or build a shared fixture that a slow test built before it in the full
+suite (a test of 1.4 s there took 25 s here). Two things follow from them:
 
 - Order: files run longest first (files not yet measured before them all). `make test` hands whole files to two workers
   (--dist loadfile, in collection order with --no-loadscope-reorder); a long file picked
   up last would leave one worker running it alone while the other sits idle.
-- The fast tier: a test measured above SLOW_TEST_S is marked `slow`, so
+- The fast tier: a test measured above SLOW_TEST_S in either run is marked `slow`, so
   `pytest -m "not slow"` (make test-fast) skips it, except each file's quickest test,
   which stays (if under QUICKEST_KEPT_MAX_S), so that the fast tier still touches every
   module the suite tests.
@@ -26,13 +29,12 @@ import os
 
 import pytest
 
-PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    "durations.json")
-# Measured with two workers on a 2-core machine: every test above this goes to the full
-# suite only. The fast tier then runs about 180 s of measured test time, which on its own
-# costs more: a test there is often the first of its worker to compile a program or build
-# a shared fixture that, in the full suite, a slow test built before it.
-SLOW_TEST_S = 3.0
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATH = os.path.join(_TESTS, "durations.json")  # the full suite's run
+FAST_PATH = os.path.join(_TESTS, "durations_fast.json")  # the fast tier's own run
+# Measured with two workers on a 2-core machine: every test above this, in either run,
+# goes to the full suite only.
+SLOW_TEST_S = 2.0
 # A file's quickest test stays fast only up to this: a file of one long test (a pod
 # rehearsal of many processes) is an end-to-end check, not a module's quick test.
 QUICKEST_KEPT_MAX_S = 15.0
@@ -45,6 +47,15 @@ def load(path: str | None = None) -> dict[str, float]:
     return {}
   with open(path, encoding="utf-8") as f:
     return json.load(f)
+
+
+def longer(*runs: dict[str, float]) -> dict[str, float]:
+  """Each test's longest time over the runs that measured it."""
+  merged: dict[str, float] = {}
+  for run in runs:
+    for node_id, seconds in run.items():
+      merged[node_id] = max(seconds, merged.get(node_id, 0.0))
+  return merged
 
 
 def slow_tests(durations: dict[str, float], threshold_s: float = SLOW_TEST_S,
@@ -105,8 +116,8 @@ class StoreDurations:
   A file that ran has its entries replaced by this run's (a renamed or removed test goes);
   files that did not run keep theirs, unless the file is gone."""
 
-  def __init__(self, rootdir: str):
-    self.rootdir = rootdir
+  def __init__(self, rootdir: str, path: str = PATH):
+    self.rootdir, self.path = rootdir, path
     self.measured: dict[str, float] = collections.defaultdict(float)
 
   def pytest_runtest_logreport(self, report):
@@ -114,24 +125,28 @@ class StoreDurations:
 
   def pytest_sessionfinish(self):
     ran = {node_id.split("::")[0] for node_id in self.measured}
-    durations = {node_id: seconds for node_id, seconds in load().items()
+    durations = {node_id: seconds for node_id, seconds in load(self.path).items()
                  if node_id.split("::")[0] not in ran
                  and os.path.exists(os.path.join(self.rootdir, node_id.split("::")[0]))}
     durations.update({node_id: round(seconds, 2) for node_id, seconds in self.measured.items()})
-    with open(PATH, "w", encoding="utf-8") as f:
+    with open(self.path, "w", encoding="utf-8") as f:
       json.dump(dict(sorted(durations.items())), f, indent=0)
       f.write("\n")
 
 
 def addoption(parser: pytest.Parser) -> None:
-  parser.addoption(OPTION, action="store_true",
-                   help="Record each test's duration in tests/durations.json.")
+  parser.addoption(OPTION, nargs="?", const="full", choices=("full", "fast"),
+                   help="Record each test's duration in tests/durations.json, or with "
+                        "=fast (for a run of the fast tier) in tests/durations_fast.json.")
 
 
 def register(config: pytest.Config) -> None:
   """Installs the plugins above (from conftest's pytest_configure)."""
   durations = load()
-  config.pluginmanager.register(MarkSlow(durations), "durations-mark-slow")
+  config.pluginmanager.register(MarkSlow(longer(durations, load(FAST_PATH))),
+                                "durations-mark-slow")
   config.pluginmanager.register(LongestFilesFirst(durations), "durations-order")
-  if config.getoption(OPTION) and not hasattr(config, "workerinput"):
-    config.pluginmanager.register(StoreDurations(str(config.rootpath)), "durations-store")
+  store = config.getoption(OPTION)
+  if store and not hasattr(config, "workerinput"):
+    path = FAST_PATH if store == "fast" else PATH
+    config.pluginmanager.register(StoreDurations(str(config.rootpath), path), "durations-store")
