@@ -122,3 +122,11 @@ def test_a_make_train_workdir_becomes_the_record_readme_renders(tmp_path, monkey
                    "2,000 target tokens/s (1,000 to 3,000), MFU 50.0%", "| 12.50 |", "**sacreBLEU 12.30**, tokenized BLEU 12.90",
                    "8.0 sentences/s", "`sacreBLEU 12.30  nrefs:1|tok:13a`", "`make train`"):
     assert expected in text
+
+
+@pytest.mark.parametrize("a", [0.3, 0.67, 0.95])
+def test_the_acceptance_rate_a_speed_up_needs_inverts_the_tokens_per_round(a):
+  """decoding.md's speculative view: the a at which a round of k = 3 gives
+  (1 - a^4) / (1 - a) tokens."""
+  tokens_per_round = (1 - a**4) / (1 - a)
+  assert doc_views._acceptance_for(tokens_per_round, 3) == pytest.approx(a, abs=1e-9)

@@ -655,6 +655,68 @@ def input_padding() -> str:
   )
 
 
+# docs/decoding.md.
+
+
+def _acceptance_for(tokens_per_round: float, k: int) -> float:
+  """The acceptance rate a at which a round gives (1 - a^(k+1)) / (1 - a) tokens."""
+  low, high = 0.0, 1.0
+  for _ in range(60):  # the tokens per round grow with a: bisect
+    a = (low + high) / 2
+    low, high = (a, high) if sum(a**i for i in range(k + 1)) < tokens_per_round else (low, a)
+  return (low + high) / 2
+
+
+def speculative() -> str:
+  """Speculative against plain greedy decoding, one row per batch size, with a, c, the
+  check's cost and what Leviathan et al.'s formula predicts."""
+  records = latest(read_records("speculative"), key=lambda r: r["batch_size"])
+  rows = []
+  for r in records:
+    a, k = r["acceptance_rate"], r["draft_len"]
+    per_round = (1 - a ** (k + 1)) / (1 - a)
+    rows.append(
+      (
+        r["batch_size"],
+        f"{r['greedy_ms_per_sentence']:.1f}",
+        f"{r['speculative_ms_per_sentence']:.1f}",
+        f"{r['speedup']:.2f}x",
+        f"{a:.3f}",
+        f"{r['draft_cost_ratio']:.3f}",
+        f"{r['check_cost_ratio']:.2f}",
+        f"{r['expected_speedup']:.2f}x",
+        f"{per_round / (k * r['draft_cost_ratio'] + r['check_cost_ratio']):.2f}x",
+        f"{r['target_passes_greedy']:,} → {r['target_passes_speculative']:,}",
+      )
+    )
+  first, k = records[0], records[0]["draft_len"]
+  needed = 1.5 * (k * first["draft_cost_ratio"] + first["check_cost_ratio"])
+  return (
+    table(
+      (
+        "batch",
+        "greedy ms/sentence",
+        "speculative ms/sentence",
+        "measured speed-up",
+        "a",
+        "c",
+        "(k + 1)-token check / target pass",
+        "predicted (1 - a^(k+1)) / ((1 - a)(k c + 1))",
+        "predicted with the check's cost",
+        "target passes, greedy → speculative",
+      ),
+      rows,
+    )
+    + f"\n\n{first['sentences']} test sentences, k = {first['draft_len']}; the target "
+    f"trained {first['target_steps']:,} steps (validation ppl "
+    f"{first['target_validation_ppl']:.2f}), "
+    f"the draft {first['draft_steps']:,} (ppl {first['draft_validation_ppl']:.2f}, scored over "
+    f"the whole vocabulary). At these costs 1.5x one sentence at a time needs "
+    f"{needed:.2f} tokens per round, of the k + 1 = {k + 1} a round gives at most: an "
+    f"acceptance rate of {_acceptance_for(needed, k):.2f}.\n\n" + source("speculative", records)
+  )
+
+
 def views() -> dict[str, Callable[[], str]]:
   """Every view, by the name regions use."""
   return {
@@ -679,5 +741,6 @@ def views() -> dict[str, Callable[[], str]]:
       table3_small_expected,
       decoder_only_vs_encoder_decoder_expected,
       input_padding,
+      speculative,
     )
   }
