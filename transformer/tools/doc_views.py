@@ -659,22 +659,27 @@ def input_padding() -> str:
 
 
 def _acceptance_for(tokens_per_round: float, k: int) -> float:
-  """The acceptance rate a at which a round gives (1 - a^(k+1)) / (1 - a) tokens."""
+  """The acceptance rate a at which a round gives `tokens_per_round` tokens
+  (bench.tokens_per_round, which grows with a: bisected)."""
+  from transformer.tools import bench  # imports JAX: only this view needs it
+
   low, high = 0.0, 1.0
-  for _ in range(60):  # the tokens per round grow with a: bisect
+  for _ in range(60):
     a = (low + high) / 2
-    low, high = (a, high) if sum(a**i for i in range(k + 1)) < tokens_per_round else (low, a)
+    low, high = (a, high) if bench.tokens_per_round(a, k) < tokens_per_round else (low, a)
   return (low + high) / 2
 
 
 def speculative() -> str:
   """Speculative against plain greedy decoding, one row per batch size, with a, c, the
   check's cost and what Leviathan et al.'s formula predicts."""
+  from transformer.tools import bench  # imports JAX: only this view needs it
+
   records = latest(read_records("speculative"), key=lambda r: r["batch_size"])
   rows = []
   for r in records:
-    a, k = r["acceptance_rate"], r["draft_len"]
-    per_round = (1 - a ** (k + 1)) / (1 - a)
+    a, k, c = r["acceptance_rate"], r["draft_len"], r["draft_cost_ratio"]
+    with_check = bench.expected_speedup(a, k, c, check_cost=r["check_cost_ratio"])
     rows.append(
       (
         r["batch_size"],
@@ -685,7 +690,7 @@ def speculative() -> str:
         f"{r['draft_cost_ratio']:.3f}",
         f"{r['check_cost_ratio']:.2f}",
         f"{r['expected_speedup']:.2f}x",
-        f"{per_round / (k * r['draft_cost_ratio'] + r['check_cost_ratio']):.2f}x",
+        f"{with_check:.2f}x",
         f"{r['target_passes_greedy']:,} → {r['target_passes_speculative']:,}",
       )
     )
