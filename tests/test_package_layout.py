@@ -206,3 +206,23 @@ def test_the_checker_sees_a_test_file_importing_another(tmp_path):
                     "from tests.helpers import tiny_run\n")
   assert _imported_test_modules(str(module)) == {
       "tests.test_config", "tests.test_b", "tests.helpers"}
+
+
+def test_importing_every_module_leaves_absl_flags_to_the_programs():
+  """Every module of the package imports into one process (a notebook, a test worker),
+  and none but a program's `__main__` adds to absl's flag registry: tools that are
+  imported too (bench, memory, average_checkpoints) define --config or --workdir only
+  when run, else the second import would raise DuplicateFlagError."""
+  import importlib
+
+  from absl import flags
+
+  before = set(flags.FLAGS)
+  modules = sorted(_module_name(os.path.join(root, name))
+                   for root, _, files in os.walk(PACKAGE) for name in files
+                   if name.endswith(".py") and name != "__main__.py")
+  for module in modules:
+    importlib.import_module(module)
+  added = {name: flags.FLAGS.find_module_defining_flag(name)
+           for name in set(flags.FLAGS) - before}
+  assert not {name: m for name, m in added.items() if m and m.startswith("transformer")}, added

@@ -18,10 +18,21 @@ from transformer import cli, storage
 from transformer.config import ConfigError
 from transformer.training import checkpoints, state
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run to average.")
-_AVERAGE_LAST = flags.DEFINE_integer("average_last", 5, "How many of the newest checkpoints.")
-_STEP = flags.DEFINE_integer("step", None, "Average the k checkpoints up to this step.")
-_OUTPUT = flags.DEFINE_string("output_workdir", None, "Where the averaged run is written.")
+# Flags join absl's registry only when this file runs as a program: average_into is
+# imported too, and two modules defining --workdir in one process would clash.
+_FLAG_VALUES = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "The training run to average.", flag_values=_FLAG_VALUES
+)
+_AVERAGE_LAST = flags.DEFINE_integer(
+  "average_last", 5, "How many of the newest checkpoints.", flag_values=_FLAG_VALUES
+)
+_STEP = flags.DEFINE_integer(
+  "step", None, "Average the k checkpoints up to this step.", flag_values=_FLAG_VALUES
+)
+_OUTPUT = flags.DEFINE_string(
+  "output_workdir", None, "Where the averaged run is written.", flag_values=_FLAG_VALUES
+)
 
 
 def average_into(

@@ -80,62 +80,109 @@ from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID
 from transformer.model import decoding
 from transformer.model.decoding import cache as cache_lib
+from transformer.model.decoding import speculative as speculative_lib
 from transformer.tools import decoding_speed
 from transformer.training import flops, reporting, sharding, state, steps
 
-_CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
+# Flags join absl's registry only when this file runs as a program: it is imported too
+# (tests, other tools), and two modules defining --config in one process would clash.
+_FLAG_VALUES = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
+)
 _BATCH_TOKENS = flags.DEFINE_integer(
   "batch_tokens",
   None,
   "Target tokens per training step (default: the config's "
   "tokens_per_batch); rows = batch_tokens / seq_len, rounded down to a multiple of the "
   "data-parallel devices.",
+  flag_values=_FLAG_VALUES,
 )
 _SEQ_LEN = flags.DEFINE_integer(
-  "seq_len", None, "Source and target length of the benchmark batch (default: max_len)."
+  "seq_len",
+  None,
+  "Source and target length of the benchmark batch (default: max_len).",
+  flag_values=_FLAG_VALUES,
 )
-_STEPS = flags.DEFINE_integer("steps", 10, "Timed training steps (the median is reported).")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
-_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 32, "Sentences per beam search.")
-_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 64, "Output tokens per sentence.")
-_DECODE_SOURCE_LEN = flags.DEFINE_integer("decode_source_len", 24, "Source tokens per sentence.")
+_STEPS = flags.DEFINE_integer(
+  "steps", 10, "Timed training steps (the median is reported).", flag_values=_FLAG_VALUES
+)
+_WARMUP = flags.DEFINE_integer(
+  "warmup", 2, "Untimed training steps after compiling.", flag_values=_FLAG_VALUES
+)
+_DECODE_BATCH = flags.DEFINE_integer(
+  "decode_batch", 32, "Sentences per beam search.", flag_values=_FLAG_VALUES
+)
+_DECODE_STEPS = flags.DEFINE_integer(
+  "decode_steps", 64, "Output tokens per sentence.", flag_values=_FLAG_VALUES
+)
+_DECODE_SOURCE_LEN = flags.DEFINE_integer(
+  "decode_source_len", 24, "Source tokens per sentence.", flag_values=_FLAG_VALUES
+)
 _DECODE_REPEATS = flags.DEFINE_integer(
-  "decode_repeats", 3, "Timed beam searches after an untimed one (the median is reported)."
+  "decode_repeats",
+  3,
+  "Timed beam searches after an untimed one (the median is reported).",
+  flag_values=_FLAG_VALUES,
 )
-_PIPELINE_BATCHES = flags.DEFINE_integer("pipeline_batches", 50, "Input batches to time.")
+_PIPELINE_BATCHES = flags.DEFINE_integer(
+  "pipeline_batches", 50, "Input batches to time.", flag_values=_FLAG_VALUES
+)
 _LOOP_STEPS = flags.DEFINE_integer(
-  "loop_steps", 150, "--only train_loop: training steps of each pass (a multiple of --loop_window)."
+  "loop_steps",
+  150,
+  "--only train_loop: training steps of each pass (a multiple of --loop_window).",
+  flag_values=_FLAG_VALUES,
 )
 _LOOP_WINDOW = flags.DEFINE_integer(
-  "loop_window", 25, "--only train_loop: steps per timed window (the loop's log_every_steps)."
+  "loop_window",
+  25,
+  "--only train_loop: steps per timed window (the loop's log_every_steps).",
+  flag_values=_FLAG_VALUES,
 )
 _ONLY = flags.DEFINE_list(
-  "only", ["train_step", "beam_search", "input_pipeline"], "Measurements to run (peak always runs)."
+  "only",
+  ["train_step", "beam_search", "input_pipeline"],
+  "Measurements to run (peak always runs).",
+  flag_values=_FLAG_VALUES,
 )
 _WORKDIR = flags.DEFINE_string(
   "workdir",
   None,
   "--only speculative: the trained target "
   "run (its checkpoints and vocab.model; --config is its config).",
+  flag_values=_FLAG_VALUES,
 )
 _DRAFT_WORKDIR = flags.DEFINE_string(
-  "draft_workdir", None, "--only speculative: the trained draft run (its own config.json is used)."
+  "draft_workdir",
+  None,
+  "--only speculative: the trained draft run (its own config.json is used).",
+  flag_values=_FLAG_VALUES,
 )
 _DRAFT_LEN = flags.DEFINE_integer(
-  "draft_len", 4, "--only speculative: draft tokens per target pass (k)."
+  "draft_len", 4, "--only speculative: draft tokens per target pass (k).", flag_values=_FLAG_VALUES
 )
 _SPECULATIVE_SENTENCES = flags.DEFINE_integer(
-  "speculative_sentences", 256, "--only speculative: the first N sentences of the test split."
+  "speculative_sentences",
+  256,
+  "--only speculative: the first N sentences of the test split.",
+  flag_values=_FLAG_VALUES,
 )
 _SPECULATIVE_BATCH_SIZES = flags.DEFINE_list(
   "speculative_batch_sizes",
   ["1", "32"],
   "--only speculative: sentences per batch, each "
   "measured in turn (1: the latency of one sentence at a time).",
+  flag_values=_FLAG_VALUES,
 )
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object per measurement.")
+_JSON = flags.DEFINE_bool(
+  "json", False, "Print one JSON object per measurement.", flag_values=_FLAG_VALUES
+)
 _LABEL = flags.DEFINE_string(
-  "label", "", "With --json: a 'label' key on every record, to tell runs apart in one file."
+  "label",
+  "",
+  "With --json: a 'label' key on every record, to tell runs apart in one file.",
+  flag_values=_FLAG_VALUES,
 )
 
 
@@ -465,23 +512,6 @@ def _pass_costs(
   return {name: statistics.median(times) for name, times in seconds.items()}
 
 
-def tokens_per_round(acceptance: float, draft_len: int) -> float:
-  """Tokens one sequence gets per round of k draft tokens and one check, on average:
-  (1 - a^(k+1)) / (1 - a), and k + 1 when every proposal is accepted."""
-  if acceptance >= 1:
-    return draft_len + 1
-  return (1 - acceptance ** (draft_len + 1)) / (1 - acceptance)
-
-
-def expected_speedup(
-  acceptance: float, draft_len: int, cost: float, check_cost: float = 1.0
-) -> float:
-  """Leviathan et al.'s expected speed-up of one sequence, (1 - a^(k+1)) / ((1 - a)(k c + 1)):
-  tokens per round over the round's cost in target passes. check_cost is the (k + 1)-token
-  check's cost in target passes: 1 in the formula (an accelerator's), measured on a CPU."""
-  return tokens_per_round(acceptance, draft_len) / (draft_len * cost + check_cost)
-
-
 def measure_speculative(
   config,
   workdir: str,
@@ -644,7 +674,7 @@ def _compare_at_batch(
     "check_pass_s": passes["check"],
     "draft_cost_ratio": draft_cost,
     "check_cost_ratio": passes["check"] / passes["target"],
-    "expected_speedup": expected_speedup(acceptance, draft_len, draft_cost),
+    "expected_speedup": speculative_lib.expected_speedup(acceptance, draft_len, draft_cost),
     "tokens_per_sec": generated / spec_s,
     "step_time_s": spec_s / max(target_calls, 1),
     "mfu": None,

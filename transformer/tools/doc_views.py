@@ -660,26 +660,28 @@ def input_padding() -> str:
 
 def _acceptance_for(tokens_per_round: float, k: int) -> float:
   """The acceptance rate a at which a round gives `tokens_per_round` tokens
-  (bench.tokens_per_round, which grows with a: bisected)."""
-  from transformer.tools import bench  # imports JAX: only this view needs it
+  (speculative_lib.tokens_per_round, which grows with a: bisected)."""
+  # Imports JAX: only this view needs it.
+  from transformer.model.decoding import speculative as speculative_lib
 
   low, high = 0.0, 1.0
   for _ in range(60):
     a = (low + high) / 2
-    low, high = (a, high) if bench.tokens_per_round(a, k) < tokens_per_round else (low, a)
+    low, high = (a, high) if speculative_lib.tokens_per_round(a, k) < tokens_per_round else (low, a)
   return (low + high) / 2
 
 
 def speculative() -> str:
   """Speculative against plain greedy decoding, one row per batch size, with a, c, the
   check's cost and what Leviathan et al.'s formula predicts."""
-  from transformer.tools import bench  # imports JAX: only this view needs it
+  # Imports JAX: only this view needs it.
+  from transformer.model.decoding import speculative as speculative_lib
 
   records = latest(read_records("speculative"), key=lambda r: r["batch_size"])
   rows = []
   for r in records:
     a, k, c = r["acceptance_rate"], r["draft_len"], r["draft_cost_ratio"]
-    with_check = bench.expected_speedup(a, k, c, check_cost=r["check_cost_ratio"])
+    with_check = speculative_lib.expected_speedup(a, k, c, check_cost=r["check_cost_ratio"])
     rows.append(
       (
         r["batch_size"],

@@ -91,13 +91,21 @@ def describe(config, r: dict[str, float]) -> str:
   )
 
 
-def _define_flags():
-  """Command-line flags, defined only when run as a program (`measure` is imported too)."""
-  global _CONFIG, _MOCK_WMT, _NUM_BATCHES, _MOCK_EXAMPLES
-  _CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
-  _MOCK_WMT = flags.DEFINE_bool("mock_wmt", False, "Mock wmt14_translate/de-en, base sizes.")
-  _NUM_BATCHES = flags.DEFINE_integer("num_batches", 200, "Batches to time (after one warm-up).")
-  _MOCK_EXAMPLES = flags.DEFINE_integer("mock_examples", 100_000, "Examples per mock split.")
+# Flags join absl's registry only when this file runs as a program: it is imported too
+# (bench's input_pipeline), and two modules defining --config in one process would clash.
+_FLAG_VALUES = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
+)
+_MOCK_WMT = flags.DEFINE_bool(
+  "mock_wmt", False, "Mock wmt14_translate/de-en, base sizes.", flag_values=_FLAG_VALUES
+)
+_NUM_BATCHES = flags.DEFINE_integer(
+  "num_batches", 200, "Batches to time (after one warm-up).", flag_values=_FLAG_VALUES
+)
+_MOCK_EXAMPLES = flags.DEFINE_integer(
+  "mock_examples", 100_000, "Examples per mock split.", flag_values=_FLAG_VALUES
+)
 
 
 def main(argv):
@@ -114,5 +122,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
   cli.run(main)

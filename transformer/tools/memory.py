@@ -48,28 +48,41 @@ from transformer import cli, versions
 from transformer import config as config_lib
 from transformer.training import sharding, state, steps
 
-_CONFIG = config_flags.DEFINE_config_file("config", config_lib.DEFAULT_CONFIG, "Config file.")
+# Flags join absl's registry only when this file runs as a program: it is imported too
+# (tests, other tools), and two modules defining --config in one process would clash.
+_FLAG_VALUES = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
+)
 _MESH = flags.DEFINE_multi_string(
   "mesh",
   ["8,1,1", "1,8,1", "1,1,8", "2,2,2"],
   "Mesh sizes data,fsdp,tensor; repeat the flag for several meshes.",
+  flag_values=_FLAG_VALUES,
 )
 _BATCH_TOKENS = flags.DEFINE_integer(
   "batch_tokens",
   None,
   "Target tokens per step (default: the config's tokens_per_batch, "
   "rounded down to whole row shards); rows = batch_tokens / seq_len.",
+  flag_values=_FLAG_VALUES,
 )
 _SEQ_LEN = flags.DEFINE_integer(
-  "seq_len", None, "Source and target length of the batch (default: max_len)."
+  "seq_len",
+  None,
+  "Source and target length of the batch (default: max_len).",
+  flag_values=_FLAG_VALUES,
 )
 _PROPAGATION = flags.DEFINE_bool(
   "propagation",
   False,
   "Also compile with the activation axes UNCONSTRAINED (XLA's "
   "propagation alone) and report that step's temporary bytes (temp_propagated).",
+  flag_values=_FLAG_VALUES,
 )
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object per mesh.")
+_JSON = flags.DEFINE_bool(
+  "json", False, "Print one JSON object per mesh.", flag_values=_FLAG_VALUES
+)
 
 
 def parse_mesh(spec: str) -> tuple[int, int, int]:

@@ -57,6 +57,23 @@ def reads_target_encoding(draft_model) -> bool:
   return bool(getattr(draft_model, "reads_target_encoding", False))
 
 
+def tokens_per_round(acceptance: float, draft_len: int) -> float:
+  """Tokens one sequence gets per round of k draft tokens and one check, on average:
+  (1 - a^(k+1)) / (1 - a), and k + 1 when every proposal is accepted."""
+  if acceptance >= 1:
+    return draft_len + 1
+  return (1 - acceptance ** (draft_len + 1)) / (1 - acceptance)
+
+
+def expected_speedup(
+  acceptance: float, draft_len: int, cost: float, check_cost: float = 1.0
+) -> float:
+  """Leviathan et al.'s expected speed-up of one sequence, (1 - a^(k+1)) / ((1 - a)(k c + 1)):
+  tokens per round over the round's cost in target passes. check_cost is the (k + 1)-token
+  check's cost in target passes: 1 in the formula (an accelerator's), measured on a CPU."""
+  return tokens_per_round(acceptance, draft_len) / (draft_len * cost + check_cost)
+
+
 class _Round(NamedTuple):
   generated_B: Array  # tokens emitted so far; the pending `last` is the latest of them
   last_B: Array  # generated, not yet fed to either model, at position p
