@@ -68,3 +68,20 @@ def test_training_shows_library_info_only_at_verbosity_1(small_corpus, tmp_path)
   loud = _train(small_corpus, str(tmp_path / "loud"), "--verbosity=1").stderr
   assert "checkpoint_manager.py" in loud
   assert len(loud.splitlines()) > len(quiet.splitlines()) + 10
+
+
+def test_a_command_imports_tensorflow_without_keras():
+  """cli.run: TensorFlow's import skips Keras (and matplotlib's pyplot, which Keras
+  loads), a second of every command's start; the pipeline's tf.data works as before."""
+  code = ("import sys\nfrom transformer import cli\n"
+          "def main(argv):\n"
+          "  import tensorflow as tf\n"
+          "  print(sorted({'keras', 'matplotlib.pyplot'} & set(sys.modules)),\n"
+          "        [int(x) for x in tf.data.Dataset.range(3).as_numpy_iterator()])\n"
+          "cli.run(main)\n")
+  env = subprocess_env(devices=1)
+  env.pop("TF_USE_LEGACY_KERAS", None)
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split("\n")[0] == "[] [0, 1, 2]"

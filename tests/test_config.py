@@ -81,6 +81,7 @@ def test_wrong_type_is_named():
     ("direction", "english", "config.direction"),
     ("warmup_steps", 0, "config.warmup_steps"),
     ("storage_timeout_s", 0.0, "config.storage_timeout_s: must be positive"),
+    ("peak_flops_per_device", -1.0, "config.peak_flops_per_device: must be >= 0"),
     ("mesh.tensor", 3, "config.model.num_heads"),
 ])
 def test_inconsistent_values_are_named(key, value, expected):

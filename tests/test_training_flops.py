@@ -217,6 +217,18 @@ def test_unknown_device_kind_has_no_peak_and_says_so_once(kind, monkeypatch):
   assert len(notes) == 1 and repr(kind) in notes[0] and "_KNOWN_PEAKS" in notes[0]
 
 
+def test_a_configured_peak_replaces_the_table_and_the_measurement(monkeypatch):
+  """config.peak_flops_per_device: for a kind the table lacks, and instead of the CPU's
+  measurement, which is then never taken; the job's total counts machines as before."""
+  monkeypatch.setattr(flops, "_measured_cpu_peak", None)
+  monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured"))
+  for kind, platform in (("Mystery Accelerator 9000", "gpu"), ("TPU v4", "tpu"), ("cpu", "cpu")):
+    device = types.SimpleNamespace(device_kind=kind, platform=platform)
+    assert flops.device_peak_flops(device, configured=7e12) == 7e12
+  assert flops.total_peak_flops(configured=7e12) == 7e12 * flops.host_count()
+  assert flops.total_peak_flops(remeasure=True, configured=7e12) == 7e12
+
+
 def test_unknown_device_has_no_total_peak_and_no_utilisation(monkeypatch):
   device = types.SimpleNamespace(device_kind="Mystery Accelerator 9000", platform="gpu")
   monkeypatch.setattr(flops.jax, "devices", lambda: [device])

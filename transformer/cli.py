@@ -3,7 +3,7 @@ commands.
 
 `run(main)` is absl's `app.run` with four additions:
   - the process keeps freed host memory where JAX computes on the CPU (host_memory.py),
-    set before anything starts a JAX backend;
+    set before anything starts a JAX backend, and TensorFlow skips loading Keras;
   - a bad `--config.KEY=VALUE` override is reported in one line naming it;
   - `--config FILE[:ARG]` is found relative to the working directory or, failing that,
     to the repository, so every command works from any directory;
@@ -103,6 +103,11 @@ def run(main) -> None:
   # Process-wide settings belong to the command, not to an import of the package, and
   # go before JAX starts a backend and its threads (host_memory.py).
   host_memory.retain_freed_memory()
+  # TensorFlow (the input pipeline, gs:// files) loads Keras 3 as it is imported, and
+  # Keras loads matplotlib's pyplot: about 1 s of every command's start, for a library
+  # nothing here uses. Told to use the legacy tf_keras package instead, which is not
+  # installed, TensorFlow skips that import (tf.keras is then unavailable).
+  os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
   def quiet_main(argv):
     quiet_library_logs()

@@ -172,6 +172,9 @@ def base_config() -> ml_collections.ConfigDict:
   # longer to upload. Clients retry failed requests (429, 503, resets) within it.
   c.storage_timeout_s = 600.0
   c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
+  # Dense peak FLOP/s of one device, for MFU. 0 = the datasheet figure of a kind listed in
+  # training/flops.py, or on CPU measured at start-up (about 2 s; the whole machine's).
+  c.peak_flops_per_device = 0.0
 
   # Decoding (transformer/model/decoding/).
   c.beam_size = 4
@@ -406,6 +409,11 @@ def _check_loop_and_decoding(config: ml_collections.ConfigDict) -> None:
     config.storage_timeout_s > 0,
     "storage_timeout_s",
     f"must be positive (seconds), got {config.storage_timeout_s}",
+  )
+  _check(
+    config.peak_flops_per_device >= 0,
+    "peak_flops_per_device",
+    "must be >= 0 (FLOP/s; 0 = automatic)",
   )
   _check(config.beam_size >= 1, "beam_size", "must be at least 1")
   _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")

@@ -16,6 +16,9 @@ OVERRIDES = {
     "eval_every_steps": 0, "checkpoint_every_steps": 2, "checkpoint_every_minutes": 0.0,
     "num_train_steps": 6, "model.num_layers": 1, "model.d_model": 32, "model.d_ff": 64,
     "model.num_heads": 2, "model.d_k": 16, "model.d_v": 16,
+    # MFU against a fixed peak: measuring this machine's (an f32 matmul over both cores
+    # for over a second) in every process would cost the suite minutes of CPU.
+    "peak_flops_per_device": 5e10,
 }
 
 # The checkpoints of conftest's shared `trained_run`. Thirty steps take the model past

@@ -212,10 +212,12 @@ def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str,
   return batch
 
 
-def measure_peak() -> dict[str, Any]:
+def measure_peak(config) -> dict[str, Any]:
   device = jax.devices()[0]
-  peak = flops.total_peak_flops()
-  if device.platform == "cpu":
+  peak = flops.total_peak_flops(configured=config.peak_flops_per_device)
+  if config.peak_flops_per_device > 0:
+    source = "config.peak_flops_per_device"
+  elif device.platform == "cpu":
     source = "measured f32 matmul"
   else:
     source = "bf16 table" if peak is not None else "device kind not in the bf16 table"
@@ -824,7 +826,7 @@ def main(argv):
   multiple = sharding.batch_row_multiple(sharding.create_mesh(config), sharding.axis_rules(config))
   rows = sharding.rows_for_tokens(batch_tokens, seq_len, multiple)
 
-  peak = measure_peak()
+  peak = measure_peak(config)
   _report(peak)
   params = model = None
   if "train_step" in _ONLY.value:

@@ -233,15 +233,20 @@ def measure_matmul_peak(size: int = 2048, min_repeats: int = 5, min_seconds: flo
   return 2 * size**3 / best
 
 
-def device_peak_flops(device: jax.Device | None = None, remeasure: bool = False) -> float | None:
-  """Peak FLOP/s of one device: measured on CPU, else the table's entry for exactly this
-  device kind; None (no MFU, and a one-time note saying why) for a kind not listed.
+def device_peak_flops(
+  device: jax.Device | None = None, remeasure: bool = False, configured: float = 0.0
+) -> float | None:
+  """Peak FLOP/s of one device: `configured` when positive (config.peak_flops_per_device),
+  else measured on CPU, else the table's entry for exactly this device kind; None (no
+  MFU, and a one-time note saying why) for a kind not listed.
 
   The CPU's is measured once per process; remeasure=True measures it again and keeps the
   higher reading, for a run that computed faster than it (the first reading caught a
   slow moment). A table entry is a datasheet figure and stays as it is.
   """
   global _measured_cpu_peak
+  if configured > 0:
+    return configured
   device = device or jax.devices()[0]
   if device.device_kind in _KNOWN_PEAKS:
     return _KNOWN_PEAKS[device.device_kind]
@@ -252,8 +257,9 @@ def device_peak_flops(device: jax.Device | None = None, remeasure: bool = False)
   if device.device_kind not in _noted_unknown:
     _noted_unknown.add(device.device_kind)
     logging.warning(
-      "MFU not reported: no peak FLOP/s is known for device kind %r. Add its dense bf16 "
-      "peak (from the vendor's datasheet) under that exact name to _KNOWN_PEAKS in "
+      "MFU not reported: no peak FLOP/s is known for device kind %r. Set "
+      "--config.peak_flops_per_device to its dense bf16 peak (from the vendor's "
+      "datasheet), or add it under that exact name to _KNOWN_PEAKS in "
       "transformer/training/flops.py.",
       device.device_kind,
     )
@@ -274,16 +280,17 @@ def host_count() -> int:
   return _host_count
 
 
-def total_peak_flops(remeasure: bool = False) -> float | None:
-  """Peak FLOP/s of all devices of the job (per device times the device count), or None.
+def total_peak_flops(remeasure: bool = False, configured: float = 0.0) -> float | None:
+  """Peak FLOP/s of all devices of the job (per device times the device count), or None;
+  `configured`: one device's, as device_peak_flops takes it.
 
-  On CPU the measured peak is one machine's: fake CPU devices
+  On CPU a device's peak is one machine's: fake CPU devices
   (--xla_force_host_platform_device_count), and processes started on one machine, share
   its cores; processes on separate machines have their own, so the peak is that times
   the number of machines (`host_count`), as the FLOPs counted are the whole job's.
   """
   device = jax.devices()[0]
-  peak = device_peak_flops(device, remeasure)
+  peak = device_peak_flops(device, remeasure, configured)
   if peak is None:
     return None
   if device.platform == "cpu":

@@ -304,10 +304,12 @@ class TrainingRun:
     )
     self.total_steps = config.num_train_steps * config.grad_accum_steps
     self.progress = Progress(
-      flops.total_peak_flops(),
+      flops.total_peak_flops(configured=config.peak_flops_per_device),
       self.total_steps,
       self.setup.model.config,
-      remeasure_peak=functools.partial(flops.total_peak_flops, remeasure=True),
+      remeasure_peak=functools.partial(
+        flops.total_peak_flops, remeasure=True, configured=config.peak_flops_per_device
+      ),
     )
     self.validate = (
       validation(config, self.setup, self.tokenizer) if (config.eval_every_steps) else None
