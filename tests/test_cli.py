@@ -70,6 +70,7 @@ def test_training_shows_library_info_only_at_verbosity_1(small_corpus, tmp_path)
   assert len(loud.splitlines()) > len(quiet.splitlines()) + 10
 
 
+@pytest.mark.slow  # a process of its own: about 6 s
 def test_a_command_imports_tensorflow_without_keras():
   """cli.run: TensorFlow's import skips Keras (and matplotlib's pyplot, which Keras
   loads), a second of every command's start; the pipeline's tf.data works as before."""
