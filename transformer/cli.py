@@ -99,6 +99,14 @@ def _parse_flags(argv):
     sys.exit(f"error: bad config override{where}: {message}")
 
 
+def program_flags(module_name: str) -> flags.FlagValues:
+  """Where a module that is both a command and a library defines its flags: absl's
+  registry when it runs as a program (`module_name` is "__main__"), else a registry of
+  its own that is never parsed. Imported by tests or other tools, two such modules
+  defining --config or --workdir would otherwise clash in one process."""
+  return flags.FLAGS if module_name == "__main__" else flags.FlagValues()
+
+
 def run(main) -> None:
   # Process-wide settings belong to the command, not to an import of the package, and
   # go before JAX starts a backend and its threads (host_memory.py).

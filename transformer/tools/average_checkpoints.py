@@ -18,9 +18,7 @@ from transformer import cli, storage
 from transformer.config import ConfigError
 from transformer.training import checkpoints, state
 
-# Flags join absl's registry only when this file runs as a program: average_into is
-# imported too, and two modules defining --workdir in one process would clash.
-_FLAG_VALUES = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+_FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "The training run to average.", flag_values=_FLAG_VALUES
 )

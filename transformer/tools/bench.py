@@ -84,9 +84,7 @@ from transformer.model.decoding import speculative as speculative_lib
 from transformer.tools import decoding_speed
 from transformer.training import flops, reporting, sharding, state, steps
 
-# Flags join absl's registry only when this file runs as a program: it is imported too
-# (tests, other tools), and two modules defining --config in one process would clash.
-_FLAG_VALUES = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+_FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _CONFIG = config_flags.DEFINE_config_file(
   "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
 )

@@ -91,9 +91,7 @@ def describe(config, r: dict[str, float]) -> str:
   )
 
 
-# Flags join absl's registry only when this file runs as a program: it is imported too
-# (bench's input_pipeline), and two modules defining --config in one process would clash.
-_FLAG_VALUES = flags.FLAGS if __name__ == "__main__" else flags.FlagValues()
+_FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _CONFIG = config_flags.DEFINE_config_file(
   "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
 )
