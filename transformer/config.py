@@ -109,6 +109,33 @@ def mesh_config() -> ml_collections.ConfigDict:
   return m
 
 
+def logical_axis_rules() -> list[tuple[str, str | tuple[str, ...] | None]]:
+  """The default `logical_axis_rules`, as (logical axis, mesh axes) pairs."""
+  # Model logical axis -> mesh axes (None: replicated). The model names logical axes
+  # only; this maps them. Parameters: `embed` over fsdp (ZeRO-3 style), heads, mlp and
+  # vocab over tensor (Megatron style). Activations have their own `activation_*` names,
+  # since their rows already take fsdp and an array can use a mesh axis once: rows over
+  # data and fsdp, heads, mlp and vocab over tensor, d_model and lengths whole.
+  # `batch` places the input batches (transformer/training/sharding.py).
+  return [
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("length", None),
+    ("layers", None),
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+  ]
+
+
 def base_config() -> ml_collections.ConfigDict:
   """All keys with paper-faithful defaults; config files override from here."""
   c = ml_collections.ConfigDict()
@@ -183,29 +210,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.draft = draft_config()
   c.mesh = mesh_config()
-  # Model logical axis -> mesh axes (None: replicated). The model names logical axes
-  # only; this maps them. Parameters: `embed` over fsdp (ZeRO-3 style), heads, mlp and
-  # vocab over tensor (Megatron style). Activations have their own `activation_*` names,
-  # since their rows already take fsdp and an array can use a mesh axis once: rows over
-  # data and fsdp, heads, mlp and vocab over tensor, d_model and lengths whole.
-  # `batch` places the input batches (transformer/training/sharding.py).
-  c.logical_axis_rules = [
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("length", None),
-    ("layers", None),
-    ("activation_batch", ("data", "fsdp")),
-    ("activation_length", None),
-    ("activation_embed", None),
-    ("activation_heads", "tensor"),
-    ("activation_kv", None),
-    ("activation_mlp", "tensor"),
-    ("activation_vocab", "tensor"),
-  ]
+  c.logical_axis_rules = logical_axis_rules()
 
   c.model = model_config()
   return c
