@@ -5,6 +5,7 @@ import json
 import os
 
 import jax
+import jax.experimental.multihost_utils
 import numpy as np
 import pytest
 
@@ -120,6 +121,29 @@ def test_keeps_only_the_newest_checkpoints(tmp_path, tiny):
 def test_checkpoint_dir_is_absolute_under_the_workdir(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   assert checkpoints.checkpoint_dir("run") == os.path.join(str(tmp_path), "run", "checkpoints")
+
+
+def test_only_the_loop_gives_the_preemption_sync_a_count(tmp_path, tiny, monkeypatch):
+  """JAX's sync keeps the last count it was given. Orbax's save used to give it the
+  global step (here 1000) between two of the loop's counts since the start (here 3, 4),
+  so a notice then was agreed at 1001 steps since the start. Saving must not ask it."""
+  run, train_state = tiny
+  counts = []
+
+  def reached_preemption_sync_point(count):
+    counts.append(count)
+    return False
+
+  monkeypatch.setattr(jax.experimental.multihost_utils, "reached_preemption_sync_point",
+                      reached_preemption_sync_point)
+  checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=10)
+  assert not checkpointer.reached_preemption(3)
+  checkpointer.save(1000, with_params(run, train_state, step=1000, seed=0), {}, run.config)
+  checkpointer.wait()
+  assert not checkpointer.reached_preemption(4)
+  checkpointer.close()
+  assert counts == [3, 4]
+  assert checkpoints.steps_on_disk(str(tmp_path)) == [1000]
 
 
 # ----------------------------------------------------------------------------------

@@ -11,6 +11,18 @@ As a launcher it runs an entry point with the fault armed:
 - FAULT_FULL_DISK_STEP=N: writing checkpoint N fails with OSError(ENOSPC), as on a full disk.
 - FAULT_SLOW_VALIDATION_S=S: every validation waits S seconds before it computes, after
   creating the file FAULT_SLOW_VALIDATION_MARKER (if set), so a signal lands inside it.
+- A preemption notice from inside a window of the run, on several processes: process
+  FAULT_NOTICE_PROCESS sends itself SIGTERM at the point below, then stays there until
+  every process has told jax.distributed's preemption sync the count it last gave (the
+  step the hosts will agree on is then fixed), so the notice is decided inside the window
+  and not wherever the host has run on to by then. It creates FAULT_NOTICE_MARKER (if
+  set) as it sends the signal, and prints the counts it saw.
+  - FAULT_NOTICE_IN_SAVE=N: once Orbax's CheckpointManager.save of step N has returned,
+    its commit in flight (with FAULT_SLOW_SAVE_STEP=N it stays in flight);
+  - FAULT_NOTICE_AFTER_STEP=N: once step N is logged (the metrics writer's `write`,
+    which every process calls), and, with FAULT_NOTICE_WAIT_FOR=PATH, once PATH exists
+    (a checkpoint's folder: just after it commits);
+  - FAULT_NOTICE_AT_COMPILE=1: as the first training step starts compiling.
 
 In-process tests can call `arm(...)` / `disarm()` instead. The hook sits in Orbax's JSON
 item writer, which every checkpoint here runs in its background commit (the
@@ -21,7 +33,9 @@ item writer, which every checkpoint here runs in its background commit (the
 import errno
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
@@ -70,6 +84,88 @@ def _slow_validation(seconds: float, marker: str) -> None:
   metrics.evaluate_loss = evaluate_loss
 
 
+# Where jax.distributed's preemption sync keeps each host's count once a notice arrived
+# (xla/tsl/distributed_runtime/preemption/preemption_sync_manager.cc).
+_PREEMPTION_COUNTS_KEY = "PREEMPTION_CURRENT_COUNTER/"
+
+
+def _notice_counts() -> list:
+  from jax._src import distributed
+  return distributed.global_state.client.key_value_dir_get(_PREEMPTION_COUNTS_KEY)
+
+
+def _send_notice(marker: str) -> None:
+  if marker:
+    open(marker, "w").close()
+  print(f"fault injection: SIGTERM to process {os.getpid()}", flush=True)
+  os.kill(os.getpid(), signal.SIGTERM)  # to jax.distributed's handler
+
+
+def _wait_until_the_notice_is_decided(timeout_s: float = 120.0) -> None:
+  """Until every process has given the sync its count (they can no longer change it)."""
+  import jax
+  deadline = time.time() + timeout_s
+  while len(counts := _notice_counts()) < jax.process_count():
+    if time.time() > deadline:
+      raise RuntimeError(f"the preemption notice was not taken up within {timeout_s} s")
+    time.sleep(0.02)
+  print(f"fault injection: the hosts' preemption counts {sorted(counts)}", flush=True)
+
+
+def arm_notice(process: int, in_save: int | None = None, after_step: int | None = None,
+               wait_for: str = "", at_compile: bool = False, marker: str = "") -> None:
+  """A preemption notice to `process` inside one window (the module's docstring)."""
+  import jax
+  import orbax.checkpoint as ocp
+  from transformer.training import reporting, steps
+
+  def ours() -> bool:
+    return jax.process_index() == process
+
+  def notice_now() -> None:
+    _send_notice(marker)
+    _wait_until_the_notice_is_decided()
+
+  if in_save is not None:
+    original_save = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+      saved = original_save(self, step, *args, **kwargs)
+      if step == in_save and ours():
+        notice_now()
+      return saved
+    ocp.CheckpointManager.save = save
+
+  if after_step is not None:
+    original_write = reporting.MetricsWriter.write
+
+    def write(self, step, metrics, kind="train"):
+      original_write(self, step, metrics, kind)
+      if step == after_step and kind == "train" and ours():
+        while wait_for and not os.path.exists(wait_for):
+          time.sleep(0.02)
+        notice_now()
+    reporting.MetricsWriter.write = write
+
+  if at_compile:
+    original_jit = steps.jit_train_step
+
+    def jit_train_step(setup):
+      compiled = original_jit(setup)
+      calls = []
+
+      def first_compiles(*args):
+        if calls or not ours():
+          return compiled(*args)
+        calls.append(1)
+        threading.Thread(target=_send_notice, args=(marker,)).start()
+        out = compiled(*args)  # traced and compiled while the notice is taken up
+        _wait_until_the_notice_is_decided()
+        return out
+      return first_compiles
+    steps.jit_train_step = jit_train_step
+
+
 def disarm() -> None:
   global _original_evaluate_loss
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
@@ -92,5 +188,12 @@ if __name__ == "__main__":
       slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""),
       slow_validation_s=float(os.environ.get("FAULT_SLOW_VALIDATION_S", "0")),
       slow_validation_marker=os.environ.get("FAULT_SLOW_VALIDATION_MARKER", ""))
+  if os.environ.get("FAULT_NOTICE_PROCESS"):
+    arm_notice(int(os.environ["FAULT_NOTICE_PROCESS"]),
+               in_save=_env_int("FAULT_NOTICE_IN_SAVE"),
+               after_step=_env_int("FAULT_NOTICE_AFTER_STEP"),
+               wait_for=os.environ.get("FAULT_NOTICE_WAIT_FOR", ""),
+               at_compile=bool(os.environ.get("FAULT_NOTICE_AT_COMPILE")),
+               marker=os.environ.get("FAULT_NOTICE_MARKER", ""))
   script, sys.argv = sys.argv[1], sys.argv[1:]
   runpy.run_path(script, run_name="__main__")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.experimental.multihost_utils
 import ml_collections
 import orbax.checkpoint as ocp
 
@@ -71,6 +72,23 @@ def _join_orbax_threads(timeout_s: float = 60.0) -> None:
   for thread in threading.enumerate():
     if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax."):
       thread.join(max(0.0, deadline - time.time()))
+
+
+class _Manager(ocp.CheckpointManager):
+  """Orbax's CheckpointManager, kept from asking JAX's preemption sync.
+
+  Its `save` asks `reached_preemption(step)` with the step it saves (only to log it).
+  JAX's sync manager keeps the last count any caller gave it, and when a notice arrives
+  it agrees on (the largest count any host last gave) + 1. Given the global step by
+  Orbax between two of the loop's questions, counted from this start, it agreed on a
+  count the loop would reach only a start step later: on a resumed run, never. Here the
+  loop is the only one that asks (`Checkpointer.reached_preemption`); nothing Orbax does
+  with the answer matters to a save made with `force=True`.
+  """
+
+  def reached_preemption(self, step: int) -> bool:
+    del step  # not passed on: the loop owns the sync manager's count
+    return False
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -126,9 +144,7 @@ class Checkpointer:
       # Created here, so that a path that cannot hold checkpoints fails now, not at the
       # first save (Orbax creates it lazily).
       storage.makedirs(self.directory)
-      self._manager = ocp.CheckpointManager(
-        storage.as_path(self.directory), options=options, item_names=_ITEMS
-      )
+      self._manager = _Manager(storage.as_path(self.directory), options=options, item_names=_ITEMS)
     except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
       raise CheckpointError(
         f"cannot use {self.directory} for checkpoints: {storage.error_text(e)}"
@@ -234,10 +250,14 @@ class Checkpointer:
       "config"
     ]
 
-  def reached_preemption(self, step: int) -> bool:
-    """True on every host at the same `step` after any host got a preemption notice
-    (jax.distributed's sync), provided every host asks at every step."""
-    return self._manager.reached_preemption(step)
+  def reached_preemption(self, steps_since_start: int) -> bool:
+    """True on every host at the same count after any host got a preemption notice
+    (jax.distributed's sync), provided every host asks once after every step.
+
+    The only caller of JAX's sync in the process (Orbax's is turned off: `_Manager`), so
+    the count it holds is always the loop's: it cannot be given two counters.
+    """
+    return jax.experimental.multihost_utils.reached_preemption_sync_point(steps_since_start)
 
   def wait(self) -> None:
     """Blocks until the last asynchronous save is on disk; CheckpointError if it failed."""

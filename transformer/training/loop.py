@@ -422,12 +422,15 @@ class TrainingRun:
     """Whether to save and stop after `step`: on several processes, the same answer at the
     same step on every host, whichever hosts got the notice and when.
 
-    jax.distributed's preemption sync takes the largest step count any host has reached
-    when the notice arrives, and answers true on every host at the next. Every host must
-    ask after every step. It counts the steps taken since this start, from 0 as JAX's
-    counter does, so that a notice during start-up, before any host has asked, stops the
-    run after its first step; counted in global steps from a checkpoint, the step chosen
-    (1) would already be behind every host, and no host would ever stop.
+    jax.distributed's preemption sync takes the largest count any host last gave it
+    when the notice arrives, and answers true on every host when it is given that count
+    plus one. Every host must ask after every step. It counts the steps taken since this
+    start, from 0 as JAX's counter does, so that a notice during start-up, before any
+    host has asked, stops the run after its first step; counted in global steps from a
+    checkpoint, the count chosen (1) would already be behind every host, and no host
+    would ever stop. This is the only place that gives the sync a count: Orbax's save
+    would give it the global step (checkpoints._Manager keeps it from asking), and a
+    notice between the two would be agreed a start step late, that is never.
     """
     if jax.process_count() > 1:
       return self.checkpointer.reached_preemption(step - start_step)
