@@ -103,22 +103,26 @@ def main(argv):
   from transformer import config as config_lib
   from transformer.evaluation import score, translate
 
+  # A SIGTERM ends the run between two batches, on every process alike, in one line;
+  # the output files are written only once every sentence is translated.
   try:
-    if (_SOURCE_FILE.value is None) != (_REFERENCE_FILE.value is None):
-      raise config_lib.ConfigError("--source_file and --reference_file go together")
-    settings = translate.SearchSettings(
-      _SEARCH.value,
-      temperature=_TEMPERATURE.value,
-      top_k=_TOP_K.value,
-      top_p=_TOP_P.value,
-      seed=_SEED.value,
-      draft_len=_DRAFT_LEN.value,
-    )
-    translator = load_translator(settings, _DRAFT_WORKDIR.value)
-    if _SOURCE_FILE.value is not None:
-      results = score.evaluate_files(translator, _SOURCE_FILE.value, _REFERENCE_FILE.value)
-    else:
-      results = score.evaluate_split(translator, _SPLIT.value)
+    with distributed.stop_between_batches() as stop:
+      if (_SOURCE_FILE.value is None) != (_REFERENCE_FILE.value is None):
+        raise config_lib.ConfigError("--source_file and --reference_file go together")
+      settings = translate.SearchSettings(
+        _SEARCH.value,
+        temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value,
+        top_p=_TOP_P.value,
+        seed=_SEED.value,
+        draft_len=_DRAFT_LEN.value,
+      )
+      translator = load_translator(settings, _DRAFT_WORKDIR.value)
+      translator.after_batch = stop.after_batch
+      if _SOURCE_FILE.value is not None:
+        results = score.evaluate_files(translator, _SOURCE_FILE.value, _REFERENCE_FILE.value)
+      else:
+        results = score.evaluate_split(translator, _SPLIT.value)
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
     distributed.exit_with_error(e)
   logging.info("results: %s", results)

@@ -106,19 +106,23 @@ def main(args: argparse.Namespace) -> None:
 
   from transformer import config as config_lib
 
+  # A SIGTERM ends the job between two batches, on every process alike, in one line;
+  # the outputs are printed (or written) only once all are generated.
   try:
-    if args.job == "attention" and jax.process_count() > 1:
-      raise config_lib.ConfigError(
-        "attention runs on one process (it plots one sentence); "
-        "start generate.py without the cluster flags"
-      )
-    translator = _translator(args)
-    if args.job == "translate":
-      outputs = translator.translate_lines(_lines(args))  # every process takes part
-    elif args.job == "continue":
-      outputs = translator.continue_text([args.text], args.max_new_tokens)
-    else:
-      outputs = [_attention_maps(translator, args)]
+    with distributed.stop_between_batches() as stop:
+      if args.job == "attention" and jax.process_count() > 1:
+        raise config_lib.ConfigError(
+          "attention runs on one process (it plots one sentence); "
+          "start generate.py without the cluster flags"
+        )
+      translator = _translator(args)
+      translator.after_batch = stop.after_batch
+      if args.job == "translate":
+        outputs = translator.translate_lines(_lines(args))  # every process takes part
+      elif args.job == "continue":
+        outputs = translator.continue_text([args.text], args.max_new_tokens)
+      else:
+        outputs = [_attention_maps(translator, args)]
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
     distributed.exit_with_error(e)
   if jax.process_index() == 0:

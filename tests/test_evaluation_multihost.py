@@ -48,3 +48,39 @@ def test_two_processes_on_an_interleaved_mesh_match_one_process(trained_run, tmp
   for key in ("bleu", "bleu_tok", "chrf", "num_sentences"):
     assert together[key] == alone[key], key
   assert abs(together["ppl"] - alone["ppl"]) < 1e-4 * alone["ppl"]
+
+
+def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(trained_run,
+                                                                            tmp_path):
+  """jax.distributed's handler takes SIGTERM on several processes. Sent to process 1
+  once it has searched its second batch, both processes stop after the same batch, in
+  one line each, and no output file is written."""
+  _, trained = trained_run
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  marker = tmp_path / "notice"
+  env = subprocess_env(1, FAULT_NOTICE_PROCESS="1", FAULT_NOTICE_AFTER_BATCH="2",
+                       FAULT_NOTICE_MARKER=str(marker))
+  port = free_port()
+  processes = [subprocess.Popen(
+      [sys.executable, "tests/helpers/fault_injection.py", "eval.py", "--workdir",
+       str(workdir), "--split", "test", "--search", "greedy",
+       f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=300) for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+  assert marker.exists(), outputs[1][1][-3000:]
+  last_lines = [stderr.strip().splitlines()[-1] for _, stderr in outputs]
+  for p, (stdout, stderr) in zip(processes, outputs):
+    assert p.returncode == 1, stderr[-3000:]
+    assert "BLEU" not in stdout  # no scores (gloo says it connected)
+  # 143 sentences in batches of 16: nine. The agreed batch is the second or the third.
+  assert last_lines[0] == last_lines[1] and last_lines[0] in [
+      f"error: stopped by SIGTERM (a preemption notice) after {n} batches; nothing was "
+      "written: rerun the same command" for n in (2, 3)], last_lines
+  assert not (workdir / "eval").exists() or os.listdir(workdir / "eval") == []

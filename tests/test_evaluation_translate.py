@@ -5,15 +5,17 @@ averaging is in test_tools_average_checkpoints.py."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
+import jax.experimental.multihost_utils
 import pytest
 
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.evaluation import score, translate
-from transformer.training import checkpoints
+from transformer.training import checkpoints, distributed
 from transformer.config import ConfigError
 from transformer.data import pipeline
 
@@ -55,6 +57,50 @@ def test_incompatible_config_fails_naming_the_key(trained_run):
   with pytest.raises(ConfigError) as error:
     translate.Translator(other, workdir)
   assert str(error.value).startswith("config.model.d_model:") and "\n" not in str(error.value)
+
+
+def test_a_notice_stops_the_search_between_batches(trained_run, monkeypatch):
+  """eval.py and generate.py stop so on SIGTERM. Several processes: after the batch
+  JAX's preemption sync agrees on (here the second), asked after every batch. One
+  process: at once, from the handler."""
+  _, workdir = trained_run
+  translator = translate.Translator(checkpoints.load_run_config(workdir), workdir)
+  asked = []
+
+  def reached_preemption_sync_point(count):
+    asked.append(count)
+    return count == 2
+
+  monkeypatch.setattr(jax.experimental.multihost_utils, "reached_preemption_sync_point",
+                      reached_preemption_sync_point)
+  stop = distributed.StopBetweenBatches(several_processes=True)
+  translator.after_batch = stop.after_batch
+  rows = translator.config.eval_batch_size
+  with pytest.raises(distributed.Stopped, match="^stopped by SIGTERM .* after 2 batches; "):
+    translator.translate_lines(["I like cats."] * (3 * rows))  # three batches
+  assert asked == [1, 2]
+
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(distributed.Stopped, match="after 0 batches; nothing was written"):
+    with distributed.stop_between_batches():
+      signal.raise_signal(signal.SIGTERM)
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_output_write_cut_short_leaves_no_file(tmp_path, monkeypatch):
+  """What a SIGTERM's exception (or a full disk) does in the middle of a whole-file write:
+  the old file stays as it was, and no temporary file is left beside it."""
+  from transformer import storage
+  path = tmp_path / "test-30.hyp.txt"
+  storage.write_lines(path, ["old"])
+
+  def stopped(*args):
+    raise distributed.Stopped("stopped by SIGTERM")
+
+  monkeypatch.setattr(os, "replace", stopped)
+  with pytest.raises(distributed.Stopped):
+    storage.write_lines(path, ["new"])
+  assert os.listdir(tmp_path) == [path.name] and path.read_text() == "old\n"
 
 
 def _run(script, *args):

@@ -96,8 +96,12 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     target.write_bytes(data)
     return
   temporary = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex}")
-  temporary.write_bytes(data)
-  os.replace(temporary, target)
+  try:
+    temporary.write_bytes(data)
+    os.replace(temporary, target)
+  except BaseException:  # a full disk, or a SIGTERM's exception: no half file left behind
+    temporary.unlink(missing_ok=True)
+    raise
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

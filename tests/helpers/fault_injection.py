@@ -22,7 +22,9 @@ As a launcher it runs an entry point with the fault armed:
   - FAULT_NOTICE_AFTER_STEP=N: once step N is logged (the metrics writer's `write`,
     which every process calls), and, with FAULT_NOTICE_WAIT_FOR=PATH, once PATH exists
     (a checkpoint's folder: just after it commits);
-  - FAULT_NOTICE_AT_COMPILE=1: as the first training step starts compiling.
+  - FAULT_NOTICE_AT_COMPILE=1: as the first training step starts compiling;
+  - FAULT_NOTICE_AFTER_BATCH=N: once eval.py or generate.py has searched its N-th batch
+    (evaluation.translate.run_search).
 
 In-process tests can call `arm(...)` / `disarm()` instead. The hook sits in Orbax's JSON
 item writer, which every checkpoint here runs in its background commit (the
@@ -104,6 +106,8 @@ def _send_notice(marker: str) -> None:
 def _wait_until_the_notice_is_decided(timeout_s: float = 120.0) -> None:
   """Until every process has given the sync its count (they can no longer change it)."""
   import jax
+  if jax.process_count() == 1:
+    return  # no sync: the process's own handler took the signal
   deadline = time.time() + timeout_s
   while len(counts := _notice_counts()) < jax.process_count():
     if time.time() > deadline:
@@ -113,12 +117,14 @@ def _wait_until_the_notice_is_decided(timeout_s: float = 120.0) -> None:
 
 
 def arm_notice(process: int, in_save: int | None = None, after_step: int | None = None,
-               wait_for: str = "", at_compile: bool = False, marker: str = "") -> None:
+               wait_for: str = "", at_compile: bool = False, after_batch: int | None = None,
+               marker: str = "") -> None:
   """A preemption notice to `process` inside one window (the module's docstring)."""
   import jax
   import orbax.checkpoint as ocp
-  from transformer.training import reporting, steps
 
+  # The project's modules are imported by the windows that need them (the evaluation
+  # ones load TensorFlow, which the entry point sets up before its own import).
   def ours() -> bool:
     return jax.process_index() == process
 
@@ -137,6 +143,7 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
     ocp.CheckpointManager.save = save
 
   if after_step is not None:
+    from transformer.training import reporting
     original_write = reporting.MetricsWriter.write
 
     def write(self, step, metrics, kind="train"):
@@ -148,6 +155,7 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
     reporting.MetricsWriter.write = write
 
   if at_compile:
+    from transformer.training import steps
     original_jit = steps.jit_train_step
 
     def jit_train_step(setup):
@@ -164,6 +172,19 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
         return out
       return first_compiles
     steps.jit_train_step = jit_train_step
+
+  if after_batch is not None:
+    from transformer.evaluation import translate
+    original_search = translate.run_search
+    searched = []
+
+    def run_search(*args, **kwargs):
+      out = original_search(*args, **kwargs)
+      searched.append(1)
+      if len(searched) == after_batch and ours():
+        notice_now()
+      return out
+    translate.run_search = run_search
 
 
 def disarm() -> None:
@@ -182,6 +203,9 @@ def _env_int(name: str) -> int | None:
 if __name__ == "__main__":
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   sys.path.insert(0, repo)
+  # As the entry points' cli.run does before TensorFlow loads, which a fault's patching
+  # may import first.
+  os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
   arm(slow_save_step=_env_int("FAULT_SLOW_SAVE_STEP"),
       slow_save_s=float(os.environ.get("FAULT_SLOW_SAVE_S", "600")),
       full_disk_step=_env_int("FAULT_FULL_DISK_STEP"),
@@ -194,6 +218,7 @@ if __name__ == "__main__":
                after_step=_env_int("FAULT_NOTICE_AFTER_STEP"),
                wait_for=os.environ.get("FAULT_NOTICE_WAIT_FOR", ""),
                at_compile=bool(os.environ.get("FAULT_NOTICE_AT_COMPILE")),
+               after_batch=_env_int("FAULT_NOTICE_AFTER_BATCH"),
                marker=os.environ.get("FAULT_NOTICE_MARKER", ""))
   script, sys.argv = sys.argv[1], sys.argv[1:]
   runpy.run_path(script, run_name="__main__")

@@ -16,7 +16,7 @@ sentence producing at most its source length + max_decode_extra_len tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -191,10 +191,12 @@ def translate_lines(
   *,
   seed: int = 0,
   draft_params: Any = None,
+  after_batch: Callable[[], None] | None = None,
 ) -> tuple[list[str], SearchStats]:
   """Translations of raw sentences, in order, and the speculative stats; an empty line
   stays empty. Inputs longer than max_len are clipped to it (the model never saw longer
-  ones). The search defaults to the config's beam search."""
+  ones). The search defaults to the config's beam search. `after_batch` is called after
+  each batch (Translator.after_batch)."""
   search = search or BEAM.build(config)
   outputs = [""] * len(lines)
   stats = SearchStats()
@@ -220,6 +222,8 @@ def translate_lines(
     stats += batch_stats
     for row, i in enumerate(chunk):
       outputs[i] = tokenizer.decode(tokens[row].tolist())
+    if after_batch is not None:
+      after_batch()
   return outputs, stats
 
 
@@ -252,6 +256,9 @@ class Translator:
     )
     self.average_last = average_last
     self.stats = SearchStats()  # accumulated over every search this translator ran
+    # Called after every batch searched: eval.py and generate.py stop there on a
+    # preemption notice (training.distributed.StopBetweenBatches).
+    self.after_batch: Callable[[], None] | None = None
 
   def _restore_draft(self, draft_workdir: str) -> Draft:
     # Checked before either run's parameters are restored or anything compiles.
@@ -287,6 +294,8 @@ class Translator:
       draft_params=self.draft and self.draft.params,
     )
     self.stats += stats
+    if self.after_batch is not None:
+      self.after_batch()
     return tokens
 
   def generate(self, source_BxS: np.ndarray, batch_number: int = 0) -> np.ndarray:
@@ -311,6 +320,7 @@ class Translator:
       self.search,
       seed=self.settings.seed,
       draft_params=self.draft and self.draft.params,
+      after_batch=self.after_batch,
     )
     self.stats += stats
     return outputs

@@ -5,10 +5,14 @@ coordinator, the process count and this process's id by itself; elsewhere pass
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
 """
 
+import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 
 import jax
+import jax.experimental.multihost_utils
 from absl import flags, logging
 
 from transformer.messages import first_line
@@ -113,3 +117,59 @@ def exit_with_error(error, force: bool = False) -> None:
     sys.stdout.flush()
     os._exit(1)
   sys.exit(1)
+
+
+class Stopped(RuntimeError):
+  """A preemption notice (SIGTERM) ended a job that has nothing to save; nothing written."""
+
+
+class StopBetweenBatches:
+  """SIGTERM, a scheduler's preemption notice, ends eval.py or generate.py with one line
+  (`Stopped`) and nothing written: their outputs are written once, at the end.
+
+  One process: a Python handler raises `Stopped` at once, as Ctrl-C would. Several:
+  jax.distributed's own handler takes SIGTERM (a Python one would replace it), and a
+  host that stopped alone would leave the others waiting in a collective, so every
+  process calls `after_batch` after each batch it searched, and all stop after the same
+  batch: the one JAX's preemption sync agrees on (the most batches any host had counted
+  when the notice came, plus one; a notice before the first batch stops the job after
+  it). These commands run no training loop, so the count of batches is the only one the
+  sync is given in the process.
+  """
+
+  def __init__(self, several_processes: bool):
+    self.batches = 0
+    self._several_processes = several_processes
+    self._previous = None
+    if not several_processes:
+      self._previous = signal.signal(signal.SIGTERM, self._stop_now)
+
+  def _stop_now(self, signum, frame):
+    raise Stopped(self._message())
+
+  def _message(self) -> str:
+    return (
+      f"stopped by SIGTERM (a preemption notice) after {self.batches} batches; "
+      "nothing was written: rerun the same command"
+    )
+
+  def after_batch(self) -> None:
+    """Raises `Stopped` where the processes agreed to stop; call it on every process."""
+    self.batches += 1
+    sync = jax.experimental.multihost_utils.reached_preemption_sync_point
+    if self._several_processes and sync(self.batches):
+      raise Stopped(self._message())
+
+  def restore(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+@contextlib.contextmanager
+def stop_between_batches() -> Iterator[StopBetweenBatches]:
+  """`StopBetweenBatches` for this job (several processes or one), for as long as it runs."""
+  stop = StopBetweenBatches(several_processes=jax.process_count() > 1)
+  try:
+    yield stop
+  finally:
+    stop.restore()
