@@ -8,7 +8,8 @@ commands.
   - `--config FILE[:ARG]` is found relative to the working directory or, failing that,
     to the repository, so every command works from any directory;
   - a quiet terminal: INFO lines come from this project only; libraries (Orbax, tfds,
-    JAX) show their warnings and errors. `--verbosity=1` shows everything.
+    JAX) show their warnings and errors, except Orbax's tracebacks of a failed save,
+    which the project reports in one line. `--verbosity=1` shows everything.
 """
 
 import logging
@@ -35,10 +36,34 @@ def is_project_file(path: str) -> bool:
   return path.startswith(_PACKAGE_DIR + os.sep) or path in _ENTRY_POINTS
 
 
+# Orbax's log records of a failed asynchronous save (a stalled or full storage), each
+# with its traceback: from the thread of a write that failed, from the thread that waited
+# for the writes, and again from `wait_until_finished`. training/checkpoints.py raises
+# the same failure, which the commands print in one line, so a user whose bucket stalls
+# is not shown 40 lines of Orbax's traceback first. (module, function) of each;
+# `--verbosity=1` shows them.
+_ORBAX_SAVE_FAILURE_RECORDS = {
+  ("future", "run"),
+  ("async_checkpointer", "_thread_func"),
+  ("checkpoint_manager", "wait_until_finished"),
+}
+
+
+def is_orbax_save_failure(record: logging.LogRecord) -> bool:
+  return (
+    record.levelno >= logging.ERROR
+    and f"{os.sep}orbax{os.sep}" in record.pathname
+    and (record.module, record.funcName) in _ORBAX_SAVE_FAILURE_RECORDS
+  )
+
+
 class ProjectInfoFilter(logging.Filter):
-  """Passes warnings and errors from anywhere, and INFO (and below) from this project."""
+  """Passes warnings and errors from anywhere, and INFO (and below) from this project;
+  not Orbax's records of a failed save, which the project reports in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if is_orbax_save_failure(record):
+      return False
     return record.levelno >= logging.WARNING or is_project_file(record.pathname)
 
 

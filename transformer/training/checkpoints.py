@@ -32,6 +32,7 @@ from transformer.config import ConfigError
 from transformer.messages import first_line
 
 _ITEMS = ("state", "data_iterator", "config")
+_ORBAX_FINALIZE_THREAD = "save_finalize"  # CheckpointManager's thread that ends a save
 
 
 class CheckpointError(RuntimeError):
@@ -64,13 +65,18 @@ def _call_within(seconds: float, call: Callable[[], Any]) -> bool:
   return True
 
 
-def _join_orbax_threads(timeout_s: float = 60.0) -> None:
-  """Waits for Orbax's background threads of a failed save. When one item of a save
-  fails, the others' commit threads keep running; left alone they would outlive the
-  process's error and print their own tracebacks at exit, after the one-line message."""
+def _join_orbax_threads(timeout_s: float = 60.0, name: str | None = None) -> None:
+  """Waits for Orbax's background threads of a failed save (those called `name`, if
+  given). When one item of a save fails, the others' commit threads keep running; left
+  alone they would outlive the process's error and print their own tracebacks at exit,
+  after the one-line message."""
   deadline = time.time() + timeout_s
   for thread in threading.enumerate():
-    if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax."):
+    if (
+      thread is not threading.current_thread()
+      and type(thread).__module__.startswith("orbax.")
+      and name in (None, thread.name)
+    ):
       thread.join(max(0.0, deadline - time.time()))
 
 
@@ -168,7 +174,16 @@ class Checkpointer:
     return self._reported
 
   def _timed_out(self) -> CheckpointTimeout:
-    """The error of a save past its time; the storage is not asked anything more."""
+    """The error of a save past its time; the storage is not asked anything more.
+
+    Orbax's own thread that finishes the save (`save_finalize`) gives up at the same
+    limit (AsyncOptions.timeout_secs), counted from a little later, logs its error with
+    a traceback, and ends; the writes it waited on stay stuck in the storage client.
+    Waiting for that thread here means it has always logged before the process exits,
+    on a fast machine as on a slow one, and the terminal shows the same (cli.py keeps
+    that log off it: this error says the same in one line).
+    """
+    _join_orbax_threads(min(self.timeout_s, 60.0), name=_ORBAX_FINALIZE_THREAD)
     where = (
       storage.join(self.directory, str(self._writing))
       if self._writing is not None
