@@ -1,11 +1,14 @@
 """Evaluation across processes: the same hypotheses and BLEU as one process, whatever
-order the mesh puts the processes' devices in."""
+order the mesh puts the processes' devices in; a preemption notice to one process stops
+every process after the same batch."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, free_port
@@ -50,6 +53,7 @@ def test_two_processes_on_an_interleaved_mesh_match_one_process(trained_run, tmp
   assert abs(together["ppl"] - alone["ppl"]) < 1e-4 * alone["ppl"]
 
 
+@pytest.mark.slow  # two eval.py processes
 def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(trained_run,
                                                                             tmp_path):
   """jax.distributed's handler takes SIGTERM on several processes. Sent to process 1

@@ -59,6 +59,7 @@ def test_incompatible_config_fails_naming_the_key(trained_run):
   assert str(error.value).startswith("config.model.d_model:") and "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # three batches of beam search
 def test_a_notice_stops_the_search_between_batches(trained_run, monkeypatch):
   """eval.py and generate.py stop so on SIGTERM. Several processes: after the batch
   JAX's preemption sync agrees on (here the second), asked after every batch. One
