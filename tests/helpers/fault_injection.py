@@ -9,10 +9,15 @@ As a launcher it runs an entry point with the fault armed:
   in the middle of an asynchronous save. The stall creates the file FAULT_SLOW_SAVE_MARKER
   (if set) as it begins, for a test to wait on.
 - FAULT_FULL_DISK_STEP=N: writing checkpoint N fails with OSError(ENOSPC), as on a full disk.
+- FAULT_KILL_AFTER_SAVE_STEP=N: the process kills itself (SIGKILL) as soon as checkpoint
+  N is committed, as the loop goes on: the kill that finds records still queued.
+- FAULT_SLOW_LOG_S=S: every flush of an `AppendLog` (metrics.jsonl, on disk or in a
+  bucket) waits S seconds first, as a slow bucket's uploads do, so records queue up.
 - FAULT_SLOW_VALIDATION_S=S: every validation waits S seconds before it computes, after
   creating the file FAULT_SLOW_VALIDATION_MARKER (if set), so a signal lands inside it.
 
-In-process tests can call `arm(...)` / `disarm()` instead. The hook sits in Orbax's JSON
+In-process tests can call `arm(...)` / `disarm()` instead (for the save and validation
+faults). The hook sits in Orbax's JSON
 item writer, which every checkpoint here runs in its background commit (the
 `data_iterator` and `config` items), before the final rename; validation's in
 `training.metrics.evaluate_loss`, which the loop's validation calls.
@@ -21,12 +26,15 @@ item writer, which every checkpoint here runs in its background commit (the
 import errno
 import os
 import runpy
+import signal
 import sys
 import time
 
+import orbax.checkpoint as ocp
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 _ORIGINAL_SAVE = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+_ORIGINAL_MANAGER_SAVE = ocp.CheckpointManager.save
 _original_evaluate_loss = None  # set while validation is slowed
 
 
@@ -70,6 +78,27 @@ def _slow_validation(seconds: float, marker: str) -> None:
   metrics.evaluate_loss = evaluate_loss
 
 
+def kill_after_save(step: int) -> None:
+  """SIGKILL as soon as checkpoint `step` is committed (Orbax's commit is awaited)."""
+  def save(self, save_step, *args, **kwargs):
+    saved = _ORIGINAL_MANAGER_SAVE(self, save_step, *args, **kwargs)
+    if save_step == step:
+      self.wait_until_finished()
+      os.kill(os.getpid(), signal.SIGKILL)
+    return saved
+  ocp.CheckpointManager.save = save
+
+
+def slow_log_flushes(seconds: float) -> None:
+  from transformer import storage  # only the storage layer: it imports no JAX
+  original = storage.AppendLog.flush
+
+  def flush(self):
+    time.sleep(seconds)
+    original(self)
+  storage.AppendLog.flush = flush
+
+
 def disarm() -> None:
   global _original_evaluate_loss
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
@@ -92,5 +121,9 @@ if __name__ == "__main__":
       slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""),
       slow_validation_s=float(os.environ.get("FAULT_SLOW_VALIDATION_S", "0")),
       slow_validation_marker=os.environ.get("FAULT_SLOW_VALIDATION_MARKER", ""))
+  if _env_int("FAULT_KILL_AFTER_SAVE_STEP") is not None:
+    kill_after_save(_env_int("FAULT_KILL_AFTER_SAVE_STEP"))
+  if os.environ.get("FAULT_SLOW_LOG_S"):
+    slow_log_flushes(float(os.environ["FAULT_SLOW_LOG_S"]))
   script, sys.argv = sys.argv[1], sys.argv[1:]
   runpy.run_path(script, run_name="__main__")
