@@ -35,6 +35,7 @@ from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 _ORIGINAL_SAVE = json_checkpoint_handler.JsonCheckpointHandler._save_fn
 _ORIGINAL_MANAGER_SAVE = ocp.CheckpointManager.save
+_ORIGINAL_RESTORE = json_checkpoint_handler.JsonCheckpointHandler.restore
 _original_evaluate_loss = None  # set while validation is slowed
 
 
@@ -46,7 +47,10 @@ def _step_of(directory) -> int | None:
 
 def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
         full_disk_step: int | None = None, slow_save_marker: str = "",
-        slow_validation_s: float = 0.0, slow_validation_marker: str = "") -> None:
+        slow_validation_s: float = 0.0, slow_validation_marker: str = "",
+        slow_restore_s: float = 0.0) -> None:
+  """slow_restore_s: every read of a checkpoint's JSON item (its config and data state,
+  the first reads of a restore) waits that long first, as on a stalled bucket."""
   async def save_fn(self, item, directory):
     step = _step_of(directory)
     if step is not None and step == slow_save_step:
@@ -57,6 +61,12 @@ def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
     return await _ORIGINAL_SAVE(self, item, directory)
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = save_fn
+
+  if slow_restore_s:
+    def restore(self, *args, **kwargs):
+      time.sleep(slow_restore_s)
+      return _ORIGINAL_RESTORE(self, *args, **kwargs)
+    json_checkpoint_handler.JsonCheckpointHandler.restore = restore
 
   if slow_validation_s:
     _slow_validation(slow_validation_s, slow_validation_marker)
@@ -102,6 +112,7 @@ def slow_log_flushes(seconds: float) -> None:
 def disarm() -> None:
   global _original_evaluate_loss
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
+  json_checkpoint_handler.JsonCheckpointHandler.restore = _ORIGINAL_RESTORE
   if _original_evaluate_loss is not None:
     from transformer.training import metrics
     metrics.evaluate_loss, _original_evaluate_loss = _original_evaluate_loss, None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Generator
 
 import numpy as np
@@ -147,6 +148,9 @@ class TrainIterator:
     self._epoch, self._batch_in_epoch, self._start_pair, self._pairs_read = 0, 0, 0, 0
     self._batches: Generator[tuple[dict[str, np.ndarray], int], None, None] | None = None
     self._shapes_seen: set[tuple[tuple[str, tuple[int, ...]], ...]] = set()
+    # time.monotonic() when the last chunk of text was read: how a reader of this stream
+    # (training.prefetch.Prefetcher) tells a long replay from a stalled read.
+    self.last_progress = time.monotonic()
 
   @property
   def rows_by_length(self) -> dict[int, int]:
@@ -373,7 +377,9 @@ class TrainIterator:
     )
     clip = not config.drop_long_examples
     dropped, pairs_read = 0, 0
+    self.last_progress = time.monotonic()
     for source_flat, source_lengths, target_flat, target_lengths in chunks:
+      self.last_progress = time.monotonic()
       source_ids = np.split(source_flat, np.cumsum(source_lengths)[:-1])
       target_ids = np.split(target_flat, np.cumsum(target_lengths)[:-1])
       for source, target in zip(source_ids, target_ids):

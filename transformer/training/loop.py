@@ -365,7 +365,11 @@ class TrainingRun:
       return {"step": start_step}
     p_train_step = steps.jit_train_step(self.setup)
     self.batches = prefetch.Prefetcher(
-      self.train_iter, lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules), size=2
+      self.train_iter,
+      lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules),
+      size=2,
+      timeout_s=self.config.storage_timeout_s,
+      what=f"the training data of {self.config.dataset}",
     )
     preemption = PreemptionSignal(several_processes=jax.process_count() > 1)
     self.started = started = time.time()
