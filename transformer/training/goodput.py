@@ -9,7 +9,8 @@ record of every start. The categories, disjoint, cover a start's time from
 
   startup      building the run: mesh, config, vocabulary, input pipeline, model init
   restore      reading the checkpoint it resumes from (data state and arrays)
-  compile      the first training step's call, which traces and compiles it
+  compile      the first training step's call, which traces and compiles it (a later
+               batch shape's compile, under length bucketing, counts as its step's)
   steps        training steps (goodput), including the host's own work between them
   input        waiting for the next global batch (the prefetch queue was empty)
   checkpoints  the loop's blocking part of saves, and waits for them to be written
