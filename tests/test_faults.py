@@ -102,6 +102,7 @@ def straight_run(small_corpus, tmp_path_factory):
 
 # --- 1, 2: kill -9 just after a save commits, then in the middle of an asynchronous save.
 
+@pytest.mark.slow
 def test_kill_9_after_a_save_and_mid_save_then_rerun_ends_bitwise_equal_with_every_step_logged(
     small_corpus, straight_run, tmp_path):
   """Killed twice, the run's log holds every step once, with the uninterrupted run's

@@ -215,6 +215,7 @@ def test_a_stalled_write_ends_the_run_in_one_line(gcs, bucket_run, stalled, name
   assert "Traceback" not in output
 
 
+@pytest.mark.slow  # three train.py processes on the bucket, two side by side
 def test_a_kill_just_after_a_save_loses_no_logged_step_in_a_bucket(gcs, bucket_run):  # noqa: F811
   """kill -9 as soon as checkpoint 4 is committed, with every upload of the log slowed,
   so records would still be queued: the bucket already holds steps 1 to 4. The rerun

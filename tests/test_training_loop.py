@@ -256,6 +256,7 @@ def test_validation_and_saves_are_left_out_of_the_throughput_window():
   assert record["tokens_per_sec"] == pytest.approx(200.0, rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
     trained_run, tmp_path, monkeypatch):
   """A read that hangs (storage_timeout_s=3; each stall lasts 5 s, so that its thread
