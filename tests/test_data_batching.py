@@ -116,3 +116,7 @@ def test_planned_rows_never_exceed_the_budget_and_miss_it_by_under_one_multiple(
     assert (rows + multiple) * real > budget
   assert batching.rows_for_real_tokens(384, 128.0, 2) == 2  # 3 rows fit, 4 do not
   assert batching.rows_for_real_tokens(384, 20.0, 8) == 16  # 19.2 rows: 16, not 24
+  # Format-1 data states were planned to the nearest multiple (pipeline.DATA_STATE_FORMAT).
+  assert batching.rows_for_real_tokens(384, 25.6, 8) == 8  # 15 rows
+  assert batching.rows_for_real_tokens(384, 25.6, 8, nearest=True) == 16
+  assert batching.rows_for_real_tokens(384, 20.0, 8, nearest=True) == 16

@@ -365,3 +365,55 @@ def test_a_changed_tokens_per_batch_plans_again_says_so_and_skips_nothing_traine
   assert sum(host.rows_by_length.values()) > sum(straight.rows_by_length.values())
   later = [i for b in batches for i in _example_ids(b, ids)]
   assert later and not trained & set(later)
+
+
+# --- Data states of older formats.
+
+def test_a_data_state_without_a_plan_resumes_with_the_plan_it_was_written_with(
+    setup, monkeypatch):
+  """A checkpoint from before plans were saved holds {epoch, batch_in_epoch} (format 1),
+  and its code planned rows rounded to the nearest multiple. Planned today's way (down),
+  the batches before batch_in_epoch would be others, and the resumed run would skip or
+  replay examples for the rest of the epoch."""
+  config, source, tokenizer = setup
+  multiple, skipped, later = 4, 6, 4
+  measured = []  # (budget, real tokens per row, row_multiple) of each shape the plan sized
+  rows_for_real_tokens = batching.rows_for_real_tokens
+  def spy(budget, real, row_multiple, nearest=False):
+    measured.append((budget, real, row_multiple))
+    return rows_for_real_tokens(budget, real, row_multiple, nearest)
+  monkeypatch.setattr(batching, "rows_for_real_tokens", spy)
+  warnings = []
+  monkeypatch.setattr(pipeline.logging, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+
+  def from_old_state(batch_in_epoch):
+    iterator = pipeline.make_train_iterator(config, tokenizer, source=source,
+                                            row_multiple=multiple)
+    # What the code before DATA_STATE_FORMAT 2 saved, through the checkpoint's JSON.
+    iterator.set_state(json.loads(json.dumps({"epoch": 0, "batch_in_epoch": batch_in_epoch})))
+    return iterator
+
+  resumed = from_old_state(skipped)
+  assert len(warnings) == 1 and "\n" not in warnings[0] and "format 1" in warnings[0]
+  # The old code's expression, over the real tokens per row this plan measured.
+  then = sorted(round(budget / real / m) * m for budget, real, m in measured)
+  assert sorted(resumed.rows_by_length.values()) == then
+  today = pipeline.make_train_iterator(config, tokenizer, source=source, row_multiple=multiple)
+  assert today.rows_by_length != resumed.rows_by_length  # the rounding matters here
+  # The old run from its start, planned the same way: the resumed stream is its own.
+  straight = from_old_state(0)
+  expected = [next(straight) for _ in range(skipped + later)][skipped:]
+  _assert_same(expected, [next(resumed) for _ in range(later)])
+  state = resumed.get_state()  # saved again, in today's format, with that plan
+  assert state["format"] == pipeline.DATA_STATE_FORMAT
+  assert dict(state["plan"]["rows_by_length"]) == resumed.rows_by_length
+
+
+def test_a_data_state_of_a_newer_format_is_a_one_line_error(setup):
+  config, source, tokenizer = setup
+  iterator = pipeline.make_train_iterator(config, tokenizer, source=source)
+  state = {**iterator.get_state(), "format": pipeline.DATA_STATE_FORMAT + 1}
+  with pytest.raises(config_lib.ConfigError) as error:
+    iterator.set_state(state)
+  assert "\n" not in str(error.value)
+  assert f"format {pipeline.DATA_STATE_FORMAT + 1}, written by a newer version" in str(error.value)

@@ -202,3 +202,29 @@ def test_load_workdir_tokenizer(tokenizer, tmp_path):
   tokenizer_lib.copy_vocab_to_workdir(tokenizer, str(tmp_path))
   assert tokenizer_lib.load_workdir_tokenizer(str(tmp_path)).model_proto == (
       tokenizer.model_proto)
+
+
+def test_a_stalled_vocabulary_read_is_a_timeout_naming_the_file(tokenizer, tmp_path, monkeypatch):
+  """Reading a resumed run's vocab.model from a stalled bucket: one line after
+  storage_timeout_s, naming the file, rather than a wait as long as the client retries."""
+  import threading
+  from transformer import storage
+  tokenizer_lib.copy_vocab_to_workdir(tokenizer, str(tmp_path))
+  release = threading.Event()
+  load = tokenizer_lib.Tokenizer.load.__func__
+  def stalled_load(cls, path):
+    release.wait(30)
+    return load(cls, path)
+  monkeypatch.setattr(tokenizer_lib.Tokenizer, "load", classmethod(stalled_load))
+  config = config_lib.base_config()
+  config.storage_timeout_s = 0.3
+  try:
+    with pytest.raises(storage.StorageTimeout) as error:
+      tokenizer_lib.get_tokenizer(config, str(tmp_path))
+  finally:
+    release.set()
+  path = os.path.join(str(tmp_path), tokenizer_lib.WORKDIR_VOCAB_NAME)
+  assert str(error.value).startswith(
+      f"reading {path} did not finish within 0.3 s (config.storage_timeout_s)")
+  monkeypatch.undo()
+  assert tokenizer_lib.get_tokenizer(config, str(tmp_path)).model_proto == tokenizer.model_proto

@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, free_port, make_config, read_metrics
-from transformer.training import checkpoints, loop, sharding, state
+from transformer.training import checkpoints, goodput, loop, sharding, state
 from transformer import config as config_lib
 from transformer.config import ConfigError
 from transformer.data import sources, tsv
@@ -100,24 +100,27 @@ def straight_run(small_corpus, tmp_path_factory):
   return workdir
 
 
-# --- 1, 2: kill -9 at a random step, then kill -9 in the middle of an asynchronous save.
+# --- 1, 2: kill -9 just after a save commits, then in the middle of an asynchronous save.
 
-def test_kill_9_at_a_random_step_and_mid_save_then_rerun_ends_bitwise_equal(
+@pytest.mark.slow
+def test_kill_9_after_a_save_and_mid_save_then_rerun_ends_bitwise_equal_with_every_step_logged(
     small_corpus, straight_run, tmp_path):
+  """Killed twice, the run's log holds every step once, with the uninterrupted run's
+  losses, and its goodput counts the steps trained twice."""
   workdir = str(tmp_path / "killed")
-  kill_after = random.Random(20261129).randint(9, 20)  # seeded: the same step every run
+  # Seeded: the same checkpoint every run, one of 8, 12, ..., 20.
+  killed_save = EVERY * random.Random(20261129).randint(2, 20 // EVERY)
   log = open(tmp_path / "log.txt", "w+")
 
-  # 1. kill -9 once the metrics show `kill_after` steps (and a checkpoint is complete, so
-  # that there is something to resume from; saves are asynchronous and may lag).
-  process = _start(_train_command(workdir, small_corpus), log)
-  _wait_until(lambda: _logged_steps(workdir) >= kill_after and _steps_on_disk(workdir),
-              process, f"step {kill_after}")
-  process.send_signal(signal.SIGKILL)
-  assert process.wait(timeout=60) == -signal.SIGKILL
-  killed_at = max(r["step"] for r in read_metrics(workdir))
+  # 1. kill -9 as soon as checkpoint `killed_save` is committed, with the log's writes
+  # slowed (as a bucket's uploads are), so that its records would still be queued: the
+  # resumed run starts after them and never logs them again.
+  process = _start(_train_command(workdir, small_corpus, launcher=True), log,
+                   FAULT_KILL_AFTER_SAVE_STEP=str(killed_save), FAULT_SLOW_LOG_S="0.5")
+  assert process.wait(timeout=240) == -signal.SIGKILL
   first = _steps_on_disk(workdir)
-  assert first and first[-1] <= killed_at and all(s % EVERY == 0 for s in first), first
+  assert first == list(range(EVERY, killed_save + 1, EVERY)), first
+  assert [r["step"] for r in read_metrics(workdir)] == list(range(1, killed_save + 1))
 
   # 2. The same command resumes from the newest complete checkpoint; this time the save
   # after it stalls in Orbax's background write and the process is killed mid-save.
@@ -135,10 +138,15 @@ def test_kill_9_at_a_random_step_and_mid_save_then_rerun_ends_bitwise_equal(
   assert _steps_on_disk(workdir) == first  # ... and is not a step
   assert checkpoints.Checkpointer(workdir, keep=100).latest_step() == first[-1]
 
+  logged_before_rerun = max(r["step"] for r in read_metrics(workdir))
+  assert logged_before_rerun >= torn_step  # steps past the last checkpoint, trained again
+
   # 3. Rerunning the same command loads the previous checkpoint, not the torn one,
   # removes the torn directory and ends with the parameters of the uninterrupted run.
+  rerun_started = time.monotonic()
   rerun = subprocess.run(_train_command(workdir, small_corpus), cwd=REPO, env=_env(),
                          capture_output=True, text=True, timeout=300)
+  rerun_wall_s = time.monotonic() - rerun_started
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   log.seek(0)
   first_log = log.read()
@@ -148,8 +156,25 @@ def test_kill_9_at_a_random_step_and_mid_save_then_rerun_ends_bitwise_equal(
   assert torn_step in _steps_on_disk(workdir) and STEPS in _steps_on_disk(workdir)
 
   straight_losses = {r["step"]: r["loss"] for r in read_metrics(straight_run)}
-  for record in read_metrics(workdir):  # every run's log, the killed ones included
+  records = read_metrics(workdir)  # every run's log, the killed ones included
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
+  for record in records:
     assert record["loss"] == straight_losses[record["step"]], record["step"]
+
+  # Goodput over the three starts: the last one trained steps first-1 .. logged_before_rerun
+  # again; each start's categories add up to its wall time.
+  starts = {r["start_time"]: r for r in read_metrics(workdir, kind="goodput")}
+  assert len(starts) == 3
+  last = starts[max(starts)]
+  categories = [last[f"{c}_s"] for c in goodput.CATEGORIES]
+  assert last["recomputed_s"] > 0 and min(categories) >= 0
+  for record in starts.values():
+    assert abs(sum(record[f"{c}_s"] for c in goodput.CATEGORIES) - record["wall_s"]) <= \
+        0.02 * record["wall_s"]
+  assert last["wall_s"] < rerun_wall_s  # measured inside the process, without its imports
+  line = [text for text in rerun.stdout.splitlines() if text.startswith("goodput ")]
+  assert line == [goodput.summary_line(goodput.summed(list(starts.values())))], line
+  assert "; 3 starts, " in line[0]
   config = make_config(small_corpus)
   jax.tree.map(np.testing.assert_array_equal, _params(workdir, config, STEPS),
                _params(straight_run, config, STEPS))

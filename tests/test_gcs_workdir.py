@@ -54,8 +54,8 @@ def bucket_run(gcs, small_corpus, tmp_path):  # noqa: F811
           "vocab_cache_dir": f"{url}/vocab"}
   flags = [f"--config.{k}={v}" for k, v in flat.items()]
 
-  def start(args):
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env,
+  def start(args, **extra_env):
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env={**env, **extra_env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
   def run(args, timeout=300):
@@ -218,3 +218,36 @@ def test_a_stalled_write_ends_the_run_in_one_line(gcs, bucket_run, stalled, name
   # and logged by the time the process exits) is not shown: the one line says it.
   errors = [line for line in output.splitlines() if re.match(r"E\d{4} ", line)]
   assert all(" distributed.py:" in line for line in errors), errors
+
+
+@pytest.mark.slow  # three train.py processes on the bucket, two side by side
+def test_a_kill_just_after_a_save_loses_no_logged_step_in_a_bucket(gcs, bucket_run):  # noqa: F811
+  """kill -9 as soon as checkpoint 4 is committed, with every upload of the log slowed,
+  so records would still be queued: the bucket already holds steps 1 to 4. The rerun
+  resumes there, and the log has each step once, with the uninterrupted run's losses."""
+  from transformer.training import goodput, reporting
+  start, run, url, flags, *_ = bucket_run
+  def train(workdir):
+    return [os.path.join(REPO, "train.py"), "--config", "configs/default.py",
+            "--workdir", f"{url}/{workdir}", *flags, "--config.num_train_steps=6"]
+  launcher = [os.path.join(REPO, "tests/helpers/fault_injection.py")]
+  # The same run, never interrupted, beside it: most of each is start-up, one core each.
+  straight = start(train("straight"))
+  process = start(launcher + train("run"), FAULT_KILL_AFTER_SAVE_STEP="4", FAULT_SLOW_LOG_S="1")
+  output, _ = process.communicate(timeout=300)
+  straight_output, _ = straight.communicate(timeout=300)
+  assert straight.returncode == 0, straight_output[-3000:]
+  assert process.returncode == -signal.SIGKILL, output[-3000:]
+  assert _committed_steps(gcs, "run") == [2, 4]
+  assert [r["step"] for r in reporting.read_metrics(f"{url}/run")] == [1, 2, 3, 4]
+
+  output = run(train("run"))
+  assert "resumed from step 4" in output
+  records = reporting.read_metrics(f"{url}/run")
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+  losses = {r["step"]: r["loss"] for r in reporting.read_metrics(f"{url}/straight")}
+  assert {r["step"]: r["loss"] for r in records} == losses
+  assert len({r["start_time"] for r in reporting.read_metrics(f"{url}/run", "goodput")}) == 2
+  [line] = [line for line in output.splitlines() if line.startswith("goodput ")]
+  assert "; 2 starts, " in line
+  assert all(f"{category} " in line for category in goodput.CATEGORIES if category != "steps")

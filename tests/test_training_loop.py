@@ -5,6 +5,7 @@ seconds. Runs that must really die or span processes go through `train.py`.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -253,3 +254,56 @@ def test_validation_and_saves_are_left_out_of_the_throughput_window():
   record = progress.record(1)
   # 400 tokens in the 2 s of training (give or take this test's own milliseconds), not 3 s.
   assert record["tokens_per_sec"] == pytest.approx(200.0, rel=0.05)
+
+
+@pytest.mark.slow
+def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
+    trained_run, tmp_path, monkeypatch):
+  """A read that hangs (storage_timeout_s=3; each stall lasts 5 s, so that its thread
+  ends soon after), in a copy of the shared run resumed from its last checkpoint: the
+  corpus's next chunk in the middle of an epoch, then the checkpoint's first read on the
+  rerun. Each is one line naming what and how long; the checkpoint stays, and loads."""
+  from tests.helpers import fault_injection
+  from transformer import storage
+  from transformer.data import pipeline
+  trained_config, trained_workdir = trained_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained_workdir, workdir)
+  saved = checkpoints.steps_on_disk(workdir)
+  config = trained_config.copy_and_resolve_references()
+  config.num_train_steps, config.checkpoint_every_steps = 100, 1000
+  config.storage_timeout_s = 3.0
+  # Chunks of 64 pairs, about two batches each; the resumed run's one read is epoch 0's
+  # (its plan is the checkpoint's), replayed up to the checkpoint's batch: its 21st chunk
+  # is a few steps past it.
+  monkeypatch.setattr(pipeline, "TOKENIZE_CHUNK", 64)
+  tokenized_chunks = pipeline.tokenized_chunks
+  def stalling(*args, **kwargs):
+    for index, chunk in enumerate(tokenized_chunks(*args, **kwargs)):
+      if index == 20:
+        time.sleep(5)
+      yield chunk
+  monkeypatch.setattr(pipeline, "tokenized_chunks", stalling)
+  with pytest.raises(storage.StorageTimeout) as error:
+    loop.train_and_evaluate(config, workdir)
+  message = str(error.value)
+  assert "\n" not in message and message.startswith(
+      f"reading the training data of {config.dataset} did not finish within 3 s "
+      "(config.storage_timeout_s)"), message
+  logged = max(r["step"] for r in read_metrics(workdir))
+  assert saved[-1] < logged < 100  # it trained past the checkpoint, into the epoch
+  assert checkpoints.steps_on_disk(workdir) == saved
+  monkeypatch.setattr(pipeline, "tokenized_chunks", tokenized_chunks)
+
+  fault_injection.arm(slow_restore_s=5)
+  try:
+    with pytest.raises(checkpoints.CheckpointTimeout) as error:
+      loop.train_and_evaluate(config, workdir)
+  finally:
+    fault_injection.disarm()
+  assert str(error.value).startswith(
+      f"reading checkpoint {saved[-1]} in {checkpoints.checkpoint_dir(workdir)} did not "
+      "finish within 3 s (config.storage_timeout_s): the storage stalled; rerun"), error.value
+  assert checkpoints.steps_on_disk(workdir) == saved
+  params = restored_params(workdir, config, saved[-1])
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))

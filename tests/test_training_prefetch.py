@@ -83,3 +83,48 @@ def test_close_can_leave_the_wrapped_iterator_open_as_an_error_does():
   with pytest.raises(ValueError):
     next(batches)
   assert failing.closed_from is None
+
+
+class SlowIterator(CountingIterator):
+  """Item 1 takes `item_s` seconds, reading (`last_progress` moves) every `read_every_s`
+  of them, or never when read_every_s is 0: a stalled read."""
+
+  def __init__(self, item_s, read_every_s):
+    super().__init__()
+    self.item_s, self.read_every_s = item_s, read_every_s
+    self.last_progress = time.monotonic()
+    self.release = threading.Event()
+
+  def __next__(self):
+    if self.next_value == 1:
+      deadline = time.monotonic() + self.item_s
+      while time.monotonic() < deadline and not self.release.is_set():
+        if self.read_every_s:
+          self.last_progress = time.monotonic()
+        self.release.wait(self.read_every_s or 0.05)
+    return super().__next__()
+
+
+def test_a_stalled_input_is_a_timeout_naming_it_and_a_slow_one_is_not():
+  from transformer import storage
+  stalled = SlowIterator(item_s=30, read_every_s=0)
+  batches = prefetch.Prefetcher(stalled, lambda x: x, timeout_s=0.3, what="the corpus X")
+  try:
+    assert next(batches) == 0
+    started = time.monotonic()
+    with pytest.raises(storage.StorageTimeout) as error:
+      next(batches)
+    assert time.monotonic() - started < 10  # not the 30 s the read would have taken
+    assert str(error.value).startswith(
+        "reading the corpus X did not finish within 0.3 s (config.storage_timeout_s)")
+  finally:
+    stalled.release.set()
+    batches.close()
+  # Slower than the limit in all, but reading all the while (an epoch replayed up to a
+  # checkpoint): waited for.
+  slow = SlowIterator(item_s=1.0, read_every_s=0.1)
+  batches = prefetch.Prefetcher(slow, lambda x: x, timeout_s=0.3)
+  try:
+    assert [next(batches) for _ in range(3)] == [0, 1, 2]
+  finally:
+    batches.close()

@@ -102,19 +102,27 @@ def test_a_failed_write_is_raised_on_the_next_write_in_one_line(tmp_path):
     writer.close()
 
 
-def test_readers_see_each_step_once_after_a_resume(tmp_path):
-  """A run logged steps 1-5 (validation at 4) and was killed; its checkpoint was at step
-  3, so the rerun logged 4 and 5 again, then 6. A line was torn by the kill."""
-  log = storage.AppendLog(str(tmp_path / "metrics.jsonl"))
-  first = [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "validation"),
-           (5, "train")]
-  rerun = [(4, "train"), (4, "validation"), (5, "train"), (6, "train"), (6, "validation")]
+def test_readers_see_each_step_once_after_a_resume(tmp_path, monkeypatch):
+  """A run logged steps 1-5 (validation at 4) and was killed, tearing its last line; its
+  checkpoint was at step 3 (with a goodput record), so the rerun logged 4 and 5 again,
+  then 6, and was killed too. Goodput records are per start, all kept."""
+  path = str(tmp_path / "metrics.jsonl")
+  first = [(1, "train"), (2, "train"), (3, "train"), (3, "goodput"), (4, "train"),
+           (4, "validation"), (5, "train")]
+  rerun = [(4, "train"), (4, "validation"), (5, "train"), (6, "train"), (6, "goodput"),
+           (6, "validation")]
   for run, records in ((1, first), (2, rerun)):
+    log = storage.AppendLog(path)  # opened again, as a rerun does
     for step, kind in records:
       log.write_line(json.dumps({"step": step, "kind": kind, "run": run}))
-  log.write_line('{"step": 7, "ki')
-  log.flush()
+    log.write_line('{"step": 7, "ki')
+    log.flush()
+  warnings = []
+  monkeypatch.setattr(reporting.logging, "warning", lambda *a: warnings.append(a[0] % a[1:]))
   records = reporting.read_metrics(str(tmp_path))
+  assert warnings == [f"{path}: 2 torn line(s) skipped (a run killed while writing)"]
+  assert [(r["step"], r["run"]) for r in reporting.read_metrics(str(tmp_path), "goodput")] == \
+      [(3, 1), (6, 2)]
   assert [(r["step"], r["kind"], r["run"]) for r in records] == [
       (1, "train", 1), (2, "train", 1), (3, "train", 1), (4, "train", 2),
       (4, "validation", 2), (5, "train", 2), (6, "train", 2), (6, "validation", 2)]

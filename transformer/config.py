@@ -194,9 +194,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every_minutes = 10.0  # the paper averaged checkpoints written every 10 minutes
   c.keep_checkpoints = 20
   # Seconds one write to storage may take during training (a metrics or TensorBoard
-  # upload, a checkpoint's save as a whole) before the run stops with an error naming
-  # it, instead of hanging on a stalled bucket. Raise it for checkpoints that take
-  # longer to upload. Clients retry failed requests (429, 503, resets) within it.
+  # upload, a checkpoint's save as a whole), and one read (a checkpoint's restore, the
+  # vocabulary; the training data may go this long without reading a chunk), before the
+  # run stops with an error naming it, instead of hanging on a stalled bucket. Raise it
+  # for checkpoints that take longer to upload or load. Clients retry failed requests
+  # (429, 503, resets) within it.
   c.storage_timeout_s = 600.0
   c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
   # Dense peak FLOP/s of one device, for MFU. 0 = the datasheet figure of a kind listed in

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from etils import epath
@@ -143,18 +144,42 @@ def check_writable(directory: str | os.PathLike) -> None:
 
 
 class StorageTimeout(RuntimeError):
-  """A write that did not finish within its time limit: the message names the object.
+  """A write or read that did not finish within its time limit: the message names the
+  object.
 
   The thread that was writing may still be blocked in the storage client, so whoever
   catches this should end the process without waiting for it (train.py does)."""
 
 
-def timeout_message(what: str, seconds: float) -> str:
+def timeout_message(what: str, seconds: float, doing: str = "writing") -> str:
   return (
-    f"writing {what} did not finish within {seconds:g} s (config.storage_timeout_s): "
+    f"{doing} {what} did not finish within {seconds:g} s (config.storage_timeout_s): "
     "the storage stalled; rerun the same command to resume from the newest "
     "complete checkpoint"
   )
+
+
+def read_within(seconds: float, what: str, call: Callable[[], Any]) -> Any:
+  """`call()`'s value (or its error), or StorageTimeout naming `what` if it has not
+  returned after `seconds`. It runs on a helper thread, which a stalled client may keep
+  blocked: it is left behind, and whoever catches the error ends the process."""
+  outcome: list = []
+
+  def run():
+    try:
+      outcome.append((True, call()))
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+      outcome.append((False, e))
+
+  thread = threading.Thread(target=run, name="storage-read", daemon=True)
+  thread.start()
+  thread.join(max(seconds, 0.0))
+  if not outcome:
+    raise StorageTimeout(timeout_message(what, seconds, doing="reading"))
+  ok, value = outcome[0]
+  if not ok:
+    raise value
+  return value
 
 
 # A bucket's log is cut into objects of about this size: a flush re-uploads at most one

@@ -9,6 +9,10 @@ As a launcher it runs an entry point with the fault armed:
   in the middle of an asynchronous save. The stall creates the file FAULT_SLOW_SAVE_MARKER
   (if set) as it begins, for a test to wait on.
 - FAULT_FULL_DISK_STEP=N: writing checkpoint N fails with OSError(ENOSPC), as on a full disk.
+- FAULT_KILL_AFTER_SAVE_STEP=N: the process kills itself (SIGKILL) as soon as checkpoint
+  N is committed, as the loop goes on: the kill that finds records still queued.
+- FAULT_SLOW_LOG_S=S: every flush of an `AppendLog` (metrics.jsonl, on disk or in a
+  bucket) waits S seconds first, as a slow bucket's uploads do, so records queue up.
 - FAULT_SLOW_VALIDATION_S=S: every validation waits S seconds before it computes, after
   creating the file FAULT_SLOW_VALIDATION_MARKER (if set), so a signal lands inside it.
 - A preemption notice from inside a window of the run, on several processes: process
@@ -26,7 +30,8 @@ As a launcher it runs an entry point with the fault armed:
   - FAULT_NOTICE_AFTER_BATCH=N: once eval.py or generate.py has searched its N-th batch
     (evaluation.translate.run_search).
 
-In-process tests can call `arm(...)` / `disarm()` instead. The hook sits in Orbax's JSON
+In-process tests can call `arm(...)` / `disarm()` instead (for the save and validation
+faults). The hook sits in Orbax's JSON
 item writer, which every checkpoint here runs in its background commit (the
 `data_iterator` and `config` items), before the final rename; validation's in
 `training.metrics.evaluate_loss`, which the loop's validation calls.
@@ -40,9 +45,12 @@ import sys
 import threading
 import time
 
+import orbax.checkpoint as ocp
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 _ORIGINAL_SAVE = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+_ORIGINAL_MANAGER_SAVE = ocp.CheckpointManager.save
+_ORIGINAL_RESTORE = json_checkpoint_handler.JsonCheckpointHandler.restore
 _original_evaluate_loss = None  # set while validation is slowed
 
 
@@ -54,7 +62,10 @@ def _step_of(directory) -> int | None:
 
 def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
         full_disk_step: int | None = None, slow_save_marker: str = "",
-        slow_validation_s: float = 0.0, slow_validation_marker: str = "") -> None:
+        slow_validation_s: float = 0.0, slow_validation_marker: str = "",
+        slow_restore_s: float = 0.0) -> None:
+  """slow_restore_s: every read of a checkpoint's JSON item (its config and data state,
+  the first reads of a restore) waits that long first, as on a stalled bucket."""
   async def save_fn(self, item, directory):
     step = _step_of(directory)
     if step is not None and step == slow_save_step:
@@ -65,6 +76,12 @@ def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
     return await _ORIGINAL_SAVE(self, item, directory)
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = save_fn
+
+  if slow_restore_s:
+    def restore(self, *args, **kwargs):
+      time.sleep(slow_restore_s)
+      return _ORIGINAL_RESTORE(self, *args, **kwargs)
+    json_checkpoint_handler.JsonCheckpointHandler.restore = restore
 
   if slow_validation_s:
     _slow_validation(slow_validation_s, slow_validation_marker)
@@ -187,9 +204,31 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
     translate.run_search = run_search
 
 
+def kill_after_save(step: int) -> None:
+  """SIGKILL as soon as checkpoint `step` is committed (Orbax's commit is awaited)."""
+  def save(self, save_step, *args, **kwargs):
+    saved = _ORIGINAL_MANAGER_SAVE(self, save_step, *args, **kwargs)
+    if save_step == step:
+      self.wait_until_finished()
+      os.kill(os.getpid(), signal.SIGKILL)
+    return saved
+  ocp.CheckpointManager.save = save
+
+
+def slow_log_flushes(seconds: float) -> None:
+  from transformer import storage  # only the storage layer: it imports no JAX
+  original = storage.AppendLog.flush
+
+  def flush(self):
+    time.sleep(seconds)
+    original(self)
+  storage.AppendLog.flush = flush
+
+
 def disarm() -> None:
   global _original_evaluate_loss
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
+  json_checkpoint_handler.JsonCheckpointHandler.restore = _ORIGINAL_RESTORE
   if _original_evaluate_loss is not None:
     from transformer.training import metrics
     metrics.evaluate_loss, _original_evaluate_loss = _original_evaluate_loss, None
@@ -220,5 +259,9 @@ if __name__ == "__main__":
                at_compile=bool(os.environ.get("FAULT_NOTICE_AT_COMPILE")),
                after_batch=_env_int("FAULT_NOTICE_AFTER_BATCH"),
                marker=os.environ.get("FAULT_NOTICE_MARKER", ""))
+  if _env_int("FAULT_KILL_AFTER_SAVE_STEP") is not None:
+    kill_after_save(_env_int("FAULT_KILL_AFTER_SAVE_STEP"))
+  if os.environ.get("FAULT_SLOW_LOG_S"):
+    slow_log_flushes(float(os.environ["FAULT_SLOW_LOG_S"]))
   script, sys.argv = sys.argv[1], sys.argv[1:]
   runpy.run_path(script, run_name="__main__")

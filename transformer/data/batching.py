@@ -120,12 +120,19 @@ def bucket_of(length: int, lengths: list[int]) -> int:
 
 
 def rows_for_real_tokens(
-  tokens_per_batch: int, real_tokens_per_row: float, row_multiple: int
+  tokens_per_batch: int, real_tokens_per_row: float, row_multiple: int, nearest: bool = False
 ) -> int:
   """The most rows, a multiple of row_multiple, whose expected real (non-pad) tokens stay
   within the budget (0 when even row_multiple rows would exceed it): the paper's batch
   counts the tokens the model reads, not the padding. Never over budget, so at most one
-  row_multiple of rows under it."""
+  row_multiple of rows under it.
+
+  nearest: the rows of the nearest multiple instead, over budget or under, as plans were
+  made before checkpoints saved them (data states of format 1, `pipeline.TrainIterator`);
+  only such a checkpoint's resume plans that way.
+  """
+  if nearest:  # the expression of then, so that the rows are the same to the last bit
+    return round(tokens_per_batch / real_tokens_per_row / row_multiple) * row_multiple
   return int(tokens_per_batch / real_tokens_per_row // row_multiple) * row_multiple
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Generator
 
 import numpy as np
@@ -103,6 +104,11 @@ def make_example(
 
 # The config keys a batch plan is made from, besides the mesh (row_multiple).
 PLAN_KEYS = ("tokens_per_batch", "batching", "max_len")
+# The data state's format (`TrainIterator.get_state`), saved with it:
+#   1  {epoch, batch_in_epoch}: no plan; the rows were rounded to the nearest multiple
+#      of row_multiple (over budget or under). Written before plans were saved.
+#   2  adds "format", start_pair, pairs_read and the plan with the keys it was made from.
+DATA_STATE_FORMAT = 2
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -142,6 +148,9 @@ class TrainIterator:
     self._epoch, self._batch_in_epoch, self._start_pair, self._pairs_read = 0, 0, 0, 0
     self._batches: Generator[tuple[dict[str, np.ndarray], int], None, None] | None = None
     self._shapes_seen: set[tuple[tuple[str, tuple[int, ...]], ...]] = set()
+    # time.monotonic() when the last chunk of text was read: how a reader of this stream
+    # (training.prefetch.Prefetcher) tells a long replay from a stalled read.
+    self.last_progress = time.monotonic()
 
   @property
   def rows_by_length(self) -> dict[int, int]:
@@ -156,7 +165,7 @@ class TrainIterator:
       return batching.Packer(rows, self._row_len)
     return batching.TokenBucketer(self.rows_by_length)
 
-  def _plan_rows(self, row_multiple: int) -> dict[int, int]:
+  def _plan_rows(self, row_multiple: int, nearest: bool = False) -> dict[int, int]:
     """{padded length: rows} of every batch shape, sized to hold tokens_per_batch real
     (non-pad) tokens per side on average.
 
@@ -166,7 +175,8 @@ class TrainIterator:
     epoch 0 (the same on every process) batched as training batches them; a bucket
     that sample hardly reaches is sized as if its rows were full. Each shape gets the
     most rows, a multiple of row_multiple, whose expected real tokens stay within the
-    budget (`batching.rows_for_real_tokens`): never over it.
+    budget (`batching.rows_for_real_tokens`): never over it. nearest: rows rounded to
+    the nearest multiple instead, as format-1 data states were planned (`set_state`).
     """
     config = self._config
     examples = self._examples(0, log=False)
@@ -200,7 +210,7 @@ class TrainIterator:
       real = batching.real_tokens_per_row(batches)
       if sum(len(b["decoder_input"]) for b in batches) < MIN_SAMPLE_ROWS:
         real = length  # too few rows seen to estimate: count every slot as real
-      plan[length] = batching.rows_for_real_tokens(self._budget, real, row_multiple)
+      plan[length] = batching.rows_for_real_tokens(self._budget, real, row_multiple, nearest)
       if plan[length] == 0:
         raise ConfigError(
           f"tokens_per_batch: {config.tokens_per_batch} holds no multiple of "
@@ -219,6 +229,7 @@ class TrainIterator:
     """JSON-able: the position and the batch plan, with the config values it was made
     from, so that a resumed run can go on with the same batches on any mesh."""
     return {
+      "format": DATA_STATE_FORMAT,
       "epoch": self._epoch,
       "batch_in_epoch": self._batch_in_epoch,
       "start_pair": self._start_pair,
@@ -232,6 +243,12 @@ class TrainIterator:
   def set_state(self, state: dict, layout: str = "") -> None:
     """Goes on from `state` (get_state's, or an older checkpoint's without a plan).
 
+    A format-1 state (no plan, `DATA_STATE_FORMAT`) is planned as the code that wrote it
+    planned, rows rounded to the nearest multiple of row_multiple, so that its
+    batch_in_epoch counts the same batches, and a one-line warning says so: today's
+    rounding (down) would make other batches, and skip or replay examples for the rest
+    of the epoch. A format this code does not know is a one-line ConfigError.
+
     The saved plan is kept while its rows split over this run's row_multiple, so the
     stream is the uninterrupted run's on any mesh; where they do not, a one-line
     ConfigError (`layout` describes the mesh in it). If tokens_per_batch, batching or
@@ -240,11 +257,28 @@ class TrainIterator:
     waited for a batch to fill are skipped: at most a batch per shape).
     """
     self.close()
+    data_format = int(state.get("format", 2 if "plan" in state else 1))
+    if data_format > DATA_STATE_FORMAT:
+      raise ConfigError(
+        f"the checkpoint's data state is of format {data_format}, written by a newer "
+        f"version of this code (this one reads formats up to {DATA_STATE_FORMAT}): "
+        "resume with the code that wrote it"
+      )
     self._epoch, self._batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
     self._start_pair = int(state.get("start_pair", 0))
     self._pairs_read = int(state.get("pairs_read", 0))
     saved = state.get("plan")
-    if saved is None:  # a checkpoint from before plans were saved: plan as it did
+    if saved is None:  # format 1: plan as the code that wrote it did
+      self._plan = self._plan_rows(self._row_multiple, nearest=True)
+      logging.warning(
+        "the checkpoint's data state (format 1) has no batch plan: batches planned as "
+        "then, rows rounded to the nearest multiple of %d (rows by length %s), so that "
+        "its %d batches of epoch %d are the ones it counted",
+        self._row_multiple,
+        self._plan,
+        self._batch_in_epoch,
+        self._epoch,
+      )
       return
     saved_rows = {int(length): int(rows) for length, rows in saved["rows_by_length"]}
     changed = [
@@ -343,7 +377,9 @@ class TrainIterator:
     )
     clip = not config.drop_long_examples
     dropped, pairs_read = 0, 0
+    self.last_progress = time.monotonic()
     for source_flat, source_lengths, target_flat, target_lengths in chunks:
+      self.last_progress = time.monotonic()
       source_ids = np.split(source_flat, np.cumsum(source_lengths)[:-1])
       target_ids = np.split(target_flat, np.cumsum(target_lengths)[:-1])
       for source, target in zip(source_ids, target_ids):

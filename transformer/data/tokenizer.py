@@ -22,6 +22,7 @@ import sentencepiece as spm
 import tensorflow as tf
 from absl import logging
 
+from transformer import storage
 from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ConfigError
 from transformer.data import sources
 
@@ -148,9 +149,10 @@ def load_or_train_tokenizer(config, *, source=None) -> Tokenizer:
   """
   source = source or sources.make_source(config)
   path = vocab_cache_path(config, source)
-  if tf.io.gfile.exists(path):
+  cached = _read_vocab(config, path, lambda: tf.io.gfile.exists(path) and Tokenizer.load(path))
+  if cached:
     logging.info("Vocabulary: reusing %s", path)
-    return Tokenizer.load(path)
+    return cached
   logging.info(
     "Vocabulary: training %s %d on %s (%s)",
     config.vocab_type,
@@ -182,14 +184,28 @@ def get_tokenizer(config, workdir: str, *, source=None) -> Tokenizer:
   vocab.model when set, else the cached one (trained if needed); then copied into the
   workdir. For one process of a job."""
   vocab_from = config.vocab_from
-  if tf.io.gfile.exists(os.path.join(workdir, WORKDIR_VOCAB_NAME)):
-    return load_workdir_tokenizer(workdir)
+  path = os.path.join(workdir, WORKDIR_VOCAB_NAME)
+  resumed = _read_vocab(
+    config, path, lambda: tf.io.gfile.exists(path) and load_workdir_tokenizer(workdir)
+  )
+  if resumed:
+    return resumed
   if vocab_from:
-    tokenizer = vocab_from_run(vocab_from, config.vocab_size)
+    tokenizer = _read_vocab(
+      config,
+      os.path.join(vocab_from, WORKDIR_VOCAB_NAME),
+      lambda: vocab_from_run(vocab_from, config.vocab_size),
+    )
   else:
     tokenizer = load_or_train_tokenizer(config, source=source)
   copy_vocab_to_workdir(tokenizer, workdir)
   return tokenizer
+
+
+def _read_vocab(config, path: str, read):
+  """`read()`, a read of the vocabulary at `path`, within config.storage_timeout_s, or
+  storage.StorageTimeout naming it. (Training a vocabulary has no such bound.)"""
+  return storage.read_within(config.storage_timeout_s, path, read)
 
 
 def vocab_from_run(workdir: str, vocab_size: int) -> Tokenizer:

@@ -162,11 +162,9 @@ def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
   import statistics
 
   from transformer import storage
+  from transformer.training import reporting
 
-  records = [
-    json.loads(line)
-    for line in storage.read_text(storage.join(workdir, "metrics.jsonl")).splitlines()
-  ]
+  records = reporting.read_metrics(workdir)
   windows = [r for r in records if r["kind"] == "train"]
   validations = [r for r in records if r["kind"] == "validation"]
   if not windows or not validations:

@@ -10,6 +10,7 @@ sharding.py     device mesh, logical axis rules, global batches
 distributed.py  jax.distributed start-up; one-line errors across processes
 prefetch.py     global batches built on a thread ahead of the step
 reporting.py    progress line, metrics.jsonl, TensorBoard
+goodput.py      where a workdir's wall time went, over its restarts
 flops.py        model FLOPs and device peaks, for MFU
 describe.py     what --dry_run prints: parameters, FLOPs, mesh
 """

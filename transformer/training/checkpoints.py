@@ -9,7 +9,8 @@ surfaces as a one-line `CheckpointError` at the next save or at the end; Orbax d
 old checkpoints only after a newer one is complete, so the earlier ones stay intact.
 A save that has not finished `timeout_s` after it began (a stalled bucket) is a
 `CheckpointTimeout` naming the checkpoint, at the next save or at the end, instead of a
-hang: the training thread never waits on Orbax longer than that.
+hang: the training thread never waits on Orbax longer than that. A read (a restore)
+gets as long, and is a `CheckpointTimeout` naming the checkpoint too.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ class Checkpointer:
     a kill left behind (they are never listed as steps). Only the training run may: for
     anyone else reading the workdir they can be saves still in progress.
     timeout_s: how long a save may take, from its start to its commit (config.storage_timeout_s);
-    Orbax's own background thread gives up after it too."""
+    Orbax's own background thread gives up after it too. Each read of a checkpoint (its
+    config, data state or arrays) gets as long."""
     options = ocp.CheckpointManagerOptions(
       max_to_keep=keep,
       create=True,
@@ -236,13 +238,24 @@ class Checkpointer:
     except Exception as e:  # this save's synchronous part failed
       raise self._failed(e) from e
 
+  def _read(self, step: int, call: Callable[[], Any]) -> Any:
+    """`call()`, a read of checkpoint `step`, within timeout_s; else CheckpointTimeout
+    naming it (a stalled bucket would hold every host for as long as its client retries)."""
+    try:
+      return storage.read_within(self.timeout_s, f"checkpoint {step} in {self.directory}", call)
+    except storage.StorageTimeout as e:
+      raise CheckpointTimeout(str(e)) from None
+
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """(state placed as `abstract_state`'s shardings say, iterator state)."""
     try:
-      restored = self._manager.restore(
+      restored = self._read(
         step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data_iterator=ocp.args.JsonRestore()
+        lambda: self._manager.restore(
+          step,
+          args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data_iterator=ocp.args.JsonRestore()
+          ),
         ),
       )
     except (ValueError, KeyError, TypeError, OSError) as e:
@@ -256,14 +269,18 @@ class Checkpointer:
 
   def saved_iterator_state(self, step: int) -> dict:
     """The data iterator's state of checkpoint `step`, read without the arrays."""
-    return self._manager.restore(
-      step, args=ocp.args.Composite(data_iterator=ocp.args.JsonRestore())
+    return self._read(
+      step,
+      lambda: self._manager.restore(
+        step, args=ocp.args.Composite(data_iterator=ocp.args.JsonRestore())
+      ),
     )["data_iterator"]
 
   def saved_config(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
-      "config"
-    ]
+    return self._read(
+      step,
+      lambda: self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())),
+    )["config"]
 
   def reached_preemption(self, steps_since_start: int) -> bool:
     """True on every host at the same count after any host got a preemption notice

@@ -30,6 +30,7 @@ from transformer.training import (
   checkpoints,
   draft,
   flops,
+  goodput,
   metrics,
   prefetch,
   reporting,
@@ -149,6 +150,10 @@ class Progress:
     finally:
       self._window_start += time.time() - start
 
+  def pending_steps(self) -> int:
+    """Steps added since the last record."""
+    return len(self._pending)
+
   def check_finite(self) -> None:
     """Raises at the first step whose loss is NaN or Inf (fetches unchecked losses)."""
     unchecked = self._pending[self._checked :]
@@ -240,12 +245,15 @@ def train_and_evaluate(
   validation: what runs every config.eval_every_steps, built as
   `validation(config, setup, tokenizer)` and called with the parameters.
   """
+  clock = goodput.Clock()
   # Everything that can be wrong is checked before any compile.
   config_lib.validate(config)
   check_workdir_writable(workdir)
-  run = TrainingRun(config, workdir, validation)
+  run = TrainingRun(config, workdir, validation, clock)
   try:
-    return run.train()
+    result = run.train()
+    run.report_goodput(result["step"])
+    return result
   finally:
     run.close()
 
@@ -270,8 +278,15 @@ def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> data.To
 class TrainingRun:
   """One run in a workdir: built (and restored) at construction, then `train()`."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, validation=ValidationLoss):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    validation=ValidationLoss,
+    clock: goodput.Clock | None = None,
+  ):
     self.config = config
+    self.clock = clock or goodput.Clock()
     self.is_chief = jax.process_index() == 0
     draft.prepare_config(config)  # a shallow draft reads its target run's settings
     # --- Mesh, model, optimizer and the sharded state's shapes.
@@ -314,7 +329,15 @@ class TrainingRun:
     self.validate = (
       validation(config, self.setup, self.tokenizer) if (config.eval_every_steps) else None
     )
+    # This workdir's earlier starts (process 0 reports goodput): their last goodput
+    # records, and the highest global step they logged, up to which steps are recomputed.
+    self.earlier_goodput: dict[float, dict] = {}
+    self.highest_logged_step = 0
+    if self.is_chief:
+      self.earlier_goodput, self.highest_logged_step = goodput.read_earlier(workdir)
+    self.trained = False  # whether train() ran steps: a goodput line to print
     self.batches: prefetch.Prefetcher  # set by train(): the global batches, built ahead
+    self.started = time.time()  # train()'s start, for the progress line's elapsed time
     self.last_save_time = time.time()
 
   def _restore_or_init(self) -> state.TrainState:
@@ -322,13 +345,14 @@ class TrainingRun:
     if latest is None:
       fresh = self.setup.init_state(jax.random.key(self.config.seed))
       return draft.init_from_target(self.setup, fresh)  # a shallow draft's frozen parts
-    checkpoints.check_compatible(self.checkpointer.saved_config(latest), self.config)
-    # The data first: a batch plan this mesh cannot split fails before the arrays load.
-    self.train_iter.set_state(
-      self.checkpointer.saved_iterator_state(latest),
-      layout=f"mesh {dict(self.setup.mesh.shape)} over {jax.process_count()} processes",
-    )
-    restored, _ = self.checkpointer.restore(latest, self.setup.restore_target())
+    with self.clock.timing("restore"):
+      checkpoints.check_compatible(self.checkpointer.saved_config(latest), self.config)
+      # The data first: a batch plan this mesh cannot split fails before the arrays load.
+      self.train_iter.set_state(
+        self.checkpointer.saved_iterator_state(latest),
+        layout=f"mesh {dict(self.setup.mesh.shape)} over {jax.process_count()} processes",
+      )
+      restored, _ = self.checkpointer.restore(latest, self.setup.restore_target())
     logging.info("resumed from step %d", latest)
     return restored
 
@@ -341,30 +365,40 @@ class TrainingRun:
       return {"step": start_step}
     p_train_step = steps.jit_train_step(self.setup)
     self.batches = prefetch.Prefetcher(
-      self.train_iter, lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules), size=2
+      self.train_iter,
+      lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules),
+      size=2,
+      timeout_s=self.config.storage_timeout_s,
+      what=f"the training data of {self.config.dataset}",
     )
     preemption = PreemptionSignal(several_processes=jax.process_count() > 1)
-    started = time.time()
+    self.started = started = time.time()
     eval_metrics: dict[str, Any] = {}
     finished = False
+    clock = self.clock
     try:
       for step in range(start_step + 1, self.total_steps + 1):
-        batch = next(self.batches)
-        self.state, step_metrics = p_train_step(self.state, batch)
+        with clock.timing("input"):
+          batch = next(self.batches)
+        clock.current = "recomputed" if step <= self.highest_logged_step else "steps"
+        with clock.timing("compile") if step == start_step + 1 else contextlib.nullcontext():
+          self.state, step_metrics = p_train_step(self.state, batch)
+        self.trained = True
         token_counts = step_metrics.pop("token_counts")
         self.progress.add(step, step_metrics, self._step_flops(batch), token_counts)
         is_last = step == self.total_steps
         if step % self.config.log_every_steps == 0 or is_last:
           self._log(step, started)
         if self.validate and (step % self.config.eval_every_steps == 0 or is_last):
-          with self.progress.paused():
+          with self.progress.paused(), clock.timing("eval"):
             eval_metrics = self._evaluate(step)
         preempted = self._preempted(step, start_step, preemption)
         if self._checkpoint_due(step) or is_last or preempted:
-          with self.progress.paused():
+          with self.progress.paused(), clock.timing("checkpoints"):
             self._save(step)
         if preempted:
-          self.checkpointer.wait()
+          with clock.timing("checkpoints"):
+            self.checkpointer.wait()
           logging.info(
             "checkpoint at step %d written after %s; exiting",
             step,
@@ -437,9 +471,30 @@ class TrainingRun:
     return preemption.received is not None
 
   def _save(self, step: int) -> None:
+    """Every step up to `step` is in the log before its checkpoint can commit: a run
+    resumed from it never logs them again, so a record still queued when the process
+    is killed (kill -9, the OOM killer, JAX's heartbeat abort) would be a gap for good.
+    A save between log steps logs the steps since the last record first."""
     self.progress.check_finite()  # a NaN state is never written
+    if self.progress.pending_steps():
+      self._log(step, self.started)
+    self.writer.write(step, self.clock.record(), kind=goodput.KIND)
+    self.writer.flush()  # metrics.jsonl and TensorBoard, in the file or the bucket
     self.checkpointer.save(step, self.state, self.batches.get_state(), self.config)
     self.last_save_time = time.time()
+
+  def report_goodput(self, step: int) -> None:
+    """After the last save is written: this start's goodput record, and the workdir's
+    line, summed over its starts (goodput.py)."""
+    if not self.trained:
+      return
+    with self.clock.timing("checkpoints"):
+      self.checkpointer.wait()
+    record = self.clock.record()
+    self.writer.write(step, record, kind=goodput.KIND)
+    if self.is_chief:
+      starts = {**self.earlier_goodput, record["start_time"]: record}
+      print(goodput.summary_line(goodput.summed(list(starts.values()))), flush=True)
 
   def close(self) -> None:
     try:

@@ -13,19 +13,39 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from transformer import storage
+
 _DONE = object()
+_POLL_S = 0.1
 
 
 class Prefetcher:
-  """Iterates `transform(next(iterator))` computed `size` items ahead on a thread."""
+  """Iterates `transform(next(iterator))` computed `size` items ahead on a thread.
 
-  def __init__(self, iterator, transform: Callable[[Any], Any], size: int = 2):
+  timeout_s bounds the wait for the next item: if the iterator has made no progress for
+  that long, `__next__` raises storage.StorageTimeout naming `what` (a stalled read of
+  the corpus would otherwise hold the loop, and every host with it, for good). Progress
+  is the iterator's `last_progress` (time.monotonic() of its last read, as
+  data.TrainIterator keeps it) where it has one, else the item itself: a first batch
+  that replays an epoch up to a checkpoint reads all the while, and is not cut short.
+  """
+
+  def __init__(
+    self,
+    iterator,
+    transform: Callable[[Any], Any],
+    size: int = 2,
+    timeout_s: float | None = None,
+    what: str = "the input",
+  ):
     if size < 1:
       raise ValueError(f"prefetch size must be at least 1, got {size}")
     self._iterator = iterator
+    self._timeout_s, self._what = timeout_s, what
     self._state = iterator.get_state()
     self._queue: queue.Queue = queue.Queue(maxsize=size)
     self._stop = threading.Event()
@@ -56,7 +76,7 @@ class Prefetcher:
     return self
 
   def __next__(self) -> Any:
-    item, state, error = self._queue.get()
+    item, state, error = self._next_entry()
     if error is not None:
       self.close(close_iterator=False)
       raise error
@@ -65,6 +85,20 @@ class Prefetcher:
       raise StopIteration
     self._state = state
     return item
+
+  def _next_entry(self):
+    if self._timeout_s is None:
+      return self._queue.get()
+    waiting_since = time.monotonic()
+    while True:
+      try:
+        return self._queue.get(timeout=_POLL_S)
+      except queue.Empty:
+        progress = max(waiting_since, getattr(self._iterator, "last_progress", 0.0))
+        if time.monotonic() - progress > self._timeout_s:
+          raise storage.StorageTimeout(
+            storage.timeout_message(self._what, self._timeout_s, doing="reading")
+          ) from None
 
   def get_state(self) -> Any:
     """The wrapped iterator's state after the last item returned by `__next__`."""

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from absl import logging
+
 from transformer import storage
 from transformer.messages import format_duration
 
@@ -212,14 +214,27 @@ def read_metrics(workdir: str, kind: str | None = None) -> list[dict]:
   A resumed run logs again the steps after its checkpoint that the interrupted run had
   logged already: a record whose step is below an earlier one, or repeats one of its
   kind, starts over from that step, and the earlier records from there on are left out.
-  Each step's records are the ones of the run that went on. Lines torn by a kill are
-  skipped.
+  Each step's records are the ones of the run that went on. Lines torn by a kill (the
+  last line a killed run wrote on local disk) are skipped, with one warning.
+
+  Goodput records (kind "goodput", training/goodput.py) belong to a start of the run,
+  not to a step: they are all kept, in order, and only returned for kind="goodput".
+
+  Reads the file or, in a bucket, its chunks (`storage.read_log_lines`): the one reader
+  of a run's records, for the tools, the sweeps' --collect and render_docs alike.
   """
+  path = storage.join(workdir, "metrics.jsonl")
   records: list[dict] = []
-  for line in storage.read_log_lines(storage.join(workdir, "metrics.jsonl")):
+  per_start: list[dict] = []
+  torn = 0
+  for line in storage.read_log_lines(path):
     try:
       record = json.loads(line)
     except ValueError:
+      torn += 1
+      continue
+    if record.get("kind") == "goodput":
+      per_start.append(record)
       continue
     step = record.get("step", 0)
     tail = 0  # kept records at this step or later (they are in step order)
@@ -231,6 +246,10 @@ def read_metrics(workdir: str, kind: str | None = None) -> list[dict]:
     ):
       del records[len(records) - tail :]
     records.append(record)
+  if torn:
+    logging.warning("%s: %d torn line(s) skipped (a run killed while writing)", path, torn)
+  if kind == "goodput":
+    return per_start
   return [r for r in records if kind is None or r.get("kind") == kind]
 
 
