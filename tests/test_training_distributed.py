@@ -4,12 +4,12 @@ drive every GPU of the allocation; a layout that would leave GPUs idle stops in 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers import tiny_run
 from tests.helpers.processes import subprocess_env
 from transformer.training import distributed
 
@@ -65,9 +65,7 @@ def test_faked_slurm_job_step_drives_every_gpu_of_the_node():
   """Two tasks on a node with two GPUs, started as srun would (JAX's SLURM detection, no
   flags): they find each other, and the GPUs they drive are the node's two. (On CPU the
   GPU choice is jax_cuda_visible_devices, what jax.distributed sets from local_device_ids.)"""
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = str(s.getsockname()[1])
+  port = str(tiny_run.free_port())
   processes = [
     subprocess.Popen(
       [sys.executable, "-c", _START], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
