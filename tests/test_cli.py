@@ -86,3 +86,18 @@ def test_a_command_imports_tensorflow_without_keras():
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.split("\n")[0] == "[] [0, 1, 2]"
+
+
+def test_a_config_files_own_error_is_one_line_without_its_traceback():
+  """`--config configs/wmt14.py:huge`: get_config() raises, config_flags wraps that with
+  its traceback; the user sees the flag and the config file's message."""
+  from absl import flags
+  from ml_collections import config_flags
+  registry = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=registry)
+  path = os.path.join(REPO, "configs/wmt14.py")
+  with pytest.raises(flags.Error) as error:
+    registry(["prog", f"--config={path}:huge"])
+  assert cli.flag_error_line(error.value) == (
+      f"error: flag --config={path}:huge: configs/wmt14.py: argument 'huge' must be "
+      "base|big[,en-de|,en-fr]")
