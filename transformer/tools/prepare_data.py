@@ -1,4 +1,4 @@
-"""Prepare a config's dataset and vocabulary once, before a job of many hosts reads them.
+r"""Prepare a config's dataset and vocabulary once, before a job of many hosts reads them.
 
     python -m transformer.tools.prepare_data --config configs/wmt14.py:big \
         --config.data_dir=gs://BUCKET/tfds
