@@ -32,6 +32,7 @@ docs/performance.md records the figures.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -219,10 +220,9 @@ def use_cpu_devices(count: int) -> None:
   backends (in tests it has, with 8) and where XLA_FLAGS sets no count of its own."""
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     return
-  try:
+  # Backends already started (RuntimeError): their devices are what there is.
+  with contextlib.suppress(RuntimeError):
     jax.config.update("jax_num_cpu_devices", count)
-  except RuntimeError:  # backends already started: their devices are what there is
-    pass
 
 
 def main(argv):
