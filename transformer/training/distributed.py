@@ -70,7 +70,8 @@ def slurm_local_device_ids(environ) -> list[int] | None:
   None outside a SLURM job step. Raises ValueError where the layout leaves GPUs idle.
 
   A task that sees every GPU of its node drives GPU SLURM_LOCALID (JAX's own default);
-  one that SLURM bound to a single GPU (`--gpus-per-task=1`, `--gpu-bind`) sees it as 0.
+  one that SLURM bound to a single GPU (`srun --gpus-per-task=1`, or
+  `srun --gpu-bind=...`) sees it as 0.
   """
   if not all(name in environ for name in _SLURM_VARIABLES + ("SLURM_LOCALID",)):
     return None
