@@ -10,6 +10,7 @@ import os
 import shlex
 import stat
 import subprocess
+import sys
 import time
 import types
 
@@ -282,3 +283,17 @@ def test_tpu_stop_sigterms_every_process_of_the_job_which_then_does_not_evaluate
   _wait_for(ended, timeout_s=30)
   assert not any(c.startswith("python eval.py") for c in _calls(calls, python))
   assert subprocess.run(["bash", script, "wait"], env=env, timeout=60).returncode != 0
+
+
+@pytest.mark.slow  # a train.py process, and the shared trained run
+def test_print_step_is_the_newest_checkpoint_even_inside_a_slurm_job(trained_run, tmp_path):
+  """What the scripts compare with the last step: run in the batch script of a SLURM job
+  of many tasks, it answers alone, without starting jax.distributed."""
+  from tests.helpers.processes import subprocess_env
+  from tests.helpers.tiny_run import REPO
+  env = subprocess_env(SLURM_JOB_ID="5", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="16",
+                       SLURM_PROCID="0", SLURM_LOCALID="0")
+  for workdir, step in ((trained_run[1], "30"), (str(tmp_path), "0")):
+    result = subprocess.run([sys.executable, "train.py", "--workdir", workdir, "--print_step"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, step + "\n"), result.stderr[-2000:]
