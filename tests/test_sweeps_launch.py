@@ -45,8 +45,9 @@ def test_slurm_script_carries_every_option(tmp_path, table3):
 #SBATCH --time=1:00:00
 #SBATCH --output={tmp_path}/E-%j.out
 # SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0,
-# and the job requeues itself below; the requeued job resumes from that checkpoint.
-#SBATCH --signal=TERM@120 --requeue
+# and the job requeues itself below; the requeued job resumes from that checkpoint, under
+# the same job id, its output appended to the same log.
+#SBATCH --signal=TERM@120 --requeue --open-mode=append
 #SBATCH --partition=gpu
 set -euo pipefail
 cd /srv/transformer
@@ -75,7 +76,7 @@ def test_slurm_script_without_extra_options_has_no_empty_sbatch_line(tmp_path, t
       "#SBATCH --nodes=1 --ntasks-per-node=8 --gpus-per-node=8",
       "#SBATCH --time=24:00:00",
       f"#SBATCH --output={tmp_path}/E-%j.out",
-      "#SBATCH --signal=TERM@120 --requeue"]
+      "#SBATCH --signal=TERM@120 --requeue --open-mode=append"]
 
 
 def test_scripts_are_executable_and_default_to_workdir_launch(tmp_path, table3):

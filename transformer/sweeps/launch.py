@@ -118,8 +118,9 @@ def _slurm_script(
 #SBATCH --time={options.slurm_time}
 #SBATCH --output={script_dir}/{row.name}-%j.out
 # SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0,
-# and the job requeues itself below; the requeued job resumes from that checkpoint.
-#SBATCH --signal=TERM@120 --requeue
+# and the job requeues itself below; the requeued job resumes from that checkpoint, under
+# the same job id, its output appended to the same log.
+#SBATCH --signal=TERM@120 --requeue --open-mode=append
 {extra}set -euo pipefail
 cd {options.repo_dir}
 # The dataset and vocabulary, built once here rather than by every process at once.
