@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import socket
 import stat
 import subprocess
 import sys
@@ -148,7 +149,7 @@ _FAKE_PYTHON = """#!/bin/bash
 echo "python $*" >> "$CALLS"
 case "$*" in
   *--print_step*) cat "$STEP_FILE" ;;
-  "train.py --config"*) if [ -e "$SLOW_TRAINING" ]; then sleep 60; fi ;;
+  "train.py --config"*) if [ -e "$SLOW_TRAINING" ]; then exec sleep 60; fi ;;
 esac
 """
 _FAKE_RECORDER = """#!/bin/bash
@@ -238,14 +239,17 @@ def _tpu_script(tmp_path, last_step):
 
 def test_tpu_script_prepares_once_then_trains_detached_and_evaluates_at_the_end(tmp_path):
   (script, starter), env, python, calls = _tpu_script(tmp_path, last_step=30)
-  # `start` returns while the job goes on, detached, its output in logs/.
+  # `start` returns while the job goes on, detached, its output in logs/; when it has
+  # ended, each worker's log goes to the row's workdir too.
   subprocess.run(["bash", script], env=env, check=True, timeout=60)
-  evaluate = "python eval.py --workdir gs://b/t3/E --split validation --step 30"
-  _wait_for(lambda: evaluate in _calls(calls, python))
+  keep_log = (f"gcloud storage cp logs/table3-E.log gs://b/t3/E/logs/{socket.gethostname()}"
+              ".log")
+  _wait_for(lambda: keep_log in _calls(calls, python))
   done = _calls(calls, python)
   ssh = "gcloud compute tpus tpu-vm ssh pod --zone us-z"
   assert [c.split(" --command=")[0] for c in done if c.startswith("gcloud")] == [
-      f"{ssh} --worker=0", f"{ssh} --worker=all"]
+      f"{ssh} --worker=0", f"{ssh} --worker=all", keep_log]
+  evaluate = "python eval.py --workdir gs://b/t3/E --split validation --step 30"
   assert [c for c in done if not c.startswith("gcloud")] == [
       f"python -m transformer.tools.prepare_data {_CONFIG}",
       f"python train.py {_CONFIG.replace(' --config.', ' --workdir gs://b/t3/E --config.', 1)}",
@@ -260,29 +264,30 @@ def test_tpu_script_prepares_once_then_trains_detached_and_evaluates_at_the_end(
   assert open(starter).read().splitlines()[2:] == [f"bash {script} start", f"bash {script} wait"]
 
 
-def test_tpu_stop_sigterms_every_process_of_the_job_which_then_does_not_evaluate(tmp_path):
-  """`stop` is a preemption: SIGTERM to the job's process group on every worker, train.py
-  included; a job stopped short of its last step does not evaluate, and `wait` says so."""
+def test_tpu_stop_sigterms_the_jobs_training_which_then_does_not_evaluate(tmp_path):
+  """`stop` is a preemption: SIGTERM to what the job runs on every worker, train.py; a job
+  stopped short of its last step does not evaluate (it keeps its log), and `wait` says so."""
   (script, _), env, python, calls = _tpu_script(tmp_path, last_step=20)
   (tmp_path / "slow").write_text("")  # training runs until stopped
   subprocess.run(["bash", script, "start"], env=env, check=True, timeout=60)
   pid_file = tmp_path / "logs" / "table3-E.pid"
   _wait_for(lambda: pid_file.exists() and any(
       c.startswith("python train.py --config") for c in _calls(calls, python)))
-  group = int(pid_file.read_text())
+  job = int(pid_file.read_text())
   subprocess.run(["bash", script, "stop"], env=env, check=True, timeout=60)
-  assert _calls(calls, python)[-1] == (
-      "gcloud compute tpus tpu-vm ssh pod --zone us-z --worker=all "
-      f"--command=kill -TERM -- -$(cat {tmp_path}/logs/table3-E.pid)")
+  assert ("gcloud compute tpus tpu-vm ssh pod --zone us-z --worker=all "
+          f"--command=pkill -TERM -P $(cat {tmp_path}/logs/table3-E.pid)") in _calls(calls, python)
 
   def ended():
     try:
-      os.killpg(group, 0)
+      os.kill(job, 0)
       return False
     except ProcessLookupError:
       return True
   _wait_for(ended, timeout_s=30)
-  assert not any(c.startswith("python eval.py") for c in _calls(calls, python))
+  done = _calls(calls, python)
+  assert not any(c.startswith("python eval.py") for c in done)
+  assert done[-1].startswith("gcloud storage cp logs/table3-E.log gs://b/t3/E/logs/")
   assert subprocess.run(["bash", script, "wait"], env=env, timeout=60).returncode != 0
 
 

@@ -83,6 +83,7 @@ def _command(python: str, script: str, args: list[str]) -> str:
 class RowCommands:
   """What a row's script runs, from the repository root: each a shell command line."""
 
+  row_dir: str  # the row's workdir
   prepare: str  # the dataset and vocabulary, on one host, before training
   train: str
   evaluate: str
@@ -98,6 +99,7 @@ def row_commands(
   train_args = spec.train_args(sweep, row, row_dir, relative)
   config_args = train_args[:2] + train_args[4:]  # without --workdir DIR
   return RowCommands(
+    row_dir=row_dir,
     prepare=_command(python, "-m transformer.tools.prepare_data", config_args),
     train=_command(python, "train.py", train_args),
     evaluate=_command(python, "eval.py", spec.eval_args(row_dir, config.num_train_steps)),
@@ -140,12 +142,21 @@ srun --nodes=1 --ntasks=1 {commands.evaluate}
 
 def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> str:
   log = f"logs/{sweep.name}-{row.name}"  # .log and .pid, in the clone on every worker
-  # On every worker, detached from the ssh session: train, and evaluate only if training
-  # reached its last step. The job's shell leads a process group of its own (setsid) and
-  # records its id, so that `stop` can SIGTERM the whole group, train.py included.
+  # Once the job has ended (finished, stopped or failed), each worker's log goes into the
+  # row's workdir as well, as logs/<host>.log: a bucket cannot be appended to while it runs.
+  saved_log = f"{commands.row_dir}/logs/$(hostname).log"
+  if "://" in commands.row_dir:
+    keep_log = f"gcloud storage cp {log}.log {saved_log}"
+  else:
+    keep_log = f"mkdir -p {commands.row_dir}/logs && cp {log}.log {saved_log}"
+  # On every worker, detached from the ssh session (setsid, nohup): train, and evaluate
+  # only if training reached its last step. The job's shell records its process id, so
+  # that `stop` can SIGTERM the command it runs, train.py or eval.py, and the shell
+  # itself goes on to keep the log.
   job = (
     f"echo $$ > {log}.pid; {commands.train} && "
-    f'[ "$({commands.print_step})" = {commands.last_step} ] && {commands.evaluate}'
+    f'[ "$({commands.print_step})" = {commands.last_step} ] && {commands.evaluate}; '
+    f"{keep_log}"
   )
   start = (
     f"cd {options.repo_dir} && mkdir -p logs && "
@@ -153,15 +164,16 @@ def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> st
   )
   prepare = f"cd {options.repo_dir} && {commands.prepare}"
   watch = f"tail -n 100 -F {options.repo_dir}/{log}.log"
-  stop = f"kill -TERM -- -$(cat {options.repo_dir}/{log}.pid)"
-  running = f"kill -0 -- -$(cat {options.repo_dir}/{log}.pid) 2>/dev/null"
+  stop = f"pkill -TERM -P $(cat {options.repo_dir}/{log}.pid)"
+  running = f"kill -0 $(cat {options.repo_dir}/{log}.pid) 2>/dev/null"
   finished = f'cd {options.repo_dir} && [ "$({commands.print_step})" = {commands.last_step} ]'
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name} on the TPU slice {options.tpu_name}: every worker
 # runs the same commands, and the TPU runtime connects them (docs/clusters.md).
 # bash {row.name}.sh start (the default): prepare the dataset once (worker 0), then train
 #   on every worker, detached from ssh; the job evaluates after its last step.
-# bash {row.name}.sh watch: follow worker 0's log, {options.repo_dir}/{log}.log.
+# bash {row.name}.sh watch: follow worker 0's log, {options.repo_dir}/{log}.log (each
+#   worker's goes to {commands.row_dir}/logs/ when the job ends).
 # bash {row.name}.sh stop: SIGTERM to every worker, as a preemption: all save and exit.
 # bash {row.name}.sh wait: return once the job has ended, 0 if it reached its last step.
 # Running it again resumes from the newest checkpoint.
