@@ -28,7 +28,7 @@ share of every batch, and process 0 writes the files and prints.
 
 import sys
 
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from transformer import cli
@@ -125,7 +125,7 @@ def main(argv):
         results = score.evaluate_split(translator, _SPLIT.value)
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
     distributed.exit_with_error(e)
-  logging.info("results: %s", results)
+  # No log line of the whole dict: it is in the printed lines below and in eval/*.json.
   if jax.process_index() != 0:  # the same scores on every process: one prints them
     return
   print(

@@ -3,7 +3,9 @@
 Config overrides go after the config, e.g. `--config.model.num_layers=4`. Rerunning
 the same command resumes from the newest checkpoint in DIR. `--dry_run` prints the
 model's size and cost as one JSON line and exits without touching data or devices'
-memory. For several hosts see README ("Pods and clusters").
+memory. `--print_step` prints the step of the newest complete checkpoint in WORKDIR (0
+if none) and exits: how a cluster script tells a finished run from one stopped early
+(docs/clusters.md). For several hosts see README ("Pods and clusters").
 """
 
 import json
@@ -22,12 +24,22 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the
 _DRY_RUN = flags.DEFINE_bool(
   "dry_run", False, "Print parameters, FLOPs per token and the mesh as JSON; exit."
 )
+_PRINT_STEP = flags.DEFINE_bool(
+  "print_step", False, "Print the newest complete checkpoint's step in --workdir (0: none); exit."
+)
 distributed.define_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if _PRINT_STEP.value:  # one process, whatever the job: nothing to coordinate
+    from transformer.training import checkpoints
+
+    if not _WORKDIR.value:
+      raise app.UsageError("--print_step needs --workdir")
+    print(([0] + checkpoints.steps_on_disk(_WORKDIR.value))[-1])
+    return
   distributed.initialize_from_flags()
 
   # Imported after jax.distributed is up: nothing may touch devices before that.

@@ -8,7 +8,9 @@
 # `label` naming the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# The repository's environment (make install), unless PYTHON names another.
+PY=${PYTHON:-.venv/bin/python}
+FAILED_ROWS=0
 RESULTS=${OUT:-bench/results}
 mkdir -p "$RESULTS"
 LOG="$RESULTS/cpu.jsonl"
@@ -19,7 +21,7 @@ run() {  # run LABEL CONFIG [FLAGS...]
   shift 2
   echo "== $label" >&2
   "$PY" -m transformer.tools.bench --config "$config" --json --label "$label" "$@" >> "$LOG" ||
-    echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"
+    { echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"; FAILED_ROWS=$((FAILED_ROWS + 1)); }
 }
 
 # The training step of Transformer-base: 16 sentences of 64 source and 64 target tokens,
@@ -93,3 +95,7 @@ for line in open(sys.argv[1]):
     print(f"{r['label']:>22}  " + ", ".join(parts))
 PY
 echo "bench/cpu.sh took $((SECONDS / 60))m$((SECONDS % 60))s" >&2
+if [ "$FAILED_ROWS" != 0 ]; then
+  echo "error: $FAILED_ROWS runs of bench/cpu.sh failed (FAILED above)" >&2
+  exit 1
+fi

@@ -8,7 +8,9 @@
 # `label` naming the run. A run that fails or times out is logged and the rest go on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# The repository's environment (make install), unless PYTHON names another.
+PY=${PYTHON:-.venv/bin/python}
+FAILED_ROWS=0
 RESULTS=${OUT:-bench/results}
 mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu.jsonl"
@@ -35,7 +37,7 @@ run() {  # run LABEL CONFIG [FLAGS...]
   # shellcheck disable=SC2086
   if ! timeout "$LIMIT" "$PY" -m transformer.tools.bench --config "$config" --json --label "$label" \
       $SIZE "$@" >> "$LOG"; then
-    echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"
+    { echo "{\"name\": \"failed\", \"label\": \"$label\"}" >> "$LOG"; FAILED_ROWS=$((FAILED_ROWS + 1)); }
   fi
 }
 
@@ -60,3 +62,7 @@ for line in open(sys.argv[1]):
     print(f"{r['label']:>16}  {r['name']:<14} {step:>11} {tokens:>18}  {mfu}")
 PY
 echo "bench/gpu.sh took $((SECONDS / 60))m$((SECONDS % 60))s" >&2
+if [ "$FAILED_ROWS" != 0 ]; then
+  echo "error: $FAILED_ROWS runs of bench/gpu.sh failed (FAILED above)" >&2
+  exit 1
+fi

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -86,3 +87,38 @@ def test_a_command_imports_tensorflow_without_keras():
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.split("\n")[0] == "[] [0, 1, 2]"
+
+
+def test_a_config_files_own_error_is_one_line_without_its_traceback():
+  """`--config configs/wmt14.py:huge`: get_config() raises, config_flags wraps that with
+  its traceback; the user sees the flag and the config file's message."""
+  from absl import flags
+  from ml_collections import config_flags
+  registry = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=registry)
+  path = os.path.join(REPO, "configs/wmt14.py")
+  with pytest.raises(flags.Error) as error:
+    registry(["prog", f"--config={path}:huge"])
+  assert cli.flag_error_line(error.value) == (
+      f"error: flag --config={path}:huge: configs/wmt14.py: argument 'huge' must be "
+      "base|big[,en-de|,en-fr]")
+
+
+def test_usage_texts_keep_their_backslash_continued_example_lines():
+  """A module docstring is a command's --help; in a plain string literal a backslash at a
+  line's end joins the next line into a run of spaces, so such docstrings are raw."""
+  import ast
+  import glob
+  joined = []
+  for path in glob.glob(os.path.join(REPO, "transformer", "**", "*.py"), recursive=True) + [
+      os.path.join(REPO, name) for name in ("train.py", "eval.py", "generate.py")]:
+    with open(path, encoding="utf-8") as f:
+      source = f.read()
+    tree = ast.parse(source)
+    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(
+        tree.body[0].value, ast.Constant) and isinstance(tree.body[0].value.value, str):
+      literal = ast.get_source_segment(source, tree.body[0].value)
+      # An odd number of backslashes at a line's end: a continuation (an even one is text).
+      if re.search(r"(?<!\\)(?:\\\\)*\\\n", literal) and not literal.startswith(("r", "R")):
+        joined.append(os.path.relpath(path, REPO))
+  assert joined == []

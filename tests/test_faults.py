@@ -371,6 +371,8 @@ def test_train_py_rejects_bad_config_before_building_anything(
   assert result.returncode != 0
   assert _last_line(result.stderr).startswith(expected), result.stderr[-2000:]
   assert "Traceback" not in result.stderr
+  # Once: no log line repeats the message.
+  assert result.stderr.count(expected[len("error: "):]) == 1, result.stderr[-2000:]
   # Nothing was built: no vocabulary copied, no checkpoint, no metrics.
   built = sorted(os.listdir(workdir)) if workdir.exists() else []
   assert not {"vocab.model", "checkpoints", "metrics.jsonl"} & set(built), built

@@ -1,11 +1,18 @@
 """Cluster scripts (launch.py): each row's SLURM or TPU-pod script runs the same train.py
-and eval.py commands as a local sweep, with the cluster options in their places."""
+and eval.py commands as a local sweep, with the cluster options in their places. The
+scripts themselves run here against fake `srun`, `scontrol`, `sbatch` and `gcloud` (a
+worker is this machine) and a fake python that records its arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
+import socket
 import stat
+import subprocess
+import sys
+import time
 import types
 
 import pytest
@@ -17,55 +24,44 @@ from transformer.sweeps import launch, spec
 @pytest.fixture(scope="module")
 def table3():
   """(sweep, rows E and big, their configs)."""
-  sweep = spec.load_sweep(TABLE3)
+  sweep = dataclasses.replace(spec.load_sweep(TABLE3),
+                              command_line_overrides={"data_dir": "gs://b/tfds"})
   rows = spec.select_rows(sweep, "E,big")
   return sweep, rows, {row.name: spec.row_config(sweep, row) for row in rows}
 
 
-def test_launch_scripts_run_train_and_eval_for_each_row(tmp_path):
-  sweep = spec.load_sweep(TABLE3)
-  rows = spec.select_rows(sweep, "E,big")
-  configs = {row.name: spec.row_config(sweep, row) for row in rows}
-  options = launch.LaunchOptions(script_dir=str(tmp_path), tpu_name="pod", tpu_zone="z")
-  slurm = launch.write_scripts("slurm", sweep, rows, configs, "gs://b/t3", options)
-  tpu = launch.write_scripts("tpu", sweep, rows, configs, "gs://b/t3", options)
-  assert [os.path.basename(p) for p in slurm] == ["E.sbatch", "big.sbatch", "slurm_all.sh"]
-  script = open(slurm[1]).read()
-  assert ("srun python train.py --config configs/wmt14.py:base --workdir gs://b/t3/big "
-          "--config.model.d_model=1024 --config.model.d_ff=4096 --config.model.num_heads=16 "
-          "--config.model.dropout_rate=0.3 --config.num_train_steps=300000\n") in script
-  assert ("srun --nodes=1 --ntasks=1 python eval.py --workdir gs://b/t3/big --split validation "
-          "--step 300000\n") in script
-  assert "#SBATCH --signal=TERM@120 --requeue" in script
-  assert open(slurm[2]).read().splitlines()[2:] == [f"sbatch {slurm[0]}", f"sbatch {slurm[1]}"]
-  tpu_script = open(tpu[0]).read()
-  assert ("gcloud compute tpus tpu-vm ssh pod --zone z --worker=all --command='cd "
-          "$HOME/transformer && python train.py --config configs/wmt14.py:base --workdir "
-          "gs://b/t3/E --config.model.positional=learned'") in tpu_script
-
-
 def test_slurm_script_carries_every_option(tmp_path, table3):
-  """Nodes, GPUs, time, extra #SBATCH line, job name, log path, repo and python command
-  all land in the script, and the whole script is the expected text."""
+  """Nodes, one task per GPU, time, extra #SBATCH line, job name, log path, repo and python
+  command all land in the script, and the whole script is the expected text."""
   sweep, rows, configs = table3
   options = launch.LaunchOptions(script_dir=str(tmp_path), repo_dir="/srv/transformer",
                                  python="python3", slurm_nodes=4, slurm_gpus_per_node=2,
                                  slurm_time="1:00:00", slurm_extra="--partition=gpu")
   path = launch.write_scripts("slurm", sweep, rows[:1], configs, "/data/t3", options)[0]
+  overrides = "--config.model.positional=learned --config.data_dir=gs://b/tfds"
   assert open(path).read() == f"""#!/bin/bash
 # Row E of sweep table3. Submit with: sbatch {tmp_path}/E.sbatch
 #SBATCH --job-name=table3-E
-#SBATCH --nodes=4 --ntasks-per-node=1 --gpus-per-node=2
+#SBATCH --nodes=4 --ntasks-per-node=2 --gpus-per-node=2
 #SBATCH --time=1:00:00
 #SBATCH --output={tmp_path}/E-%j.out
-# SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0.
-# Requeued or resubmitted, the same script resumes from it.
-#SBATCH --signal=TERM@120 --requeue
+# SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0,
+# and the job requeues itself below; the requeued job resumes from that checkpoint, under
+# the same job id, its output appended to the same log.
+#SBATCH --signal=TERM@120 --requeue --open-mode=append
 #SBATCH --partition=gpu
 set -euo pipefail
 cd /srv/transformer
-# One process per node; jax.distributed reads the SLURM environment.
-srun python3 train.py --config configs/wmt14.py:base --workdir /data/t3/E --config.model.positional=learned
+# The dataset and vocabulary, built once here rather than by every process at once.
+python3 -m transformer.tools.prepare_data --config configs/wmt14.py:base {overrides}
+# One process per GPU; jax.distributed reads the SLURM environment (docs/clusters.md).
+srun python3 train.py --config configs/wmt14.py:base --workdir /data/t3/E {overrides}
+# Stopped before the last step (time limit, preemption): back into the queue, to resume.
+step=$(python3 train.py --workdir /data/t3/E --print_step)
+if [ "$step" != 100000 ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
 # Beam search is one process's job: the final checkpoint on the whole validation split.
 srun --nodes=1 --ntasks=1 python3 eval.py --workdir /data/t3/E --split validation --step 100000
 """
@@ -78,34 +74,10 @@ def test_slurm_script_without_extra_options_has_no_empty_sbatch_line(tmp_path, t
   lines = open(path).read().splitlines()
   assert [line for line in lines if line.startswith("#SBATCH")] == [
       "#SBATCH --job-name=table3-E",
-      "#SBATCH --nodes=1 --ntasks-per-node=1 --gpus-per-node=8",
+      "#SBATCH --nodes=1 --ntasks-per-node=8 --gpus-per-node=8",
       "#SBATCH --time=24:00:00",
       f"#SBATCH --output={tmp_path}/E-%j.out",
-      "#SBATCH --signal=TERM@120 --requeue"]
-
-
-def test_tpu_scripts_run_on_every_worker_and_one_after_another(tmp_path, table3):
-  """Each TPU script runs train.py then eval.py on all workers of the named slice; the
-  starter runs the rows' scripts in turn with bash (one slice), not side by side."""
-  sweep, rows, configs = table3
-  options = launch.LaunchOptions(script_dir=str(tmp_path), repo_dir="/r", tpu_name="pod",
-                                 tpu_zone="us-z")
-  written = launch.write_scripts("tpu", sweep, rows, configs, "gs://b/t3/", options)
-  assert [os.path.basename(p) for p in written] == ["E.sh", "big.sh", "tpu_all.sh"]
-  lines = open(written[1]).read().splitlines()
-  ssh = "gcloud compute tpus tpu-vm ssh pod --zone us-z --worker=all --command="
-  assert lines[0] == "#!/bin/bash" and "set -euo pipefail" in lines
-  commands = [line for line in lines if line.startswith("gcloud")]
-  assert len(commands) == 2
-  # What runs on each worker, once the shell has unquoted the --command argument.
-  remote = [shlex.split(c[len(ssh):])[0] for c in commands if c.startswith(ssh)]
-  assert remote == [
-      "cd /r && python train.py --config configs/wmt14.py:base --workdir gs://b/t3/big "
-      "--config.model.d_model=1024 --config.model.d_ff=4096 --config.model.num_heads=16 "
-      "--config.model.dropout_rate=0.3 --config.num_train_steps=300000",
-      "cd /r && python eval.py --workdir gs://b/t3/big --split validation --step 300000"]
-  assert open(written[2]).read() == (
-      f"#!/bin/bash\nset -euo pipefail\nbash {written[0]}\nbash {written[1]}\n")
+      "#SBATCH --signal=TERM@120 --requeue --open-mode=append"]
 
 
 def test_scripts_are_executable_and_default_to_workdir_launch(tmp_path, table3):
@@ -131,11 +103,16 @@ def test_row_commands_quote_values_and_name_the_config_relative_to_the_repo():
   one whatever the sweep wrote; a trailing slash on the workdir is not doubled."""
   sweep = spec.Sweep("s", "configs/wmt14.py:big", {}, [])
   row = spec.Row("r", {"dataset": "tsv:/data/my corpus.tsv"})
-  train, evaluate = launch.row_commands(sweep, row, types.SimpleNamespace(num_train_steps=9),
-                                        "/w/", "py")
-  assert shlex.split(train) == ["py", "train.py", "--config", "configs/wmt14.py:big",
-                                "--workdir", "/w/r", "--config.dataset=tsv:/data/my corpus.tsv"]
-  assert evaluate == "py eval.py --workdir /w/r --split validation --step 9"
+  commands = launch.row_commands(sweep, row, types.SimpleNamespace(num_train_steps=9), "/w/",
+                                 "py")
+  assert shlex.split(commands.train) == [
+      "py", "train.py", "--config", "configs/wmt14.py:big", "--workdir", "/w/r",
+      "--config.dataset=tsv:/data/my corpus.tsv"]
+  assert shlex.split(commands.prepare) == [
+      "py", "-m", "transformer.tools.prepare_data", "--config", "configs/wmt14.py:big",
+      "--config.dataset=tsv:/data/my corpus.tsv"]
+  assert commands.evaluate == "py eval.py --workdir /w/r --split validation --step 9"
+  assert commands.print_step == "py train.py --workdir /w/r --print_step"
 
 
 def test_launch_from_the_command_line_uses_the_flags(tmp_path):
@@ -148,6 +125,181 @@ def test_launch_from_the_command_line_uses_the_flags(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split() == [str(tmp_path / "E.sbatch"), str(tmp_path / "slurm_all.sh")]
   script = (tmp_path / "E.sbatch").read_text()
-  assert "#SBATCH --nodes=3 --ntasks-per-node=1" in script
+  assert "#SBATCH --nodes=3 --ntasks-per-node=8 --gpus-per-node=8\n" in script
   assert "#SBATCH --partition=p100\n" in script and "cd /srv/t\n" in script
   assert "srun python3.11 train.py --config configs/wmt14.py:base --workdir /data/t3/E " in script
+
+
+def test_the_default_python_is_the_venvs():
+  assert launch.LaunchOptions().python == ".venv/bin/python"
+
+
+def test_tpu_scripts_need_a_shared_data_dir_for_a_tfds_dataset(tmp_path):
+  sweep = spec.load_sweep(TABLE3)
+  rows = spec.select_rows(sweep, "E")
+  configs = {"E": spec.row_config(sweep, rows[0])}
+  options = launch.LaunchOptions(script_dir=str(tmp_path))
+  with pytest.raises(spec.SweepError, match=r"^row E: --launch tpu needs a data_dir .* "
+                     r"pass --config.data_dir=gs://BUCKET/tfds$"):
+    launch.write_scripts("tpu", sweep, rows, configs, "gs://b/t3", options)
+
+
+# Fakes on PATH: each records its arguments, one line per call, in $CALLS.
+_FAKE_PYTHON = """#!/bin/bash
+echo "python $*" >> "$CALLS"
+case "$*" in
+  *--print_step*) cat "$STEP_FILE" ;;
+  "train.py --config"*) if [ -e "$SLOW_TRAINING" ]; then exec sleep 60; fi ;;
+esac
+"""
+_FAKE_RECORDER = """#!/bin/bash
+echo "$(basename "$0") $*" >> "$CALLS"
+"""
+# gcloud runs the --command here, as the one worker of the slice (unless RECORD_ONLY).
+_FAKE_GCLOUD = """#!/bin/bash
+echo "gcloud $*" >> "$CALLS"
+[ -n "${RECORD_ONLY:-}" ] && exit 0
+for arg in "$@"; do
+  case "$arg" in --command=*) exec bash -c "${arg#--command=}" ;; esac
+done
+"""
+
+
+def _fakes(tmp_path, last_step):
+  """(environment with the fakes first on PATH, the python fake, the calls file)."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  for name, text in [("python", _FAKE_PYTHON), ("gcloud", _FAKE_GCLOUD),
+                     ("srun", _FAKE_RECORDER), ("scontrol", _FAKE_RECORDER),
+                     ("sbatch", _FAKE_RECORDER)]:
+    (bin_dir / name).write_text(text)
+    (bin_dir / name).chmod(0o755)
+  calls = tmp_path / "calls"
+  calls.write_text("")
+  (tmp_path / "step").write_text(str(last_step))
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(calls),
+             STEP_FILE=str(tmp_path / "step"), SLOW_TRAINING=str(tmp_path / "slow"),
+             SLURM_JOB_ID="77")
+  return env, str(bin_dir / "python"), calls
+
+
+def _calls(calls, python):
+  return [line.replace(python, "python") for line in calls.read_text().splitlines()]
+
+
+def _tiny_sweep():
+  sweep = dataclasses.replace(spec.load_sweep(TABLE3), command_line_overrides={
+      "data_dir": "gs://b/tfds", "num_train_steps": "30"})
+  rows = spec.select_rows(sweep, "E")
+  return sweep, rows, {"E": spec.row_config(sweep, rows[0])}
+
+
+_CONFIG = ("--config configs/wmt14.py:base --config.model.positional=learned "
+           "--config.data_dir=gs://b/tfds --config.num_train_steps=30")
+
+
+def test_slurm_job_requeues_itself_when_stopped_early_and_evaluates_when_finished(tmp_path):
+  """The .sbatch as SLURM runs it: prepare, train on every task, then either `scontrol
+  requeue` (the newest checkpoint is short of the last step: time limit, preemption) or
+  the final evaluation, never both. slurm_all.sh submits it with sbatch."""
+  sweep, rows, configs = _tiny_sweep()
+  for stopped_at in (20, 30):
+    case = tmp_path / str(stopped_at)
+    case.mkdir()
+    env, python, calls = _fakes(case, last_step=stopped_at)
+    options = launch.LaunchOptions(script_dir=str(case), repo_dir=str(case), python=python)
+    written = launch.write_scripts("slurm", sweep, rows, configs, "/runs", options)
+    subprocess.run(["bash", written[0]], env=env, check=True, timeout=60)
+    assert _calls(calls, python) == [
+        f"python -m transformer.tools.prepare_data {_CONFIG}",
+        f"srun python train.py {_CONFIG.replace(' --config.', ' --workdir /runs/E --config.', 1)}",
+        "python train.py --workdir /runs/E --print_step",
+    ] + (["scontrol requeue 77"] if stopped_at == 20 else [
+        "srun --nodes=1 --ntasks=1 python eval.py --workdir /runs/E --split validation "
+        "--step 30"])
+    subprocess.run(["bash", written[-1]], env=env, check=True, timeout=60)
+    assert _calls(calls, python)[-1] == f"sbatch {written[0]}"
+
+
+def _wait_for(condition, timeout_s=60.0):
+  deadline = time.time() + timeout_s
+  while not condition():
+    assert time.time() < deadline, "the detached job did not get there in time"
+    time.sleep(0.1)
+
+
+def _tpu_script(tmp_path, last_step):
+  sweep, rows, configs = _tiny_sweep()
+  env, python, calls = _fakes(tmp_path, last_step)
+  options = launch.LaunchOptions(script_dir=str(tmp_path), repo_dir=str(tmp_path),
+                                 python=python, tpu_name="pod", tpu_zone="us-z")
+  written = launch.write_scripts("tpu", sweep, rows, configs, "gs://b/t3", options)
+  return written, env, python, calls
+
+
+def test_tpu_script_prepares_once_then_trains_detached_and_evaluates_at_the_end(tmp_path):
+  (script, starter), env, python, calls = _tpu_script(tmp_path, last_step=30)
+  # `start` returns while the job goes on, detached, its output in logs/; when it has
+  # ended, each worker's log goes to the row's workdir too.
+  subprocess.run(["bash", script], env=env, check=True, timeout=60)
+  keep_log = (f"gcloud storage cp logs/table3-E.log gs://b/t3/E/logs/{socket.gethostname()}"
+              ".log")
+  _wait_for(lambda: keep_log in _calls(calls, python))
+  done = _calls(calls, python)
+  ssh = "gcloud compute tpus tpu-vm ssh pod --zone us-z"
+  assert [c.split(" --command=")[0] for c in done if c.startswith("gcloud")] == [
+      f"{ssh} --worker=0", f"{ssh} --worker=all", keep_log]
+  evaluate = "python eval.py --workdir gs://b/t3/E --split validation --step 30"
+  assert [c for c in done if not c.startswith("gcloud")] == [
+      f"python -m transformer.tools.prepare_data {_CONFIG}",
+      f"python train.py {_CONFIG.replace(' --config.', ' --workdir gs://b/t3/E --config.', 1)}",
+      "python train.py --workdir gs://b/t3/E --print_step", evaluate]
+  assert (tmp_path / "logs" / "table3-E.log").exists()
+  # `wait` finds the job ended at its last step; `watch` follows worker 0's log.
+  subprocess.run(["bash", script, "wait"], env=env, check=True, timeout=60)
+  subprocess.run(["bash", script, "watch"], env=dict(env, RECORD_ONLY="1"), check=True,
+                 timeout=60)
+  assert _calls(calls, python)[-1] == (
+      f"{ssh} --worker=0 --command=tail -n 100 -F {tmp_path}/logs/table3-E.log")
+  assert open(starter).read().splitlines()[2:] == [f"bash {script} start", f"bash {script} wait"]
+
+
+def test_tpu_stop_sigterms_the_jobs_training_which_then_does_not_evaluate(tmp_path):
+  """`stop` is a preemption: SIGTERM to what the job runs on every worker, train.py; a job
+  stopped short of its last step does not evaluate (it keeps its log), and `wait` says so."""
+  (script, _), env, python, calls = _tpu_script(tmp_path, last_step=20)
+  (tmp_path / "slow").write_text("")  # training runs until stopped
+  subprocess.run(["bash", script, "start"], env=env, check=True, timeout=60)
+  pid_file = tmp_path / "logs" / "table3-E.pid"
+  _wait_for(lambda: pid_file.exists() and any(
+      c.startswith("python train.py --config") for c in _calls(calls, python)))
+  job = int(pid_file.read_text())
+  subprocess.run(["bash", script, "stop"], env=env, check=True, timeout=60)
+  assert ("gcloud compute tpus tpu-vm ssh pod --zone us-z --worker=all "
+          f"--command=pkill -TERM -P $(cat {tmp_path}/logs/table3-E.pid)") in _calls(calls, python)
+
+  def ended():
+    try:
+      os.kill(job, 0)
+      return False
+    except ProcessLookupError:
+      return True
+  _wait_for(ended, timeout_s=30)
+  done = _calls(calls, python)
+  assert not any(c.startswith("python eval.py") for c in done)
+  assert done[-1].startswith("gcloud storage cp logs/table3-E.log gs://b/t3/E/logs/")
+  assert subprocess.run(["bash", script, "wait"], env=env, timeout=60).returncode != 0
+
+
+@pytest.mark.slow  # a train.py process, and the shared trained run
+def test_print_step_is_the_newest_checkpoint_even_inside_a_slurm_job(trained_run, tmp_path):
+  """What the scripts compare with the last step: run in the batch script of a SLURM job
+  of many tasks, it answers alone, without starting jax.distributed."""
+  from tests.helpers.processes import subprocess_env
+  from tests.helpers.tiny_run import REPO
+  env = subprocess_env(SLURM_JOB_ID="5", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="16",
+                       SLURM_PROCID="0", SLURM_LOCALID="0")
+  for workdir, step in ((trained_run[1], "30"), (str(tmp_path), "0")):
+    result = subprocess.run([sys.executable, "train.py", "--workdir", workdir, "--print_step"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, step + "\n"), result.stderr[-2000:]

@@ -92,6 +92,19 @@ def test_relative_change_is_against_the_base_row():
   assert report._relative_to_base([5.0, 5.5, None], 5.0) == [0.0, pytest.approx(10.0),
                                                                    None]
   assert report._relative_to_base([1.0], None) == [None]
+  assert report._relative_to_base([1.0, 0.0], 0.0) == [None, None]  # no change from 0
+
+
+def test_collect_with_a_base_row_of_bleu_0_and_a_row_without_scores_writes_the_plot(tmp_path):
+  """A smoke run's BLEU is 0; a row never run has no scores: both still give a plot."""
+  sweep = spec.load_sweep(TABLE3)
+  rows = spec.select_rows(sweep, "base,A1")
+  configs = {row.name: spec.row_config(sweep, row) for row in rows}
+  workdir = str(tmp_path)
+  fake_finished_row(workdir, "base", 100_000, ppl=900.0, bleu=0.0)
+  written = report.collect(sweep, rows, configs, workdir, workdir)
+  with open(written[2], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_collect_writes_table_csv_and_plot(tmp_path):

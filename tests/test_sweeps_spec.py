@@ -229,3 +229,26 @@ def test_train_args_parse_back_to_the_row_config():
     flag_values(argv)
     parsed = config_lib.flatten(flag_values.config)
     assert parsed == config_lib.flatten(spec.row_config(sweep, row)), row.name
+
+
+def test_command_line_overrides_change_every_row_over_its_own_values():
+  """`--config.num_train_steps=20` shortens every row of a sweep, the one that sets its
+  own steps too, and its train.py command carries it last (so it wins there as well)."""
+  argv, overrides = spec.split_config_overrides(
+      ["sweeps", "--sweep", "s.py", "--config.num_train_steps=20",
+       "--config.model.scan_layers=false", "--config.data_dir=gs://b/tfds"])
+  assert argv == ["sweeps", "--sweep", "s.py"]
+  sweep = spec.load_sweep(TABLE3)
+  sweep = spec.Sweep(sweep.name, sweep.base_config, sweep.base_overrides, sweep.rows, overrides)
+  for row in spec.select_rows(sweep, "base,big"):
+    config = spec.row_config(sweep, row)
+    assert (config.num_train_steps, config.model.scan_layers, config.data_dir) == (
+        20, False, "gs://b/tfds")
+    assert spec.train_args(sweep, row, "W", "c.py")[-3:] == [
+        "--config.num_train_steps=20", "--config.model.scan_layers=false",
+        "--config.data_dir=gs://b/tfds"]
+  with pytest.raises(spec.SweepError, match="^--config.seed: write --config.KEY=VALUE"):
+    spec.split_config_overrides(["--config.seed", "3"])
+  bad = spec.Sweep(sweep.name, sweep.base_config, {}, sweep.rows, {"num_train_step": "2"})
+  with pytest.raises(spec.SweepError, match="^command line: config.num_train_step: unknown"):
+    spec.row_config(bad, sweep.rows[0])

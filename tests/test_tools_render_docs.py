@@ -119,7 +119,10 @@ def test_a_make_train_workdir_becomes_the_record_readme_renders(tmp_path, monkey
                            str(workdir), "--wall_time_s", "100", "--command", "make train"]) == 0
   text = doc_views.make_train()
   for expected in ("1m40s, of which training 1m01s (2 steps of about 1,000 real",
-                   "2,000 target tokens/s (1,000 to 3,000), MFU 50.0%", "| 12.50 |", "**sacreBLEU 12.30**, tokenized BLEU 12.90",
+                   "2,000 target tokens/s (1,000 to 3,000), MFU 50.0%",
+                   "| test split perplexity (unsmoothed) | 13.00 |",
+                   "| validation perplexity, last step (unsmoothed) | 12.50 |",
+                   "**sacreBLEU 12.30**, tokenized BLEU 12.90",
                    "8.0 sentences/s", "`sacreBLEU 12.30  nrefs:1|tok:13a`", "`make train`"):
     assert expected in text
 

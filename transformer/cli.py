@@ -98,13 +98,25 @@ def _resolve_config_arg(argv: list[str]) -> list[str]:
   return out
 
 
+def flag_error_line(error: flags.Error) -> str:
+  """absl's flag error as one line. A config file's own error (`--config FILE:huge` that
+  get_config() rejects) arrives wrapped by config_flags with its traceback: the flag and
+  the exception's message are what the user needs."""
+  message = str(error).strip()
+  if "Traceback (most recent call last)" not in message:
+    return f"error: {message} (pass --helpfull to see the flags)"
+  flag = message.split(": Error whilst parsing config file", 1)[0]
+  raised = message.splitlines()[-1]  # "ValueError: configs/wmt14.py: argument ..."
+  return f"error: {flag}: {raised.partition(': ')[2] or raised}"
+
+
 def _parse_flags(argv):
   """absl's parser, with bad `--config.KEY=VALUE` overrides reported in one line."""
   argv = _resolve_config_arg(argv)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:  # one line: the last line of stderr is what scripts show
-    sys.exit(f"error: {e} (pass --helpfull to see the flags)")
+    sys.exit(flag_error_line(e))
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     while e.args and isinstance(e.args[0], BaseException):  # KeyError inside AttributeError
       e = e.args[0]

@@ -12,9 +12,14 @@
       Final validation perplexity and BLEU of every row beside the paper's numbers:
       DIR/<sweep>.md, .csv and .png (report.py).
 
+`--config.KEY=VALUE` changes every row, over the row's own values, in every mode: e.g.
+`--config.num_train_steps=20` for a smoke run of the whole sweep.
+
 The sweep file format is in spec.py.
 """
 
+import dataclasses
+import functools
 import json
 import sys
 
@@ -56,7 +61,7 @@ flags.DEFINE_bool(
 )
 
 
-def main(argv) -> None:
+def main(argv, overrides: dict[str, str]) -> None:
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
@@ -72,7 +77,7 @@ def main(argv) -> None:
       raise spec.SweepError("--json goes with --dry_run")
     if not FLAGS.workdir and not FLAGS.dry_run:
       raise spec.SweepError("--workdir is required (each row runs in WORKDIR/<row>)")
-    sweep = spec.load_sweep(FLAGS.sweep)
+    sweep = dataclasses.replace(spec.load_sweep(FLAGS.sweep), command_line_overrides=overrides)
     rows = spec.select_rows(sweep, FLAGS.only)
     # Every row is built and validated first: a bad override in the last row stops the
     # sweep here, before the first row spends hours training.
@@ -107,4 +112,8 @@ def main(argv) -> None:
 if __name__ == "__main__":
   launch.define_flags()
   flags.adopt_module_key_flags(launch)  # so that --help lists them
-  cli.run(main)
+  try:  # absl knows no --config here: the sweep applies them to every row itself
+    sys.argv, command_line_overrides = spec.split_config_overrides(sys.argv)
+  except spec.SweepError as e:
+    sys.exit(f"error: {e}")
+  cli.run(functools.partial(main, overrides=command_line_overrides))

@@ -1,10 +1,15 @@
 """Scripts that run a sweep's rows on a SLURM cluster or a TPU pod (`sweep --launch`).
 
 Only command generation: each row's script runs the same `train.py` and `eval.py`
-commands as a local sweep, started the way README ("Pods and clusters") starts any multi-host
-run. JAX reads the SLURM environment or the TPU runtime to connect the processes, and
-a rerun of a script resumes the row from its newest checkpoint, so a preempted or
-requeued job loses at most one checkpoint interval.
+commands as a local sweep, with the repository's `.venv/bin/python`, started the way
+docs/clusters.md starts any multi-host run. Each script first prepares the row's dataset
+and vocabulary once (`transformer.tools.prepare_data`), so the hosts read one copy
+instead of each building its own; trains (JAX reads the SLURM environment or the TPU
+runtime to connect the processes); and beam-searches the validation split only once
+`train.py --print_step` shows the last step, not after a run stopped early. A SLURM job
+stopped by its time limit or a preemption requeues itself; a rerun of any script resumes
+the row from its newest checkpoint, so a stopped job loses at most one checkpoint
+interval.
 """
 
 from __future__ import annotations
@@ -34,9 +39,16 @@ def define_flags() -> None:
     "$HOME/transformer",
     "--launch: this repository's path on the cluster hosts (the scripts cd there).",
   )
-  flags.DEFINE_string("python", "python", "--launch: the Python command on the cluster hosts.")
-  flags.DEFINE_integer("slurm_nodes", 1, "--launch slurm: nodes per row (one process each).")
-  flags.DEFINE_integer("slurm_gpus_per_node", 8, "--launch slurm: GPUs per node.")
+  flags.DEFINE_string(
+    "python",
+    ".venv/bin/python",
+    "--launch: the Python command on the cluster hosts, from --repo_dir (the one that "
+    "`make install` made).",
+  )
+  flags.DEFINE_integer("slurm_nodes", 1, "--launch slurm: nodes per row.")
+  flags.DEFINE_integer(
+    "slurm_gpus_per_node", 8, "--launch slurm: GPUs per node, one process (task) each."
+  )
   flags.DEFINE_string("slurm_time", "24:00:00", "--launch slurm: time limit per job.")
   flags.DEFINE_string(
     "slurm_extra", "", "--launch slurm: extra #SBATCH options, e.g. '--partition=gpu'."
@@ -49,7 +61,7 @@ def define_flags() -> None:
 class LaunchOptions:
   script_dir: str = ""  # "" = WORKDIR/launch
   repo_dir: str = "$HOME/transformer"
-  python: str = "python"
+  python: str = ".venv/bin/python"
   slurm_nodes: int = 1
   slurm_gpus_per_node: int = 8
   slurm_time: str = "24:00:00"
@@ -67,52 +79,131 @@ def _command(python: str, script: str, args: list[str]) -> str:
   return " ".join([python, script] + [shlex.quote(a) for a in args])
 
 
+@dataclasses.dataclass(frozen=True)
+class RowCommands:
+  """What a row's script runs, from the repository root: each a shell command line."""
+
+  row_dir: str  # the row's workdir
+  prepare: str  # the dataset and vocabulary, on one host, before training
+  train: str
+  evaluate: str
+  print_step: str  # prints the newest checkpoint's step
+  last_step: int  # what print_step prints once training is finished
+
+
 def row_commands(
   sweep: spec.Sweep, row: spec.Row, config, workdir: str, python: str
-) -> tuple[str, str]:
-  """(train command, eval command) for one row, run from the repository root."""
+) -> RowCommands:
   row_dir = f"{workdir.rstrip('/')}/{row.name}"
   relative = os.path.relpath(spec.config_file(sweep), config_lib.REPO_ROOT)  # the cluster's clone
-  train = _command(python, "train.py", spec.train_args(sweep, row, row_dir, relative))
-  evaluate = _command(python, "eval.py", spec.eval_args(row_dir, config.num_train_steps))
-  return train, evaluate
+  train_args = spec.train_args(sweep, row, row_dir, relative)
+  config_args = train_args[:2] + train_args[4:]  # without --workdir DIR
+  return RowCommands(
+    row_dir=row_dir,
+    prepare=_command(python, "-m transformer.tools.prepare_data", config_args),
+    train=_command(python, "train.py", train_args),
+    evaluate=_command(python, "eval.py", spec.eval_args(row_dir, config.num_train_steps)),
+    print_step=_command(python, "train.py", ["--workdir", row_dir, "--print_step"]),
+    last_step=config.num_train_steps,
+  )
 
 
 def _slurm_script(
-  sweep, row, train: str, evaluate: str, script_dir: str, options: LaunchOptions
+  sweep, row, commands: RowCommands, script_dir: str, options: LaunchOptions
 ) -> str:
   extra = f"#SBATCH {options.slurm_extra}\n" if options.slurm_extra else ""
   gpus = options.slurm_gpus_per_node
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name}. Submit with: sbatch {script_dir}/{row.name}.sbatch
 #SBATCH --job-name={sweep.name}-{row.name}
-#SBATCH --nodes={options.slurm_nodes} --ntasks-per-node=1 --gpus-per-node={gpus}
+#SBATCH --nodes={options.slurm_nodes} --ntasks-per-node={gpus} --gpus-per-node={gpus}
 #SBATCH --time={options.slurm_time}
 #SBATCH --output={script_dir}/{row.name}-%j.out
-# SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0.
-# Requeued or resubmitted, the same script resumes from it.
-#SBATCH --signal=TERM@120 --requeue
+# SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0,
+# and the job requeues itself below; the requeued job resumes from that checkpoint, under
+# the same job id, its output appended to the same log.
+#SBATCH --signal=TERM@120 --requeue --open-mode=append
 {extra}set -euo pipefail
 cd {options.repo_dir}
-# One process per node; jax.distributed reads the SLURM environment.
-srun {train}
+# The dataset and vocabulary, built once here rather than by every process at once.
+{commands.prepare}
+# One process per GPU; jax.distributed reads the SLURM environment (docs/clusters.md).
+srun {commands.train}
+# Stopped before the last step (time limit, preemption): back into the queue, to resume.
+step=$({commands.print_step})
+if [ "$step" != {commands.last_step} ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
 # Beam search is one process's job: the final checkpoint on the whole validation split.
-srun --nodes=1 --ntasks=1 {evaluate}
+srun --nodes=1 --ntasks=1 {commands.evaluate}
 """
 
 
-def _tpu_script(sweep, row, train: str, evaluate: str, options: LaunchOptions) -> str:
-  ssh = (
-    f"gcloud compute tpus tpu-vm ssh {options.tpu_name} --zone {options.tpu_zone} "
-    "--worker=all --command="
+def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> str:
+  log = f"logs/{sweep.name}-{row.name}"  # .log and .pid, in the clone on every worker
+  # Once the job has ended (finished, stopped or failed), each worker's log goes into the
+  # row's workdir as well, as logs/<host>.log: a bucket cannot be appended to while it runs.
+  saved_log = f"{commands.row_dir}/logs/$(hostname).log"
+  if "://" in commands.row_dir:
+    keep_log = f"gcloud storage cp {log}.log {saved_log}"
+  else:
+    keep_log = f"mkdir -p {commands.row_dir}/logs && cp {log}.log {saved_log}"
+  # On every worker, detached from the ssh session (setsid, nohup): train, and evaluate
+  # only if training reached its last step. The job's shell records its process id, so
+  # that `stop` can SIGTERM the command it runs, train.py or eval.py, and the shell
+  # itself goes on to keep the log.
+  job = (
+    f"echo $$ > {log}.pid; {commands.train} && "
+    f'[ "$({commands.print_step})" = {commands.last_step} ] && {commands.evaluate}; '
+    f"{keep_log}"
   )
-  # Every worker runs the same command; the TPU runtime connects them.
+  start = (
+    f"cd {options.repo_dir} && mkdir -p logs && "
+    f"nohup setsid bash -c {shlex.quote(job)} > {log}.log 2>&1 < /dev/null &"
+  )
+  prepare = f"cd {options.repo_dir} && {commands.prepare}"
+  watch = f"tail -n 100 -F {options.repo_dir}/{log}.log"
+  stop = f"pkill -TERM -P $(cat {options.repo_dir}/{log}.pid)"
+  running = f"kill -0 $(cat {options.repo_dir}/{log}.pid) 2>/dev/null"
+  finished = f'cd {options.repo_dir} && [ "$({commands.print_step})" = {commands.last_step} ]'
   return f"""#!/bin/bash
-# Row {row.name} of sweep {sweep.name}; rerunning it resumes from the newest checkpoint.
+# Row {row.name} of sweep {sweep.name} on the TPU slice {options.tpu_name}: every worker
+# runs the same commands, and the TPU runtime connects them (docs/clusters.md).
+# bash {row.name}.sh start (the default): prepare the dataset once (worker 0), then train
+#   on every worker, detached from ssh; the job evaluates after its last step.
+# bash {row.name}.sh watch: follow worker 0's log, {options.repo_dir}/{log}.log (each
+#   worker's goes to {commands.row_dir}/logs/ when the job ends).
+# bash {row.name}.sh stop: SIGTERM to every worker, as a preemption: all save and exit.
+# bash {row.name}.sh wait: return once the job has ended, 0 if it reached its last step.
+# Running it again resumes from the newest checkpoint.
 set -euo pipefail
-{ssh}{shlex.quote(f"cd {options.repo_dir} && {train}")}
-{ssh}{shlex.quote(f"cd {options.repo_dir} && {evaluate}")}
+tpu_ssh() {{
+  gcloud compute tpus tpu-vm ssh {options.tpu_name} --zone {options.tpu_zone} "$@"
+}}
+case "${{1:-start}}" in
+  start)
+    tpu_ssh --worker=0 --command={shlex.quote(prepare)}
+    tpu_ssh --worker=all --command={shlex.quote(start)}
+    ;;
+  watch) tpu_ssh --worker=0 --command={shlex.quote(watch)} ;;
+  stop) tpu_ssh --worker=all --command={shlex.quote(stop)} ;;
+  wait)
+    while tpu_ssh --worker=0 --command={shlex.quote(running)}; do sleep 300; done
+    tpu_ssh --worker=0 --command={shlex.quote(finished)}
+    ;;
+  *) echo "usage: bash $0 [start|watch|stop|wait]" >&2; exit 2 ;;
+esac
 """
+
+
+def _check_shared_data_dir(row: spec.Row, config) -> None:
+  """A tfds dataset on a pod needs one data_dir every worker reads, or each builds its own."""
+  if not config.dataset.startswith("tsv:") and not config.data_dir:
+    raise spec.SweepError(
+      f"row {row.name}: --launch tpu needs a data_dir every worker reads, where the dataset "
+      f"is prepared once: pass --config.data_dir=gs://BUCKET/tfds"
+    )
 
 
 def write_scripts(
@@ -125,25 +216,30 @@ def write_scripts(
       raise spec.SweepError(f"--script_dir is required with --workdir {workdir}")
     script_dir = os.path.join(workdir, "launch")
   os.makedirs(script_dir, exist_ok=True)
+  if kind == "tpu":
+    for row in rows:
+      _check_shared_data_dir(row, configs[row.name])
   written = []
   for row in rows:
-    train, evaluate = row_commands(sweep, row, configs[row.name], workdir, options.python)
+    commands = row_commands(sweep, row, configs[row.name], workdir, options.python)
     if kind == "slurm":
       path = os.path.join(script_dir, f"{row.name}.sbatch")
-      text = _slurm_script(sweep, row, train, evaluate, script_dir, options)
+      text = _slurm_script(sweep, row, commands, script_dir, options)
     else:
       path = os.path.join(script_dir, f"{row.name}.sh")
-      text = _tpu_script(sweep, row, train, evaluate, options)
+      text = _tpu_script(sweep, row, commands, options)
     with open(path, "w") as f:
       f.write(text)
     os.chmod(path, 0o755)
     written.append(path)
-  # SLURM jobs queue side by side; one TPU slice runs the rows one after another.
-  starter = "sbatch" if kind == "slurm" else "bash"
+  # SLURM jobs queue side by side; one TPU slice runs the rows one after another, each
+  # started once the one before has reached its last step.
+  if kind == "slurm":
+    starts = [f"sbatch {shlex.quote(p)}\n" for p in written]
+  else:
+    starts = [f"bash {shlex.quote(p)} start\nbash {shlex.quote(p)} wait\n" for p in written]
   all_path = os.path.join(script_dir, f"{kind}_all.sh")
   with open(all_path, "w") as f:
-    f.write(
-      "#!/bin/bash\nset -euo pipefail\n" + "".join(f"{starter} {shlex.quote(p)}\n" for p in written)
-    )
+    f.write("#!/bin/bash\nset -euo pipefail\n" + "".join(starts))
   os.chmod(all_path, 0o755)
   return written + [all_path]

@@ -151,8 +151,9 @@ def markdown_table(collected: list[dict]) -> str:
 
 
 def _relative_to_base(values: list, base) -> list:
-  """Percent change from the base row; None where a value or the base is missing."""
-  if base is None:
+  """Percent change from the base row; None where a value or the base is missing, or the
+  base is 0 (a base row of BLEU 0, from a run too short to translate, has no change)."""
+  if not base:
     return [None] * len(values)
   return [None if v is None else 100.0 * (v / base - 1.0) for v in values]
 

@@ -9,6 +9,7 @@ before the first row starts.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -47,6 +48,36 @@ class Sweep:
   base_config: str  # FILE[:ARG], as train.py's --config takes it
   base_overrides: dict
   rows: list
+  # `--config.KEY=VALUE` of the sweep's command line, as typed: over every row's own.
+  command_line_overrides: dict = dataclasses.field(default_factory=dict)
+
+
+def split_config_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+  """Takes `--config.KEY=VALUE` arguments out of a command line: (the others, {KEY: VALUE})."""
+  rest, overrides = [], {}
+  for arg in argv:
+    if not arg.startswith("--config."):
+      rest.append(arg)
+    elif "=" not in arg:
+      raise SweepError(f"{arg}: write --config.KEY=VALUE, with '='")
+    else:
+      key, _, value = arg[len("--config.") :].partition("=")
+      overrides[key] = value
+  return rest, overrides
+
+
+def _typed(key: str, value: str, current: Any) -> Any:
+  """A command line's VALUE as the type of the key's current value, as train.py reads it."""
+  if isinstance(current, bool):
+    if value.lower() not in ("true", "false"):
+      raise config_lib.ConfigError(f"config.{key}: {value!r} is not true or false")
+    return value.lower() == "true"
+  if isinstance(current, str):
+    return value
+  try:
+    return ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return value  # left for the config's own type check to name
 
 
 def load_sweep(path: str) -> Sweep:
@@ -104,8 +135,12 @@ def row_config(sweep: Sweep, row: Row) -> ml_collections.ConfigDict:
   for where, overrides in (
     (f"{sweep.name} BASE_OVERRIDES", sweep.base_overrides),
     (f"row {row.name}", row.overrides),
+    ("command line", sweep.command_line_overrides),
   ):
     try:
+      if overrides is sweep.command_line_overrides:
+        current = config_lib.flatten(config)
+        overrides = {k: _typed(k, v, current.get(k)) for k, v in overrides.items()}
       config_lib.apply_overrides(config, overrides)
     except config_lib.ConfigError as e:
       raise SweepError(f"{where}: {e}") from None
@@ -126,9 +161,11 @@ def train_args(sweep: Sweep, row: Row, workdir: str, config_path: str) -> list[s
   overrides = {**sweep.base_overrides, **row.overrides}
   _, _, arg = sweep.base_config.partition(":")
   config = f"{config_path}:{arg}" if arg else config_path
-  return ["--config", config, "--workdir", workdir] + [
-    f"--config.{k}={flag_value(v)}" for k, v in overrides.items()
-  ]
+  return (
+    ["--config", config, "--workdir", workdir]
+    + [f"--config.{k}={flag_value(v)}" for k, v in overrides.items()]
+    + [f"--config.{k}={v}" for k, v in sweep.command_line_overrides.items()]
+  )
 
 
 def eval_args(workdir: str, num_train_steps: int) -> list[str]:

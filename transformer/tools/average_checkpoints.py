@@ -1,4 +1,4 @@
-"""Write the mean of a run's last k checkpoints as a new run directory.
+r"""Write the mean of a run's last k checkpoints as a new run directory.
 
     python -m transformer.tools.average_checkpoints --workdir RUN --average_last 5 \
         --output_workdir RUN-avg5

@@ -1,4 +1,4 @@
-"""Benchmark: compile time, training step, MFU, memory, beam search and input pipeline.
+r"""Benchmark: compile time, training step, MFU, memory, beam search and input pipeline.
 
     python -m transformer.tools.bench --config configs/default.py
     python -m transformer.tools.bench --config configs/wmt14.py:base \

@@ -59,11 +59,13 @@ def time_beam_search(
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   parser.add_argument("--batch", type=int, default=32, help="sentences per batch")
   parser.add_argument("--source_len", type=int, default=20, help="source tokens, EOS included")
   parser.add_argument("--steps", type=int, default=64, help="decoding steps (output tokens)")
-  parser.add_argument("--beam_size", type=int, default=4)
+  parser.add_argument("--beam_size", type=int, default=4, help="beams per sentence")
   args = parser.parse_args()
   if args.steps <= args.source_len:
     parser.error("--steps must exceed --source_len: the budget is source length + extra")

@@ -145,12 +145,16 @@ def make_train() -> str:
       f"{_thousands(r['tokens_per_sec'])} target tokens/s ({_thousands(low)} to "
       f"{_thousands(high)}), MFU {_percent(r['mfu'])}, HFU {_percent(r['hfu'])}",
     ),
-    ("final validation perplexity (unsmoothed)", f"{r['validation_ppl']:.2f}"),
     (
       f"{r['split']} split ({r['num_sentences']:,} sentences), beam {r['beam_size']}, "
       f"alpha {r['alpha']}",
       f"**sacreBLEU {r['bleu']:.2f}**, tokenized BLEU {r['bleu_tok']:.2f}, chrF {r['chrf']:.2f}",
     ),
+    (f"{r['split']} split perplexity (unsmoothed)", f"{r['ppl']:.2f}"),
+  ]
+  if "validation_ppl" in r:  # the run's last validation, in records made by --from_workdir
+    rows.append(("validation perplexity, last step (unsmoothed)", f"{r['validation_ppl']:.2f}"))
+  rows += [
     ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s"),
   ]
   last_line = f"sacreBLEU {r['bleu']:.2f}  {r['bleu_signature']}"
@@ -165,8 +169,8 @@ def make_train_expected() -> str:
   r = _make_train()
   return textwrap.fill(
     f"sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
-    f"{r['num_sentences']:,}-sentence test split, validation perplexity "
-    f"{r['validation_ppl']:.2f}; {r['num_train_steps']:,} steps in "
+    f"{r['num_sentences']:,}-sentence {r['split']} split, perplexity "
+    f"{r['ppl']:.2f} there; {r['num_train_steps']:,} steps in "
     f"{_minutes(r['train_time_s'])} on a {r['machine']} ({r['date']}, commit "
     f"{r['commit']}; docs/results/make_train.jsonl).",
     width=88,

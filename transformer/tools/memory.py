@@ -1,13 +1,14 @@
-"""Memory per device of the compiled training step, mesh by mesh.
+r"""Memory per device of the compiled training step, mesh by mesh.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-        python -m transformer.tools.memory --config configs/wmt14.py:big
+    python -m transformer.tools.memory --config configs/wmt14.py:big
     ... --mesh 8,1,1 --mesh 2,2,2 --batch_tokens 8192 --seq_len 128 --propagation --json
 
 Each `--mesh data,fsdp,tensor` (default: data=8, fsdp=8, tensor=8 and 2x2x2) builds the
 config's model and optimizer with `transformer.training.state.setup` on that mesh,
 lowers `transformer.training.steps.jit_train_step` on abstract arrays (nothing is
-allocated, so the big model compiles for 8 fake devices on any CPU) under the config's
+allocated, so the big model compiles for 8 fake devices on any CPU: the tool asks JAX
+for as many CPU devices as the largest mesh needs; on a GPU or TPU host pass
+JAX_PLATFORMS=cpu to measure there on the CPU) under the config's
 rules (`sharding.activation_sharding`), and reads XLA's `memory_analysis()` of the
 compiled step. All figures are bytes per device:
 
@@ -31,10 +32,12 @@ docs/performance.md records the figures.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -211,11 +214,24 @@ def table(results: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def use_cpu_devices(count: int) -> None:
+  """Asks JAX for `count` CPU devices (as XLA_FLAGS=--xla_force_host_platform_device_count
+  does), so that the meshes compile on a machine with one. Only before JAX has started its
+  backends (in tests it has, with 8) and where XLA_FLAGS sets no count of its own."""
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  # Backends already started (RuntimeError): their devices are what there is.
+  with contextlib.suppress(RuntimeError):
+    jax.config.update("jax_num_cpu_devices", count)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  meshes = [parse_mesh(spec) for spec in _MESH.value]
+  use_cpu_devices(max(math.prod(sizes) for sizes in meshes))
   try:
-    report(_CONFIG.value, [parse_mesh(spec) for spec in _MESH.value])
+    report(_CONFIG.value, meshes)
   except config_lib.ConfigError as e:
     sys.exit(f"error: {e}")
 
@@ -225,9 +241,9 @@ def report(config, meshes: list[tuple[int, int, int]]) -> None:
   config_lib.validate(config)
   most = max(math.prod(sizes) for sizes in meshes)
   if most > jax.device_count():
-    raise app.UsageError(
-      f"--mesh needs {most} devices, {jax.device_count()} are visible; on CPU set "
-      f"XLA_FLAGS=--xla_force_host_platform_device_count={most}"
+    raise config_lib.ConfigError(
+      f"--mesh needs {most} devices, {jax.device_count()} {jax.default_backend()} devices are "
+      f"visible; JAX_PLATFORMS=cpu measures on {most} CPU devices"
     )
   seq_len = _SEQ_LEN.value or config.max_len
   rows = default_rows(config, meshes, seq_len, _BATCH_TOKENS.value)

@@ -200,6 +200,7 @@ def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
         "bleu",
         "bleu_tok",
         "chrf",
+        "ppl",  # the split's (test), as eval.py prints it
         "bleu_signature",
         "sentences_per_sec",
       )

@@ -3,6 +3,11 @@
 Every process runs the same command. On a TPU pod or under SLURM, JAX finds the
 coordinator, the process count and this process's id by itself; elsewhere pass
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
+
+Under SLURM a process drives one GPU, as JAX does by default there: a node with G GPUs
+runs G tasks (`srun --ntasks-per-node=G --gpus-per-node=G`, docs/clusters.md), and task
+SLURM_LOCALID drives that GPU of its node. A layout that would leave GPUs idle stops with
+one line before anything starts.
 """
 
 import contextlib
@@ -49,6 +54,47 @@ def _detected_multiprocess() -> bool:
   return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
+_SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
+  """SLURM's compressed task counts ('8(x3),4': 8 on nodes 0-2, 4 on node 3) at node_id."""
+  counts: list[int] = []
+  for entry in tasks_per_node.split(","):
+    count, _, repeat = entry.partition("(x")
+    try:
+      counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    except ValueError:
+      return None
+  return counts[node_id] if node_id < len(counts) else None
+
+
+def slurm_local_device_ids(environ) -> list[int] | None:
+  """The GPU numbers this SLURM task drives (as CUDA numbers them in this process), or
+  None outside a SLURM job step. Raises ValueError where the layout leaves GPUs idle.
+
+  A task that sees every GPU of its node drives GPU SLURM_LOCALID (JAX's own default);
+  one that SLURM bound to a single GPU (`srun --gpus-per-task=1`, or
+  `srun --gpu-bind=...`) sees it as 0.
+  """
+  if not all(name in environ for name in _SLURM_VARIABLES + ("SLURM_LOCALID",)):
+    return None
+  local_id = int(environ["SLURM_LOCALID"])
+  gpus = [g for g in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+  if len(gpus) == 1:
+    return [0]
+  tasks_per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+  tasks = _tasks_on_node(tasks_per_node or "", int(environ.get("SLURM_NODEID", "0")))
+  if gpus and (local_id >= len(gpus) or (tasks is not None and tasks < len(gpus))):
+    runs = f"{tasks} tasks" if tasks is not None else f"task {local_id}"
+    raise ValueError(
+      f"SLURM runs {runs} on a node with {len(gpus)} GPUs (CUDA_VISIBLE_DEVICES="
+      f"{','.join(gpus)}), and each process drives one GPU: run one task per GPU "
+      f"(srun --ntasks-per-node={len(gpus)} --gpus-per-node={len(gpus)})"
+    )
+  return [local_id]
+
+
 def initialize_from_flags() -> None:
   explicit = FLAGS.coordinator_address is not None
   mode = FLAGS.distributed
@@ -62,10 +108,15 @@ def initialize_from_flags() -> None:
   # heartbeats"): a job with a dead host ends instead of waiting in a collective forever.
   # A coordinator that cannot be reached ends the same way after initialization_timeout.
   try:
+    local_device_ids = None if explicit else slurm_local_device_ids(os.environ)
+  except ValueError as e:
+    exit_with_error(e, force=True)
+  try:
     jax.distributed.initialize(
       coordinator_address=FLAGS.coordinator_address,
       num_processes=FLAGS.num_processes,
       process_id=FLAGS.process_id,
+      local_device_ids=local_device_ids,
       initialization_timeout=FLAGS.distributed_init_timeout_s,
       heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_s,
     )
@@ -110,8 +161,7 @@ def exit_with_error(error, force: bool = False) -> None:
       "has probably died (rerun every process with the same command to resume "
       f"from the newest checkpoint): {first_line(error)}"
     )
-  logging.error("%s", message)
-  print(f"error: {message}", file=sys.stderr, flush=True)
+  print(f"error: {message}", file=sys.stderr, flush=True)  # once: no log line besides it
   if several:
     logging.flush()
     sys.stdout.flush()
