@@ -32,6 +32,7 @@ and sum s t (`count_tokens`, on device).
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 import zlib
@@ -170,6 +171,64 @@ def real_training_flops(cfg: ModelConfig, counts: dict[str, float]) -> float:
 
 # --- Device peaks.
 
+
+# One TPU chip's datasheet figures, for the roofline of a program compiled for a slice
+# (transformer/tools/compile_check.py) and for MFU on a TPU (_KNOWN_PEAKS below).
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+  device_kind: str  # JAX's name of the chip (jax.devices()[0].device_kind)
+  peak_flops: float  # dense bf16 FLOP/s
+  hbm_bytes: int
+  hbm_bytes_per_s: float
+  ici_bytes_per_s: float  # inter-chip interconnect, one chip's total
+  dcn_bytes_per_s: float  # data-centre network, one chip's share of its host's NIC
+  source: str
+
+
+_GB, _GIB, _GBIT = 1e9, 2**30, 1e9 / 8
+# Google Cloud TPU documentation, cloud.google.com/tpu/docs/<version> ("System
+# architecture" tables: peak compute per chip, HBM capacity and bandwidth, ICI bandwidth
+# per chip); DCN: the Compute Engine machine type's network bandwidth per VM (ct4p,
+# ct5lp, ct5p, ct6e) over its chips. Bidirectional ICI totals, as the tables print them.
+TPU_CHIPS = {
+  "v4": TpuChip(
+    "TPU v4",
+    275e12,
+    32 * _GIB,
+    1228 * _GB,
+    2400 * _GBIT,
+    50 * _GBIT / 4,
+    "cloud.google.com/tpu/docs/v4; ct4p-hightpu-4t: 50 Gbps per 4-chip VM",
+  ),
+  "v5e": TpuChip(
+    "TPU v5 lite",
+    197e12,
+    16 * _GIB,
+    819 * _GB,
+    1600 * _GBIT,
+    100 * _GBIT / 4,
+    "cloud.google.com/tpu/docs/v5e; ct5lp-hightpu-4t: 100 Gbps per 4-chip VM",
+  ),
+  "v5p": TpuChip(
+    "TPU v5",
+    459e12,
+    95 * _GB,
+    2765 * _GB,
+    4800 * _GBIT,
+    200 * _GBIT / 4,
+    "cloud.google.com/tpu/docs/v5p; ct5p-hightpu-4t: 200 Gbps per 4-chip VM",
+  ),
+  "v6e": TpuChip(
+    "TPU v6 lite",
+    918e12,
+    32 * _GB,
+    1640 * _GB,
+    3584 * _GBIT,
+    200 * _GBIT / 8,
+    "cloud.google.com/tpu/docs/v6e; ct6e-standard-8t: 200 Gbps per 8-chip VM",
+  ),
+}
+
 # Dense (no structured sparsity) bf16 tensor-core peak FLOP/s of one JAX device, keyed
 # by the exact `jax.devices()[0].device_kind`: on GPU the CUDA device name (what
 # nvidia-smi shows), on TPU JAX's name of the chip (v4 and later: one device per chip).
@@ -198,14 +257,11 @@ _KNOWN_PEAKS = {
   "NVIDIA L40S": 362e12,
   # NVIDIA A10 datasheet: 125 TFLOPS BF16 dense. (AWS's A10G is a different part.)
   "NVIDIA A10": 125e12,
-  # Google Cloud TPU system-architecture pages, bf16 per chip.
-  "TPU v4": 275e12,
-  "TPU v5 lite": 197e12,  # v5e
-  "TPU v5e": 197e12,
-  "TPU v5": 459e12,  # v5p, as older libtpu names it
-  "TPU v5p": 459e12,
-  "TPU v6 lite": 918e12,  # v6e (Trillium)
-  "TPU v6e": 918e12,
+  # TPUs: TPU_CHIPS above, under JAX's names, and the names other libtpu versions use.
+  **{chip.device_kind: chip.peak_flops for chip in TPU_CHIPS.values()},
+  "TPU v5e": TPU_CHIPS["v5e"].peak_flops,
+  "TPU v5p": TPU_CHIPS["v5p"].peak_flops,
+  "TPU v6e": TPU_CHIPS["v6e"].peak_flops,
   "TPU7x": 2307e12,  # Ironwood
 }
 
