@@ -180,10 +180,10 @@ def tpu_slices() -> dict[str, Slice]:
 def parse_slice(name: str) -> Slice:
   slices = tpu_slices()
   if name not in slices:
-    raise app.UsageError(
-      f"--topology {name!r}: not a known TPU slice"
-      f"{did_you_mean(name, slices)} (v4-8, v5e-256, v5p-128, v6e-64, ...)"
-    )
+    version = name.split("-")[0]
+    same = [n for n in slices if n.split("-")[0] == version]
+    known = ", ".join(same) if same else "v4-8 ... v4-4096, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ..."
+    raise app.UsageError(f"--topology {name!r}: not a known TPU slice; known: {known}")
   return slices[name]
 
 
@@ -427,22 +427,47 @@ class OutOfMemory(Exception):
   """The program does not fit the chip's HBM; the message is the one line to print."""
 
 
-def _oom_line(error: Exception, tpu_slice: Slice) -> str:
-  """One line from libtpu's RESOURCE_EXHAUSTED text: needed, available, largest buffers."""
+_MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)+)([a-z]+\d*)>")
+_MLIR_BYTES = {
+  "i1": 1,
+  "i8": 1,
+  "ui8": 1,
+  "bf16": 2,
+  "f16": 2,
+  "i16": 2,
+  "f32": 4,
+  "i32": 4,
+  "ui32": 4,
+  "f64": 8,
+  "i64": 8,
+}
+
+
+def largest_arrays(lowered, count: int = 3) -> list[str]:
+  """The largest arrays of the program before partitioning ('f32[64,256,37000] 2.3 GiB'):
+  global shapes, of which each chip holds its shard, or all where XLA gathers one whole."""
+  sizes = {}
+  for dims, dtype in set(_MLIR_TENSOR.findall(lowered.as_text())):
+    shape = [int(d) for d in dims.rstrip("x").split("x")]
+    sizes[f"{dtype}[{','.join(map(str, shape))}]"] = math.prod(shape) * _MLIR_BYTES.get(dtype, 4)
+  ranked = sorted(sizes.items(), key=lambda item: -item[1])[:count]
+  return [f"{shape} {_gib(size)}" for shape, size in ranked]
+
+
+def _oom_line(error: Exception, tpu_slice: Slice, lowered) -> str:
+  """One line from libtpu's RESOURCE_EXHAUSTED error: what the program needs, what the
+  chip has, and the program's largest arrays."""
   text = str(error)
-  needed = re.search(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm", text)
-  exceeds = re.search(r"exceeds available HBM \(([\d.]+[KMGT]?)\)", text) or re.search(
-    r"([\d.]+[KMGT]?) of HBM", text
+  match = re.search(
+    r"required for ([^(]*)\(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)", text
   )
-  buffers = re.findall(r"Size: ([\d.]+[KMGT]?)\n.*?Shape: (\S+)", text, flags=re.S)
-  what = (
-    needed.group(0) if needed else (exceeds.group(0) if exceeds else text.splitlines()[0][:200])
-  )
-  largest = ", ".join(f"{shape} ({size})" for size, shape in buffers[:3])
+  if match:
+    what = f"needs {match.group(2)} of HBM for {match.group(1).strip()}, {match.group(3)} available"
+  else:
+    what = text.strip().splitlines()[0][:300]
   return (
-    f"does not fit: {what} on each {tpu_slice.chip.device_kind} chip"
-    + (f"; largest buffers: {largest}" if largest else "")
-    + f" ({PREDICTED})"
+    f"does not fit: {what} on each {tpu_slice.chip.device_kind} chip; largest arrays "
+    f"(whole, before sharding): {', '.join(largest_arrays(lowered))} ({PREDICTED})"
   )
 
 
@@ -453,7 +478,7 @@ def _compile(lowered, tpu_slice: Slice):
       compiled = lowered.compile()
     except Exception as e:  # jax's XlaRuntimeError
       if "RESOURCE_EXHAUSTED" in str(e) or "exceeds available HBM" in str(e):
-        raise OutOfMemory(_oom_line(e, tpu_slice)) from None
+        raise OutOfMemory(_oom_line(e, tpu_slice, lowered)) from None
       raise
   return compiled, log
 
