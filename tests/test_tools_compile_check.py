@@ -124,11 +124,13 @@ def test_collectives_are_counted_per_loop_trip_and_split_by_slice():
   hlo = "\n".join(
     [
       "%body.1 (p: f32[8]) -> f32[8] {",
-      "  %all-gather.1 = f32[8,1024]{1,0} all-gather(%p), replica_groups=[2,2]<=[4], dimensions={0}",
+      "  %all-gather.1 = f32[8,1024]{1,0} all-gather(%p), replica_groups=[2,2]<=[4]",
       "}",
       "ENTRY %main.2 (a: f32[8]) -> f32[8] {",
-      '  %while.1 = f32[8] while(%a), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"6"}}',
-      "  %all-reduce.1 = (bf16[512]{0}, bf16[512]{0}) all-reduce(%x, %y), replica_groups={{0,2},{1,3}}",
+      "  %while.1 = f32[8] while(%a), condition=%cond.1, body=%body.1,"
+      ' backend_config={"known_trip_count":{"n":"6"}}',
+      "  %all-reduce.1 = (bf16[512]{0}, bf16[512]{0}) all-reduce(%x, %y),"
+      " replica_groups={{0,2},{1,3}}",
       "}",
     ]
   )

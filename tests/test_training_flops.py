@@ -149,13 +149,16 @@ def test_the_cpu_peak_is_measured_once_per_machine_and_kept(monkeypatch):
   """A peak measured at every start moves with the machine's load, and MFU with it."""
   monkeypatch.setattr(flops, "measure_matmul_peak", lambda: 7.0)
   assert flops.device_peak_flops() == 7.0
-  kept = json.loads(open(flops.cpu_peak_file()).read())
+  with open(flops.cpu_peak_file()) as f:
+    kept = json.load(f)
   assert [entry["flops_per_s"] for entry in kept.values()] == [7.0]
   # A new process (nothing in memory) reads the kept figure rather than measuring.
   monkeypatch.setattr(flops, "_measured_cpu_peak", None)
   monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured again"))
   assert flops.device_peak_flops() == 7.0
-  assert flops.peak_source() == f"f32 matmul measured on this machine, kept in {flops.cpu_peak_file()}"
+  assert flops.peak_source() == (
+    f"f32 matmul measured on this machine, kept in {flops.cpu_peak_file()}"
+  )
 
 
 def test_a_utilisation_above_the_peak_is_never_printed_as_a_percentage():

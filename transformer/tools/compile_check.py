@@ -60,7 +60,6 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
-from transformer.messages import did_you_mean
 from transformer.model import ModelConfig
 from transformer.tools import memory
 from transformer.training import flops, sharding
