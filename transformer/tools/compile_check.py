@@ -102,7 +102,11 @@ _SEQ_LEN = flags.DEFINE_integer(
   flag_values=_FLAG_VALUES,
 )
 _JSON = flags.DEFINE_bool(
-  "json", False, "Print the report as one JSON object.", flag_values=_FLAG_VALUES
+  "json",
+  False,
+  "Print the report as one JSON object (fits false, or an error: a batch that does not "
+  "split over the mesh, rather than exiting 1).",
+  flag_values=_FLAG_VALUES,
 )
 
 PREDICTED = "predicted by XLA's TPU compiler (libtpu), not measured"
@@ -711,11 +715,20 @@ def main(argv):
       _CONFIG.value, tpu_slice, _NUM_SLICES.value, _MESH.value, _BATCH_TOKENS.value, _SEQ_LEN.value
     )
   except config_lib.ConfigError as e:
-    sys.exit(f"error: {e}")
-  if _JSON.value:
+    if not _JSON.value:
+      sys.exit(f"error: {e}")
+    # A record of the slice on which the config cannot run, for the docs' tables.
+    report = {
+      "topology": tpu_slice.name,
+      "num_slices": _NUM_SLICES.value,
+      "fits": False,
+      "error": str(e),
+      "predicted": PREDICTED,
+    }
+  if _JSON.value:  # the object says whether it fits; exit 0 so that it is recorded
     print(json.dumps({**report, "versions": versions.library_versions()}))
-  else:
-    print(text(report))
+    return
+  print(text(report))
   if not report["fits"]:
     sys.exit(1)
 
