@@ -137,3 +137,34 @@ def test_collectives_are_counted_per_loop_trip_and_split_by_slice():
   counted = compile_check.collectives(hlo, device_slices=[0, 0, 1, 1])
   assert counted["all-gather"] == {"count": 6, "ici_bytes": 6 * 8 * 1024 * 4 / 2, "dcn_bytes": 0.0}
   assert counted["all-reduce"] == {"count": 1, "ici_bytes": 0.0, "dcn_bytes": 2 * 2048 / 2}
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_run(tmp_path):
+  overrides = dict(arg.removeprefix("--config.").split("=") for arg in TINY if "config." in arg)
+  sweep_file = tmp_path / "tiny.py"
+  sweep_file.write_text(
+    "from transformer.sweeps import Row\n"
+    "BASE_CONFIG = 'configs/default.py'\n"
+    f"BASE_OVERRIDES = {{k: int(v) for k, v in {overrides!r}.items()}}\n"
+    "def get_sweep():\n"
+    "  return [Row('fits', {}), Row('two_rows', {'tokens_per_batch': 64})]\n"
+  )
+  workdir = tmp_path / "runs"
+  result = subprocess.run(
+    [sys.executable, "-m", "transformer.sweeps", "--sweep", str(sweep_file), "--workdir",
+     str(workdir), "--launch", "tpu", "--compile_check", "v5e-4"],
+    capture_output=True, text=True, env=subprocess_env(1), timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  # The table: each row with its changes, parameters, bytes, verdict, step time and MFU.
+  table = result.stderr
+  assert "Train step of each row on v5e-4" in table and "predicted by XLA's TPU compiler" in table
+  fits_row = next(line for line in table.splitlines() if line.startswith("| fits |"))
+  assert "| (base) |" in fits_row and "fits, 0% of 16 GiB" in fits_row and " ms |" in fits_row
+  # 64 tokens are 2 rows of 32, which do not split over the 4 chips' data axis.
+  assert "two_rows: no script, it does not fit v5e-4: tokens_per_batch: 64 tokens" in table
+  scripts = result.stdout.split()
+  assert any(path.endswith("fits.sh") for path in scripts)
+  assert not any("two_rows" in path for path in scripts)

@@ -8,6 +8,11 @@
   python -m transformer.sweeps --sweep ... --workdir gs://BUCKET/t3 --launch slurm|tpu
       Writes one script per row (and one that starts them all) for a SLURM cluster or a
       TPU pod; the scripts run the same train.py and eval.py commands.
+  python -m transformer.sweeps --sweep configs/sweeps/table3.py --compile_check v5e-32
+      Compiles every row's train step for that TPU slice on this machine and prints, per
+      row, bytes per chip, whether it fits, and the predicted step time, MFU and time to
+      its step count (transformer/tools/compile_check.py). --launch tpu does this first
+      and writes no script for a row that does not fit (--compile_check none: skip it).
   python -m transformer.sweeps --sweep ... --workdir W --collect [--output_dir DIR]
       Final validation perplexity and BLEU of every row beside the paper's numbers:
       DIR/<sweep>.md, .csv and .png (report.py).
@@ -23,6 +28,7 @@ from absl import flags
 from transformer import cli, storage, versions
 from transformer import config as config_lib
 from transformer.sweeps import launch, report, runner, spec
+from transformer.tools import compile_check
 
 FLAGS = flags.FLAGS
 
@@ -47,6 +53,13 @@ flags.DEFINE_bool(
   "Gather each row's final validation perplexity and BLEU into <sweep>.md, .csv and .png.",
 )
 flags.DEFINE_string("output_dir", None, "Where --collect writes (default: WORKDIR).")
+flags.DEFINE_string(
+  "compile_check",
+  None,
+  "A TPU slice (v5e-32, v4-128, ...): compile each row's train step for it and print "
+  "whether it fits and its predicted step time; with --launch tpu, the slice the scripts "
+  "run on (rows that do not fit get no script), or none to launch without checking.",
+)
 flags.DEFINE_bool(
   "final_eval",
   True,
@@ -64,13 +77,20 @@ def main(argv) -> None:
       raise spec.SweepError("--sweep is required, e.g. --sweep configs/sweeps/table3.py")
     modes = [name for name in ("dry_run", "collect") if FLAGS[name].value]
     modes += ["launch"] if FLAGS.launch else []
+    if FLAGS.compile_check and not FLAGS.launch:
+      modes.append("compile_check")
     if len(modes) > 1:
       raise spec.SweepError(
-        f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})"
+        f"choose one of --dry_run, --launch, --collect, --compile_check (got {', '.join(modes)})"
       )
     if FLAGS.json and not FLAGS.dry_run:
       raise spec.SweepError("--json goes with --dry_run")
-    if not FLAGS.workdir and not FLAGS.dry_run:
+    if FLAGS.launch == "tpu" and not FLAGS.compile_check:
+      raise spec.SweepError(
+        "--launch tpu checks each row on the slice first: name it, e.g. --compile_check "
+        "v5e-32 (or --compile_check none to launch without checking)"
+      )
+    if not FLAGS.workdir and not (FLAGS.dry_run or modes == ["compile_check"]):
       raise spec.SweepError("--workdir is required (each row runs in WORKDIR/<row>)")
     sweep = spec.load_sweep(FLAGS.sweep)
     rows = spec.select_rows(sweep, FLAGS.only)
@@ -85,7 +105,18 @@ def main(argv) -> None:
           print(json.dumps({**entry, "versions": versions.library_versions()}))
       else:
         print(report.dry_run_table(sweep, summaries))
+    elif modes == ["compile_check"]:
+      print(_check_rows(rows, configs)[1])
     elif FLAGS.launch:
+      if FLAGS.launch == "tpu" and FLAGS.compile_check != "none":
+        reports, table = _check_rows(rows, configs)
+        print(table, file=sys.stderr)
+        for row in [r for r in rows if not reports[r.name]["fits"]]:
+          why = compile_check.why_not(reports[row.name])
+          print(
+            f"{row.name}: no script, it does not fit {FLAGS.compile_check}: {why}", file=sys.stderr
+          )
+        rows = [r for r in rows if reports[r.name]["fits"]]
       written = launch.write_scripts(
         FLAGS.launch, sweep, rows, configs, FLAGS.workdir, launch.options_from_flags()
       )
@@ -102,6 +133,17 @@ def main(argv) -> None:
       runner.run_local(sweep, rows, configs, FLAGS.workdir, final_eval=FLAGS.final_eval)
   except (spec.SweepError, config_lib.ConfigError) as e:
     sys.exit(f"error: {e}")
+
+
+def _check_rows(rows, configs) -> tuple[dict[str, dict], str]:
+  """Every row compiled for --compile_check's slice: (reports, the table to print)."""
+  tpu_slice = compile_check.parse_slice(FLAGS.compile_check)
+  reports = compile_check.check_rows(configs, tpu_slice)
+  described = {
+    e["name"]: (report.changed_values(spec.Row(e["name"], e["overrides"])), e["num_params"])
+    for e in report.describe_rows(rows, configs)
+  }
+  return reports, compile_check.rows_table(reports, described, tpu_slice)
 
 
 if __name__ == "__main__":
