@@ -181,7 +181,7 @@ def real_training_flops(cfg: ModelConfig, counts: dict[str, float]) -> float:
 class TpuChip:
   device_kind: str  # JAX's name of the chip (jax.devices()[0].device_kind)
   peak_flops: float  # dense bf16 FLOP/s
-  hbm_bytes: int
+  hbm_bytes: float
   hbm_bytes_per_s: float
   ici_bytes_per_s: float  # inter-chip interconnect, one chip's total
   dcn_bytes_per_s: float  # data-centre network, one chip's share of its host's NIC
