@@ -52,7 +52,7 @@ def _run(*args):
 @needs_libtpu
 @pytest.mark.slow
 def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
-  result = _run("--config.model.scan_layers=True", "--json")
+  result = _run("--config.model.scan_layers=True", "--json", "--decode_batch=8")
   assert result.returncode == 0, result.stderr[-2000:]
   assert "TPU_WORKER_HOSTNAMES" not in result.stderr  # libtpu's log stays off the terminal
   report = json.loads(result.stdout)
@@ -86,6 +86,14 @@ def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
   assert report["tokens_per_s_per_chip"] == pytest.approx(report["tokens_per_s"] / 4)
   assert report["mfu"] == pytest.approx(report["formula_flops"] / report["step_s"] / 197e12)
   assert 0 < report["mfu"] <= 1
+  # Beam search on the slice: 8 sentences x 4 beams through a cache of 32 + 50 slots.
+  decoding = report["decoding"]
+  assert (decoding["batch"], decoding["beam_size"], decoding["cache_len"]) == (8, 4, 82)
+  for program in ("prefill", "step"):
+    assert decoding[program]["fits"] and 0 < decoding[program]["total"] < 2**30
+    assert decoding[program]["flops"] > 0 and decoding[program]["step_s"] > 0
+  assert decoding["tokens_per_s"] == pytest.approx(8 / decoding["step"]["step_s"])
+  assert "ms per generated token" in compile_check.decoding_text(decoding)
   # The terminal's report names every figure as a prediction.
   text = compile_check.text(report)
   assert "predicted by XLA's TPU compiler" in text

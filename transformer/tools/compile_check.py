@@ -54,6 +54,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -100,6 +101,13 @@ _SEQ_LEN = flags.DEFINE_integer(
   "seq_len",
   None,
   "Source and target length of the batch (default: max_len).",
+  flag_values=_FLAG_VALUES,
+)
+_DECODE_BATCH = flags.DEFINE_integer(
+  "decode_batch",
+  0,
+  "Also compile beam search's prefill and one-token step for this many sentences "
+  "(config.beam_size beams each): memory per chip and time per generated token.",
   flag_values=_FLAG_VALUES,
 )
 _JSON = flags.DEFINE_bool(
@@ -708,6 +716,125 @@ def text(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def check_decoding(
+  config, tpu_slice: Slice, batch: int, num_slices: int = 1, mesh: str | None = None
+) -> dict[str, Any]:
+  """Beam search's prefill (the encoder, and the decoder's first token for `batch`
+  sentences, repeated for the beams) and one token of its loop (batch x beam rows
+  through a cache of max_len + max_decode_extra_len slots, the longest it grows to, then
+  the beams' reordering), compiled for the slice: memory per chip and the roofline time
+  of each; the step's is the time per generated token."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from transformer.config import BOS_ID
+  from transformer.model.decoding import cache as cache_lib
+
+  config = prepare_config(config, mesh, num_slices)
+  devices = slice_devices(tpu_slice, num_slices)
+  mesh_ = sharding.create_mesh(config, devices)
+  from transformer.training import state as state_lib
+
+  run = state_lib.setup(config, mesh_)
+  multiple = math.lcm(sharding.batch_row_shards(mesh_, run.rules), tpu_slice.hosts * num_slices)
+  if batch % multiple:
+    raise config_lib.ConfigError(
+      f"--decode_batch {batch}: must be a multiple of {multiple} (the row shards and hosts)"
+    )
+  beams, seq_len = config.beam_size, config.max_len
+  cache_len = config.max_len + config.max_decode_extra_len
+  params = run.restore_target().params
+  rows = sharding.batch_sharding(mesh_, run.rules)
+
+  def prefill(params, source_BxS):
+    model, params = cache_lib.unrolled(run.model, params)
+    prompt_Bx1 = jnp.full((source_BxS.shape[0], 1), BOS_ID, jnp.int32)
+    first = cache_lib.prefill(model, params, prompt_Bx1, cache_len=cache_len, source_BxS=source_BxS)
+    return cache_lib.repeat_rows(first.state, beams), first.logits_BxV
+
+  def step(params, decoder_state, tokens_N, parent_N):
+    model, params = cache_lib.unrolled(run.model, params)
+    logits_NxLxV, decoder_state = cache_lib.feed(model, params, decoder_state, tokens_N[:, None])
+    return cache_lib.reorder_rows(decoder_state, parent_N), logits_NxLxV[:, 0]
+
+  report: dict[str, Any] = {"batch": batch, "beam_size": beams, "cache_len": cache_len}
+  source = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
+  with sharding.activation_sharding(mesh_, run.rules):
+    lowered = jax.jit(prefill).lower(params, source)
+  try:
+    compiled, _ = _compile(lowered, tpu_slice)
+  except OutOfMemory as e:
+    return {**report, "fits": False, "oom": str(e)}
+  report["prefill"] = _predicted_program(compiled, tpu_slice, mesh_)
+  decoder_state = jax.tree.map(
+    lambda shape, where: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where),
+    jax.eval_shape(prefill, params, source)[0],
+    compiled.output_shardings[0],
+  )
+  tokens = jax.ShapeDtypeStruct(
+    (batch * beams,), jnp.int32, sharding=NamedSharding(mesh_, PartitionSpec(rows.spec[0]))
+  )
+  with sharding.activation_sharding(mesh_, run.rules):
+    lowered = jax.jit(step, donate_argnums=1).lower(params, decoder_state, tokens, tokens)
+  try:
+    compiled, _ = _compile(lowered, tpu_slice)
+  except OutOfMemory as e:
+    return {**report, "fits": False, "oom": str(e)}
+  report["step"] = _predicted_program(compiled, tpu_slice, mesh_)
+  report["fits"] = report["prefill"]["fits"] and report["step"]["fits"]
+  report["tokens_per_s"] = batch / report["step"]["step_s"]  # one token per sentence a step
+  return report
+
+
+def _predicted_program(compiled, tpu_slice: Slice, mesh_) -> dict[str, Any]:
+  """Memory per chip, cost, collectives and roofline time of one compiled program."""
+  analysis = compiled.memory_analysis()
+  total = (
+    int(analysis.argument_size_in_bytes)
+    + int(analysis.output_size_in_bytes)
+    - int(analysis.alias_size_in_bytes)
+    + int(analysis.temp_size_in_bytes)
+  )
+  chip = tpu_slice.chip
+  out: dict[str, Any] = {
+    "total": total,
+    "temp": int(analysis.temp_size_in_bytes),
+    "hbm": chip.hbm_bytes,
+    "fits": total <= chip.hbm_bytes,
+    **_cost(compiled),
+  }
+  coll = collectives(compiled.as_text(), [getattr(d, "slice_index", 0) for d in mesh_.devices.flat])
+  times = {
+    "compute": out["flops"] / chip.peak_flops,
+    "hbm": out["bytes"] / chip.hbm_bytes_per_s,
+    "ici": sum(c["ici_bytes"] for c in coll.values()) / chip.ici_bytes_per_s,
+    "dcn": sum(c["dcn_bytes"] for c in coll.values()) / chip.dcn_bytes_per_s,
+  }
+  out.update(step_s=max(times.values()), bound=max(times, key=lambda k: times[k]))
+  return out
+
+
+def decoding_text(report: dict[str, Any]) -> str:
+  head = (
+    f"beam search, {report['batch']} sentences x beam {report['beam_size']}, "
+    f"cache of {report['cache_len']} slots, per chip ({PREDICTED}):"
+  )
+  if "oom" in report:
+    return head + "\n  " + report["oom"]
+  lines = [head]
+  for name in ("prefill", "step"):
+    r = report[name]
+    lines.append(
+      f"  {name:<7} {'fits' if r['fits'] else 'does not fit'}, {r['total'] / r['hbm']:.0%} of "
+      f"{r['hbm'] / 2**30:.0f} GiB; {r['flops']:.3g} FLOPs, {r['bytes']:.3g} bytes; "
+      f"roofline {r['step_s'] * 1e3:,.3f} ms ({r['bound']}-bound)"
+    )
+  lines.append(
+    f"  {report['step']['step_s'] * 1e3:,.3f} ms per generated token, "
+    f"{report['tokens_per_s']:,.0f} tokens/s for the slice"
+  )
+  return "\n".join(lines)
+
+
 def check_rows(configs: dict, tpu_slice: Slice, num_slices: int = 1) -> dict[str, dict]:
   """{row name: report} for every row's config (a sweep's), compiled for the slice. A
   row whose batch does not split over the mesh gets {"fits": False, "error": ...}."""
@@ -773,10 +900,19 @@ def main(argv):
       "error": str(e),
       "predicted": PREDICTED,
     }
+  if _DECODE_BATCH.value and "error" not in report:
+    try:
+      report["decoding"] = check_decoding(
+        _CONFIG.value, tpu_slice, _DECODE_BATCH.value, _NUM_SLICES.value, _MESH.value
+      )
+    except config_lib.ConfigError as e:
+      sys.exit(f"error: {e}")
   if _JSON.value:  # the object says whether it fits; exit 0 so that it is recorded
     print(json.dumps({**report, "versions": versions.library_versions()}))
     return
   print(text(report))
+  if "decoding" in report:
+    print(decoding_text(report["decoding"]))
   if not report["fits"]:
     sys.exit(1)
 
