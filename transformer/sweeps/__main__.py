@@ -77,12 +77,14 @@ def main(argv) -> None:
       raise spec.SweepError("--sweep is required, e.g. --sweep configs/sweeps/table3.py")
     modes = [name for name in ("dry_run", "collect") if FLAGS[name].value]
     modes += ["launch"] if FLAGS.launch else []
-    if FLAGS.compile_check and not FLAGS.launch:
-      modes.append("compile_check")
     if len(modes) > 1:
       raise spec.SweepError(
-        f"choose one of --dry_run, --launch, --collect, --compile_check (got {', '.join(modes)})"
+        f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})"
       )
+    if FLAGS.compile_check and modes and FLAGS.launch != "tpu":
+      raise spec.SweepError("--compile_check goes alone or with --launch tpu")
+    if FLAGS.compile_check and not FLAGS.launch:
+      modes.append("compile_check")
     if FLAGS.json and not FLAGS.dry_run:
       raise spec.SweepError("--json goes with --dry_run")
     if FLAGS.launch == "tpu" and not FLAGS.compile_check:
