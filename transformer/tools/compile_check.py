@@ -7,9 +7,11 @@ Compiles the same train step `train.py` runs (`transformer.tools.memory.lower_tr
 `state.setup`, the config's logical axis rules and activation constraints, the
 gradient-accumulation step when grad_accum_steps > 1) for compile-only devices of the
 slice, made by libtpu's compiler on this machine; nothing runs and no TPU is needed. The
-batch is the largest the config's batching plans: tokens_per_batch in full rows of
-max_len tokens (`--batch_tokens` for more padded slots, as memory.py takes it). It
-prints, per chip, every figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
+batch is the batching plan's longest shape, rows of max_len holding tokens_per_batch as
+if every slot were a real token, in whole row shards and whole rows per host (a
+bucketed run whose rows are partly padding plans more rows: pass `--batch_tokens` =
+tokens_per_batch / its padding efficiency, docs/data.md). It prints, per chip, every
+figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
 
   memory      state (parameters and Adam moments), arguments, temporaries, and their
               total against the chip's HBM ("fits, 61% of 16 GiB"); a program too large
@@ -31,6 +33,10 @@ prints, per chip, every figure PREDICTED BY XLA'S TPU COMPILER, none of them mea
               second per chip and for the slice
   remat       how many "[SPMD] Involuntary full rematerialization" warnings the
               partitioner gave: each is a tensor gathered whole on every chip
+
+`--decode_batch N` also compiles beam search for N sentences: its prefill (the encoder
+and the first token) and one step of its loop at the longest cache, with memory per chip
+and the roofline time per generated token.
 
 libtpu is found at $TPU_LIBRARY_PATH, else under the environment's libtpu/ folder (where
 `make test` installs it: .venv/libtpu), else as an installed `libtpu` package (a TPU VM's
