@@ -73,6 +73,7 @@ def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
   assert report["formula_flops"] > 0
   assert abs(report["flops_vs_formula"]) < 0.05, report["flops_vs_formula"]
   assert report["bytes"] > 0
+  assert report["cost_from"] == "the step with its layers unrolled"
   # fsdp=2 gathers parameters and scatters gradients; one slice: nothing over DCN.
   collectives = report["collectives"]
   assert collectives["all-gather"]["count"] > 0 and collectives["all-gather"]["ici_bytes"] > 0
