@@ -171,7 +171,7 @@ def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_ru
   table = result.stderr
   assert "Train step of each row on v5e-4" in table and "predicted by XLA's TPU compiler" in table
   fits_row = next(line for line in table.splitlines() if line.startswith("| fits |"))
-  assert "| (base) |" in fits_row and "fits, 0% of 16 GiB" in fits_row and " ms |" in fits_row
+  assert "| (base) |" in fits_row and "yes, 0% of 16 GiB" in fits_row and " ms |" in fits_row
   # 64 tokens are 2 rows of 32, which do not split over the 4 chips' data axis.
   assert "two_rows: no script, it does not fit v5e-4: tokens_per_batch: 64 tokens" in table
   scripts = result.stdout.split()

@@ -21,6 +21,7 @@ The sweep file format is in spec.py.
 """
 
 import json
+import subprocess
 import sys
 
 from absl import flags
@@ -28,7 +29,6 @@ from absl import flags
 from transformer import cli, storage, versions
 from transformer import config as config_lib
 from transformer.sweeps import launch, report, runner, spec
-from transformer.tools import compile_check
 
 FLAGS = flags.FLAGS
 
@@ -108,17 +108,17 @@ def main(argv) -> None:
       else:
         print(report.dry_run_table(sweep, summaries))
     elif modes == ["compile_check"]:
-      print(_check_rows(rows, configs)[1])
+      print(_check_rows(sweep, rows, configs)[1])
     elif FLAGS.launch:
       if FLAGS.launch == "tpu" and FLAGS.compile_check != "none":
-        reports, table = _check_rows(rows, configs)
+        checks, table = _check_rows(sweep, rows, configs)
         print(table, file=sys.stderr)
-        for row in [r for r in rows if not reports[r.name]["fits"]]:
-          why = compile_check.why_not(reports[row.name])
+        for row in [r for r in rows if not checks[r.name]["fits"]]:
+          why = report.why_not(checks[row.name])
           print(
             f"{row.name}: no script, it does not fit {FLAGS.compile_check}: {why}", file=sys.stderr
           )
-        rows = [r for r in rows if reports[r.name]["fits"]]
+        rows = [r for r in rows if checks[r.name]["fits"]]
       written = launch.write_scripts(
         FLAGS.launch, sweep, rows, configs, FLAGS.workdir, launch.options_from_flags()
       )
@@ -137,15 +137,32 @@ def main(argv) -> None:
     sys.exit(f"error: {e}")
 
 
-def _check_rows(rows, configs) -> tuple[dict[str, dict], str]:
-  """Every row compiled for --compile_check's slice: (reports, the table to print)."""
-  tpu_slice = compile_check.parse_slice(FLAGS.compile_check)
-  reports = compile_check.check_rows(configs, tpu_slice)
-  described = {
-    e["name"]: (report.changed_values(spec.Row(e["name"], e["overrides"])), e["num_params"])
-    for e in report.describe_rows(rows, configs)
-  }
-  return reports, compile_check.rows_table(reports, described, tpu_slice)
+def _check_rows(sweep, rows, configs) -> tuple[dict[str, dict], str]:
+  """Every row's train step compiled for --compile_check's slice, each by
+  `python -m transformer.tools.compile_check --json` in a process of its own (libtpu
+  stays out of this one): (reports by row name, the table to print)."""
+  checks = {}
+  for row in rows:
+    overrides = {**sweep.base_overrides, **row.overrides}
+    command = [
+      sys.executable,
+      "-m",
+      "transformer.tools.compile_check",
+      "--json",
+      "--topology",
+      FLAGS.compile_check,
+      "--config",
+      sweep.base_config,
+    ]
+    command += [f"--config.{k}={spec.flag_value(v)}" for k, v in overrides.items()]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+      last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+      raise spec.SweepError(f"row {row.name}: compile_check failed: {last}")
+    checks[row.name] = json.loads(result.stdout.strip().splitlines()[-1])
+    checks[row.name]["num_train_steps"] = int(configs[row.name].num_train_steps)
+  described = report.describe_rows(rows, configs)
+  return checks, report.compile_check_table(FLAGS.compile_check, rows, described, checks)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,6 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
-from transformer.messages import format_duration
 from transformer.model import ModelConfig
 from transformer.tools import memory
 from transformer.training import flops, sharding
@@ -587,8 +586,8 @@ def check(
     )
     return report
   analysis = compiled.memory_analysis()
-  state_bytes = memory._shard_bytes(run.restore_target())
-  params_bytes = memory._shard_bytes(run.restore_target().params)
+  state_bytes = _shard_bytes(run.restore_target())
+  params_bytes = _shard_bytes(run.restore_target().params)
   total = (
     int(analysis.argument_size_in_bytes)
     + int(analysis.output_size_in_bytes)
@@ -623,6 +622,13 @@ def check(
   report["collectives"] = collectives(costed.as_text(), slice_of)
   report.update(roofline(report, config, chip))
   return report
+
+
+def _shard_bytes(tree) -> int:
+  """Bytes one chip holds of a tree of ShapeDtypeStructs with shardings."""
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+  )
 
 
 def _libtpu_version() -> str | None:
@@ -841,50 +847,6 @@ def decoding_text(report: dict[str, Any]) -> str:
     f"  {report['step']['step_s'] * 1e3:,.3f} ms per generated token, "
     f"{report['tokens_per_s']:,.0f} tokens/s for the slice"
   )
-  return "\n".join(lines)
-
-
-def check_rows(configs: dict, tpu_slice: Slice, num_slices: int = 1) -> dict[str, dict]:
-  """{row name: report} for every row's config (a sweep's), compiled for the slice. A
-  row whose batch does not split over the mesh gets {"fits": False, "error": ...}."""
-  reports = {}
-  for name, config in configs.items():
-    try:
-      reports[name] = check(config, tpu_slice, num_slices)
-    except config_lib.ConfigError as e:
-      reports[name] = {"fits": False, "error": str(e)}
-    reports[name]["num_train_steps"] = int(config.num_train_steps)
-  return reports
-
-
-def why_not(report: dict[str, Any]) -> str:
-  """One line: why a row cannot run on the slice."""
-  return report.get("error") or report.get("oom") or fits_line(report)
-
-
-def rows_table(
-  reports: dict[str, dict], described: dict[str, tuple[str, int]], tpu_slice: Slice
-) -> str:
-  """A Markdown table of a sweep's rows on the slice, every figure predicted.
-  `described`: each row's changed values and parameter count."""
-  lines = [
-    f"Train step of each row on {tpu_slice.name}, per chip, {PREDICTED}:",
-    "",
-    "| row | changes | parameters | bytes per chip | fits | step | MFU | time to its steps |",
-    "|---|---|---:|---:|---|---:|---:|---:|",
-  ]
-  for name, r in reports.items():
-    changes, num_params = described[name]
-    params = f"{changes or 'base'} | {num_params / 1e6:,.1f}M"
-    if "step_s" not in r:
-      lines.append(f"| {name} | {params} | | no: {why_not(r)} | | | |")
-      continue
-    total_s = r["update_s"] * r["num_train_steps"]
-    fits = fits_line(r) if r["fits"] else f"no: {why_not(r)}"
-    lines.append(
-      f"| {name} | {params} | {_gib(r['total'])} | {fits} | {r['step_s'] * 1e3:,.1f} ms | "
-      f"{r['mfu']:.0%} | {format_duration(total_s)} |"
-    )
   return "\n".join(lines)
 
 
