@@ -25,7 +25,8 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
               much they differ
   collectives all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute
               in the compiled program: counts, and bytes each chip sends (ring model),
-              split into ICI (within a slice) and DCN (across slices)
+              over ICI. Across slices libtpu writes Megascale custom calls instead,
+              so DCN traffic is estimated: the gradients all-reduced over the slices
   roofline    the step time if the slowest of compute (FLOPs / peak), HBM traffic,
               ICI and DCN transfers hid all the others: a lower bound. The chips' figures
               and their sources are training/flops.py's TPU_CHIPS
@@ -644,11 +645,19 @@ def _libtpu_version() -> str | None:
 def roofline(report: dict[str, Any], config, chip: flops.TpuChip) -> dict[str, Any]:
   """Step time from the cost and the chip's datasheet, MFU, tokens/s and the FLOPs check."""
   coll = report["collectives"]
+  dcn_bytes = sum(c["dcn_bytes"] for c in coll.values())
+  slices = report["num_slices"]
+  if slices > 1 and not dcn_bytes:
+    # Across slices libtpu compiles Megascale collectives (custom calls), which the HLO
+    # text does not show as collectives: estimate them as the gradients' all-reduce over
+    # the slices, as data parallelism across slices (dcn_data) needs, ring model.
+    dcn_bytes = 2 * (slices - 1) / slices * report["params"]
+    report["dcn_estimated"] = "gradients all-reduced across slices, from the parameters per chip"
   times = {
     "compute": report["flops"] / chip.peak_flops,
     "hbm": report["bytes"] / chip.hbm_bytes_per_s,
     "ici": sum(c["ici_bytes"] for c in coll.values()) / chip.ici_bytes_per_s,
-    "dcn": sum(c["dcn_bytes"] for c in coll.values()) / chip.dcn_bytes_per_s,
+    "dcn": dcn_bytes / chip.dcn_bytes_per_s,
   }
   step_s = max(times.values())
   model = ModelConfig.from_config(config)
@@ -720,6 +729,11 @@ def text(report: dict[str, Any]) -> str:
         if v["count"]
       )
       or "none"
+    ),
+    *(
+      [f"  dcn         estimated: {report['dcn_estimated']} (not read from the program)"]
+      if "dcn_estimated" in report
+      else []
     ),
     "  roofline    "
     + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in report["roofline_s"].items())
