@@ -694,7 +694,10 @@ def _flops_verdict(difference: float) -> str:
   if abs(difference) <= 0.05:
     return "agrees within 5%"
   if difference > 0:  # layer norms, softmax, the optimizer: small next to the matmuls
-    return "XLA counts more than 5% above it: element-wise work the formula leaves out"
+    return (
+      "XLA counts more than 5% above it: element-wise work the formula leaves out, or work "
+      "repeated on the chips of a mesh axis that splits only part of it (tensor)"
+    )
   return "XLA counts more than 5% below it: a loop's body counted once"
 
 
