@@ -749,11 +749,13 @@ def before_you_launch() -> str:
     model = (_command_flag(r["command"], "config") or "").rsplit(":", 1)[-1]
     slices = f"{r['num_slices']} x " if r.get("num_slices", 1) > 1 else ""
     where = f"{model} | {slices}{r['topology']}"
+    asked = _command_flag(r["command"], "mesh")
     if "error" in r:
-      rows.append((*where.split(" | "), "the config's", "", f"no: {r['error']}", "", "", "", ""))
+      mesh = "the config's" if asked is None else f"{asked.replace(',', 'x')} (--mesh)"
+      rows.append((*where.split(" | "), mesh, "", f"no: {r['error']}", "", "", "", ""))
       continue
     mesh = "x".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
-    chosen = "the config's" if _command_flag(r["command"], "mesh") is None else "--mesh"
+    chosen = "the config's" if asked is None else "--mesh"
     if "oom" in r:
       rows.append(
         (
