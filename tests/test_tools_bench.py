@@ -52,7 +52,8 @@ def test_bench_json_reports_every_measurement(small_corpus):
   peak, train, beam, pipeline = records
   # The suite's configs fix the peak (tests/helpers/tiny_run.py): the one the records use.
   assert peak["num_devices"] == 2 and peak["source"] == "config.peak_flops_per_device"
-  assert peak["peak_flops_per_sec"] == make_config(small_corpus).peak_flops_per_device
+  # It is one device's: the job's peak is that times its 2 devices.
+  assert peak["peak_flops_per_sec"] == 2 * make_config(small_corpus).peak_flops_per_device
   assert peak["host_memory_retained"] is True  # on by default (transformer/host_memory.py)
   assert (train["rows"], train["seq_len"]) == (ROWS, SEQ_LEN)
   model_config = ModelConfig.from_config(make_config(small_corpus))

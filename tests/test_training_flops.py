@@ -1,5 +1,6 @@
 """Model FLOPs against hand counts and the traced program, and device peaks."""
 
+import json
 import math
 import socket
 import time
@@ -137,6 +138,37 @@ def test_flops_match_the_papers_estimate():
   assert abs(exact / estimate - 1) < 0.01
 
 
+@pytest.fixture(autouse=True)
+def own_cpu_peak_file(monkeypatch, tmp_path):
+  """Each test keeps its CPU peak in a file of its own, never the user's."""
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  monkeypatch.setattr(flops, "_measured_cpu_peak", None)
+
+
+def test_the_cpu_peak_is_measured_once_per_machine_and_kept(monkeypatch):
+  """A peak measured at every start moves with the machine's load, and MFU with it."""
+  monkeypatch.setattr(flops, "measure_matmul_peak", lambda: 7.0)
+  assert flops.device_peak_flops() == 7.0
+  with open(flops.cpu_peak_file()) as f:
+    kept = json.load(f)
+  assert [entry["flops_per_s"] for entry in kept.values()] == [7.0]
+  # A new process (nothing in memory) reads the kept figure rather than measuring.
+  monkeypatch.setattr(flops, "_measured_cpu_peak", None)
+  monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured again"))
+  assert flops.device_peak_flops() == 7.0
+  assert flops.peak_source() == (
+    f"f32 matmul measured on this machine, kept in {flops.cpu_peak_file()}"
+  )
+
+
+def test_a_utilisation_above_the_peak_is_never_printed_as_a_percentage():
+  assert flops.utilisation_text("MFU", 0.381) == "MFU 38.1%"
+  assert flops.utilisation_text("MFU", None) == "MFU n/a"
+  assert flops.utilisation_text("MFU", 1.22) == (
+    "MFU n/a (above the peak: set config.peak_flops_per_device)"
+  )
+
+
 def test_device_peak_on_cpu_is_measured_once_and_positive():
   """The number is a measurement, so only its sign and its caching are pinned."""
   device = jax.devices()[0]
@@ -219,14 +251,15 @@ def test_unknown_device_kind_has_no_peak_and_says_so_once(kind, monkeypatch):
 
 def test_a_configured_peak_replaces_the_table_and_the_measurement(monkeypatch):
   """config.peak_flops_per_device: for a kind the table lacks, and instead of the CPU's
-  measurement, which is then never taken; the job's total counts machines as before."""
+  measurement, which is then never taken. It is one device's, as its help says, so the
+  job's total counts devices, on CPU too (fake devices included)."""
   monkeypatch.setattr(flops, "_measured_cpu_peak", None)
   monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured"))
   for kind, platform in (("Mystery Accelerator 9000", "gpu"), ("TPU v4", "tpu"), ("cpu", "cpu")):
     device = types.SimpleNamespace(device_kind=kind, platform=platform)
     assert flops.device_peak_flops(device, configured=7e12) == 7e12
-  assert flops.total_peak_flops(configured=7e12) == 7e12 * flops.host_count()
-  assert flops.total_peak_flops(remeasure=True, configured=7e12) == 7e12
+  assert flops.total_peak_flops(configured=7e12) == 7e12 * jax.device_count()
+  assert flops.total_peak_flops(remeasure=True, configured=7e12) == 7e12 * jax.device_count()
 
 
 def test_unknown_device_has_no_total_peak_and_no_utilisation(monkeypatch):

@@ -201,8 +201,9 @@ def base_config() -> ml_collections.ConfigDict:
   # (429, 503, resets) within it.
   c.storage_timeout_s = 600.0
   c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
-  # Dense peak FLOP/s of one device, for MFU. 0 = the datasheet figure of a kind listed in
-  # training/flops.py, or on CPU measured at start-up (about 2 s; the whole machine's).
+  # Dense peak FLOP/s of one device (each fake CPU device too), for MFU. 0 = the datasheet
+  # figure of a kind listed in training/flops.py, or on CPU the machine's, measured once
+  # (about 2 s) and kept in ~/.cache/transformer/cpu_peak.json.
   c.peak_flops_per_device = 0.0
 
   # Decoding (transformer/model/decoding/).

@@ -2,7 +2,8 @@
 
     python -m transformer.sweeps --sweep configs/sweeps/table3.py --workdir W --dry_run
     python -m transformer.sweeps --sweep configs/sweeps/table3.py --workdir gs://B/t3 \
-        --launch tpu --tpu_name NAME --tpu_zone ZONE --config.data_dir=gs://B/tfds
+        --launch tpu --compile_check v5e-32 --tpu_name NAME --tpu_zone ZONE \
+        --config.data_dir=gs://B/tfds  # or --launch slurm
     python -m transformer.sweeps --sweep configs/sweeps/table3.py --workdir W --collect
 
 Each row lists only what differs from base, as the paper's table does, with the paper's

@@ -51,7 +51,15 @@ class Embed(nn.Module):
     )
 
   def __call__(self, ids_BxL: Array) -> Array:
-    table_VxD = jnp.asarray(self.embedding, self.config.dtype)
+    # The lookup reads the table as the matmuls read their weights: embed gathered whole
+    # (FSDP), vocab still split over tensor. From the stored layout (embed over fsdp) the
+    # rows picked would come out split along d_model, and the partitioner could reach
+    # the batch-split activations, and their gradient the table, only by gathering whole
+    # tensors on every device ("[SPMD] Involuntary full rematerialization", 8 of them
+    # on a 2x2x2 mesh). Same values: the constraint moves data, not arithmetic.
+    table_VxD = constrain(
+      jnp.asarray(self.embedding, self.config.dtype), ("activation_vocab", "activation_embed")
+    )
     return jnp.take(table_VxD, ids_BxL, axis=0)
 
   def attend(self, x_BxLxD: Array) -> Array:

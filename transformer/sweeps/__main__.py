@@ -8,6 +8,11 @@
   python -m transformer.sweeps --sweep ... --workdir gs://BUCKET/t3 --launch slurm|tpu
       Writes one script per row (and one that starts them all) for a SLURM cluster or a
       TPU pod; the scripts run the same train.py and eval.py commands.
+  python -m transformer.sweeps --sweep configs/sweeps/table3.py --compile_check v5e-32
+      Compiles every row's train step for that TPU slice on this machine and prints, per
+      row, bytes per chip, whether it fits, and the predicted step time, MFU and time to
+      its step count (transformer/tools/compile_check.py). --launch tpu does this first
+      and writes no script for a row that does not fit (--compile_check none: skip it).
   python -m transformer.sweeps --sweep ... --workdir W --collect [--output_dir DIR]
       Final validation perplexity and BLEU of every row beside the paper's numbers:
       DIR/<sweep>.md, .csv and .png (report.py).
@@ -21,6 +26,7 @@ The sweep file format is in spec.py.
 import dataclasses
 import functools
 import json
+import subprocess
 import sys
 
 from absl import flags
@@ -52,6 +58,13 @@ flags.DEFINE_bool(
   "Gather each row's final validation perplexity and BLEU into <sweep>.md, .csv and .png.",
 )
 flags.DEFINE_string("output_dir", None, "Where --collect writes (default: WORKDIR).")
+flags.DEFINE_string(
+  "compile_check",
+  None,
+  "A TPU slice (v5e-32, v4-128, ...): compile each row's train step for it and print "
+  "whether it fits and its predicted step time; with --launch tpu, the slice the scripts "
+  "run on (rows that do not fit get no script), or none to launch without checking.",
+)
 flags.DEFINE_bool(
   "final_eval",
   True,
@@ -73,9 +86,18 @@ def main(argv, overrides: dict[str, str]) -> None:
       raise spec.SweepError(
         f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})"
       )
+    if FLAGS.compile_check and modes and FLAGS.launch != "tpu":
+      raise spec.SweepError("--compile_check goes alone or with --launch tpu")
+    if FLAGS.compile_check and not FLAGS.launch:
+      modes.append("compile_check")
     if FLAGS.json and not FLAGS.dry_run:
       raise spec.SweepError("--json goes with --dry_run")
-    if not FLAGS.workdir and not FLAGS.dry_run:
+    if FLAGS.launch == "tpu" and not FLAGS.compile_check:
+      raise spec.SweepError(
+        "--launch tpu checks each row on the slice first: name it, e.g. --compile_check "
+        "v5e-32 (or --compile_check none to launch without checking)"
+      )
+    if not FLAGS.workdir and not (FLAGS.dry_run or modes == ["compile_check"]):
       raise spec.SweepError("--workdir is required (each row runs in WORKDIR/<row>)")
     sweep = dataclasses.replace(spec.load_sweep(FLAGS.sweep), command_line_overrides=overrides)
     rows = spec.select_rows(sweep, FLAGS.only)
@@ -90,7 +112,18 @@ def main(argv, overrides: dict[str, str]) -> None:
           print(json.dumps({**entry, "versions": versions.library_versions()}))
       else:
         print(report.dry_run_table(sweep, summaries))
+    elif modes == ["compile_check"]:
+      print(_check_rows(sweep, rows, configs)[1])
     elif FLAGS.launch:
+      if FLAGS.launch == "tpu" and FLAGS.compile_check != "none":
+        checks, table = _check_rows(sweep, rows, configs)
+        print(table, file=sys.stderr)
+        for row in [r for r in rows if not checks[r.name]["fits"]]:
+          why = report.why_not(checks[row.name])
+          print(
+            f"{row.name}: no script, it does not fit {FLAGS.compile_check}: {why}", file=sys.stderr
+          )
+        rows = [r for r in rows if checks[r.name]["fits"]]
       written = launch.write_scripts(
         FLAGS.launch, sweep, rows, configs, FLAGS.workdir, launch.options_from_flags()
       )
@@ -107,6 +140,34 @@ def main(argv, overrides: dict[str, str]) -> None:
       runner.run_local(sweep, rows, configs, FLAGS.workdir, final_eval=FLAGS.final_eval)
   except (spec.SweepError, config_lib.ConfigError) as e:
     sys.exit(f"error: {e}")
+
+
+def _check_rows(sweep, rows, configs) -> tuple[dict[str, dict], str]:
+  """Every row's train step compiled for --compile_check's slice, each by
+  `python -m transformer.tools.compile_check --json` in a process of its own (libtpu
+  stays out of this one): (reports by row name, the table to print)."""
+  checks = {}
+  for row in rows:
+    overrides = {**sweep.base_overrides, **row.overrides}
+    command = [
+      sys.executable,
+      "-m",
+      "transformer.tools.compile_check",
+      "--json",
+      "--topology",
+      FLAGS.compile_check,
+      "--config",
+      sweep.base_config,
+    ]
+    command += [f"--config.{k}={spec.flag_value(v)}" for k, v in overrides.items()]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+      last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+      raise spec.SweepError(f"row {row.name}: compile_check failed: {last}")
+    checks[row.name] = json.loads(result.stdout.strip().splitlines()[-1])
+    checks[row.name]["num_train_steps"] = int(configs[row.name].num_train_steps)
+  described = report.describe_rows(rows, configs)
+  return checks, report.compile_check_table(FLAGS.compile_check, rows, described, checks)
 
 
 if __name__ == "__main__":

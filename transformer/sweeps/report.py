@@ -12,6 +12,7 @@ import csv
 import io
 
 from transformer import storage
+from transformer.messages import format_duration
 from transformer.sweeps import runner, spec
 from transformer.training import describe
 
@@ -238,3 +239,36 @@ def collect(
   storage.write_text(f"{stem}.csv", table.getvalue())
   plot(collected, f"Sweep {sweep.name}: each row against its base row", f"{stem}.png")
   return [f"{stem}.md", f"{stem}.csv", f"{stem}.png"]
+
+
+def why_not(check: dict) -> str:
+  """One line: why a row cannot run on the slice (compile_check's error or OOM line)."""
+  return check.get("error") or check.get("oom") or "does not fit"
+
+
+def compile_check_table(topology: str, rows: list, described: list[dict], checks: dict) -> str:
+  """A Markdown table of every row's train step compiled for a TPU slice
+  (transformer/tools/compile_check.py's reports, `checks` by row name): its changes,
+  parameters, bytes per chip, whether it fits, predicted step time and MFU, and the
+  time to its step count. Every figure is a prediction of XLA's TPU compiler."""
+  params = {e["name"]: e["num_params"] for e in described}
+  lines = [
+    f"Train step of each row on {topology}, per chip, predicted by XLA's TPU compiler "
+    "(libtpu), not measured:",
+    "",
+    "| row | changes | parameters | bytes per chip | fits | step | MFU | time to its steps |",
+    "|---|---|---:|---:|---|---:|---:|---:|",
+  ]
+  for row in rows:
+    c = checks[row.name]
+    head = f"| {row.name} | {changed_values(row)} | {params[row.name] / 1e6:,.1f}M"
+    if "step_s" not in c or not c["fits"]:
+      lines.append(f"{head} | | no: {why_not(c)} | | | |")
+      continue
+    to_the_end = c["step_s"] * c["grad_accum_steps"] * c["num_train_steps"]
+    lines.append(
+      f"{head} | {c['total'] / 2**30:.2f} GiB | yes, {c['total'] / c['hbm']:.0%} of "
+      f"{c['hbm'] / 2**30:.0f} GiB | {c['step_s'] * 1e3:,.1f} ms | {c['mfu']:.0%} | "
+      f"{format_duration(to_the_end)} |"
+    )
+  return "\n".join(lines)

@@ -213,12 +213,7 @@ def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str,
 def measure_peak(config) -> dict[str, Any]:
   device = jax.devices()[0]
   peak = flops.total_peak_flops(configured=config.peak_flops_per_device)
-  if config.peak_flops_per_device > 0:
-    source = "config.peak_flops_per_device"
-  elif device.platform == "cpu":
-    source = "measured f32 matmul"
-  else:
-    source = "bf16 table" if peak is not None else "device kind not in the bf16 table"
+  source = flops.peak_source(config.peak_flops_per_device, device)
   return {
     "name": "peak",
     "device": device.device_kind,
@@ -686,8 +681,8 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _utilisation_text(result: dict[str, Any]) -> str:
-  if result["mfu"] is None:
-    return "MFU n/a"
+  if result["mfu"] is None or result["mfu"] > 1.0:
+    return flops.utilisation_text("MFU", result["mfu"])
   # Random full-length rows: nothing is padding, so MFU and HFU are one number.
   return (
     f"MFU {100 * result['mfu']:.1f}% (= HFU, {100 * result['padding_efficiency']:.0f}% real tokens)"

@@ -728,6 +728,87 @@ def speculative() -> str:
   )
 
 
+def _command_flag(command: str, flag: str) -> str | None:
+  """'big' from '... --config configs/wmt14.py:big ...' (flag 'config', after the colon)."""
+  words = command.replace("=", " ").split()
+  if f"--{flag}" not in words:
+    return None
+  return words[words.index(f"--{flag}") + 1]
+
+
+def before_you_launch() -> str:
+  """compile_check's records: each WMT model on each slice, with the config's mesh and
+  with any other mesh recorded, every figure a prediction of XLA's TPU compiler."""
+  records = latest(
+    read_records("compile_check"),
+    key=lambda r: (
+      _command_flag(r["command"], "config"),
+      r["topology"],
+      r.get("num_slices", 1),
+      _command_flag(r["command"], "mesh"),
+    ),
+  )
+  rows = []
+  for r in records:
+    model = (_command_flag(r["command"], "config") or "").rsplit(":", 1)[-1]
+    slices = f"{r['num_slices']} x " if r.get("num_slices", 1) > 1 else ""
+    where = f"{model} | {slices}{r['topology']}"
+    asked = _command_flag(r["command"], "mesh")
+    if "error" in r:
+      mesh = "the config's" if asked is None else f"{asked.replace(',', 'x')} (--mesh)"
+      rows.append((*where.split(" | "), mesh, "", f"no: {r['error']}", "", "", "", ""))
+      continue
+    mesh = "x".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
+    chosen = "the config's" if asked is None else "--mesh"
+    if "oom" in r:
+      rows.append(
+        (
+          *where.split(" | "),
+          f"{mesh} ({chosen})",
+          f"{r['rows']} x {r['seq_len']}",
+          r["oom"].split(" (predicted")[0],
+          "",
+          "",
+          "",
+          "",
+        )
+      )
+      continue
+    share = r["total"] / r["hbm"]
+    rows.append(
+      (
+        *where.split(" | "),
+        f"{mesh} ({chosen})",
+        f"{r['rows']} x {r['seq_len']}",
+        f"{'fits' if r['fits'] else 'does not fit'}, {share:.0%} of {r['hbm'] / 2**30:.0f} GiB",
+        f"{r['step_s'] * 1e3:,.0f} ms ({r['bound']})",
+        f"{r['mfu']:.0%}",
+        f"{r['tokens_per_s']:,.0f}",
+        f"{r['flops_vs_formula']:+.1%}",
+      )
+    )
+  return (
+    "Per chip, every figure predicted by XLA's TPU compiler (libtpu), none measured; "
+    "mesh data x fsdp x tensor, batch rows x tokens:\n\n"
+    + table(
+      (
+        "model",
+        "slice",
+        "mesh",
+        "batch",
+        "memory per chip",
+        "roofline step",
+        "MFU",
+        "target tokens/s (slice)",
+        "XLA FLOPs vs formula",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("compile_check", records)
+  )
+
+
 def views() -> dict[str, Callable[[], str]]:
   """Every view, by the name regions use."""
   return {
@@ -743,6 +824,7 @@ def views() -> dict[str, Callable[[], str]]:
       host_memory_input_pipeline,
       train_loop,
       memory_per_mesh,
+      before_you_launch,
       flax_train_step,
       flax_beam_search,
       table3,

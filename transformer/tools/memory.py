@@ -127,16 +127,26 @@ def _shard_bytes(tree) -> int:
 
 
 def lower_train_step(
-  config, sizes: tuple[int, int, int], rows: int, seq_len: int, constrained: bool = True
+  config,
+  sizes: tuple[int, int, int] | None,
+  rows: int,
+  seq_len: int,
+  constrained: bool = True,
+  devices=None,
 ):
   """(setup, lowered train step) on the first data*fsdp*tensor devices.
 
   `constrained`: the activations as the config's rules place them; False leaves every
   activation axis UNCONSTRAINED, so XLA's propagation from the parameters and the batch
-  decides, as it did before the model constrained its activations.
+  decides, as it did before the model constrained its activations. `devices`: where to
+  compile (default jax.devices(); compile_check passes a TPU slice's compile-only
+  devices); with `sizes` None, all of them under the config's own mesh (dcn_* included).
   """
-  config = mesh_config(config, sizes)
-  devices = jax.devices()[: math.prod(sizes)]
+  if sizes is not None:
+    config = mesh_config(config, sizes)
+  devices = list(devices if devices is not None else jax.devices())
+  if sizes is not None:
+    devices = devices[: math.prod(sizes)]
   run = state.setup(config, sharding.create_mesh(config, devices))
   if not constrained:
     run = dataclasses.replace(

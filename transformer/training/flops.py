@@ -32,6 +32,9 @@ and sum s t (`count_tokens`, on device).
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import platform
 import socket
 import time
 import zlib
@@ -44,6 +47,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from transformer import storage
 from transformer.config import PAD_ID
 from transformer.model import ModelConfig
 
@@ -170,6 +174,64 @@ def real_training_flops(cfg: ModelConfig, counts: dict[str, float]) -> float:
 
 # --- Device peaks.
 
+
+# One TPU chip's datasheet figures, for the roofline of a program compiled for a slice
+# (transformer/tools/compile_check.py) and for MFU on a TPU (_KNOWN_PEAKS below).
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+  device_kind: str  # JAX's name of the chip (jax.devices()[0].device_kind)
+  peak_flops: float  # dense bf16 FLOP/s
+  hbm_bytes: float
+  hbm_bytes_per_s: float
+  ici_bytes_per_s: float  # inter-chip interconnect, one chip's total
+  dcn_bytes_per_s: float  # data-centre network, one chip's share of its host's NIC
+  source: str
+
+
+_GB, _GIB, _GBIT = 1e9, 2**30, 1e9 / 8
+# Google Cloud TPU documentation, cloud.google.com/tpu/docs/<version> ("System
+# architecture" tables: peak compute per chip, HBM capacity and bandwidth, ICI bandwidth
+# per chip); DCN: the Compute Engine machine type's network bandwidth per VM (ct4p,
+# ct5lp, ct5p, ct6e) over its chips. Bidirectional ICI totals, as the tables print them.
+TPU_CHIPS = {
+  "v4": TpuChip(
+    "TPU v4",
+    275e12,
+    32 * _GIB,
+    1228 * _GB,
+    2400 * _GBIT,
+    50 * _GBIT / 4,
+    "cloud.google.com/tpu/docs/v4; ct4p-hightpu-4t: 50 Gbps per 4-chip VM",
+  ),
+  "v5e": TpuChip(
+    "TPU v5 lite",
+    197e12,
+    16 * _GIB,
+    819 * _GB,
+    1600 * _GBIT,
+    100 * _GBIT / 4,
+    "cloud.google.com/tpu/docs/v5e; ct5lp-hightpu-4t: 100 Gbps per 4-chip VM",
+  ),
+  "v5p": TpuChip(
+    "TPU v5",
+    459e12,
+    95 * _GB,
+    2765 * _GB,
+    4800 * _GBIT,
+    200 * _GBIT / 4,
+    "cloud.google.com/tpu/docs/v5p; ct5p-hightpu-4t: 200 Gbps per 4-chip VM",
+  ),
+  "v6e": TpuChip(
+    "TPU v6 lite",
+    918e12,
+    32 * _GB,
+    1640 * _GB,
+    3584 * _GBIT,
+    200 * _GBIT / 8,
+    "cloud.google.com/tpu/docs/v6e; ct6e-standard-8t: 200 Gbps per 8-chip VM",
+  ),
+}
+
 # Dense (no structured sparsity) bf16 tensor-core peak FLOP/s of one JAX device, keyed
 # by the exact `jax.devices()[0].device_kind`: on GPU the CUDA device name (what
 # nvidia-smi shows), on TPU JAX's name of the chip (v4 and later: one device per chip).
@@ -198,14 +260,11 @@ _KNOWN_PEAKS = {
   "NVIDIA L40S": 362e12,
   # NVIDIA A10 datasheet: 125 TFLOPS BF16 dense. (AWS's A10G is a different part.)
   "NVIDIA A10": 125e12,
-  # Google Cloud TPU system-architecture pages, bf16 per chip.
-  "TPU v4": 275e12,
-  "TPU v5 lite": 197e12,  # v5e
-  "TPU v5e": 197e12,
-  "TPU v5": 459e12,  # v5p, as older libtpu names it
-  "TPU v5p": 459e12,
-  "TPU v6 lite": 918e12,  # v6e (Trillium)
-  "TPU v6e": 918e12,
+  # TPUs: TPU_CHIPS above, under JAX's names, and the names other libtpu versions use.
+  **{chip.device_kind: chip.peak_flops for chip in TPU_CHIPS.values()},
+  "TPU v5e": TPU_CHIPS["v5e"].peak_flops,
+  "TPU v5p": TPU_CHIPS["v5p"].peak_flops,
+  "TPU v6e": TPU_CHIPS["v6e"].peak_flops,
   "TPU7x": 2307e12,  # Ironwood
 }
 
@@ -233,16 +292,65 @@ def measure_matmul_peak(size: int = 2048, min_repeats: int = 5, min_seconds: flo
   return 2 * size**3 / best
 
 
+def cpu_peak_file() -> str:
+  """Where this machine's measured CPU peak is kept: $XDG_CACHE_HOME (or ~/.cache)
+  /transformer/cpu_peak.json, one entry per CPU model and core count."""
+  cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(cache, "transformer", "cpu_peak.json")
+
+
+def _machine_key() -> str:
+  """'AMD EPYC 7B13 x2': the CPU model and the cores this process may use, and XLA_FLAGS."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next(
+        (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model
+      )
+  except OSError:
+    pass
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  # XLA's flags change the compiled matmul (the test suite's turn optimisations off).
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  return f"{model} x{cores}" + (f" XLA_FLAGS={xla_flags}" if xla_flags else "")
+
+
+def _kept_cpu_peak() -> float | None:
+  try:
+    kept = storage.read_json(cpu_peak_file())
+    return float(kept[_machine_key()]["flops_per_s"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def _keep_cpu_peak(peak: float) -> None:
+  """Writes the machine's peak to cpu_peak_file(); a machine that cannot write it
+  measures again in its next process, as before."""
+  path = cpu_peak_file()
+  try:
+    kept = storage.read_json(path) if os.path.exists(path) else {}
+  except (OSError, ValueError):
+    kept = {}
+  kept[_machine_key()] = {"flops_per_s": peak, "measured": time.strftime("%Y-%m-%d")}
+  try:
+    storage.makedirs(os.path.dirname(path))
+    storage.write_json(path, kept)
+  except OSError as e:
+    logging.warning("CPU peak not kept in %s: %s", path, storage.error_text(e))
+
+
 def device_peak_flops(
   device: jax.Device | None = None, remeasure: bool = False, configured: float = 0.0
 ) -> float | None:
   """Peak FLOP/s of one device: `configured` when positive (config.peak_flops_per_device),
-  else measured on CPU, else the table's entry for exactly this device kind; None (no
-  MFU, and a one-time note saying why) for a kind not listed.
+  else the table's entry for exactly this device kind, else on CPU the machine's measured
+  peak; None (no MFU, and a one-time note saying why) for a kind not listed.
 
-  The CPU's is measured once per process; remeasure=True measures it again and keeps the
-  higher reading, for a run that computed faster than it (the first reading caught a
-  slow moment). A table entry is a datasheet figure and stays as it is.
+  The CPU's is measured once per machine and kept (`cpu_peak_file`): a peak measured at
+  each start-up moves with whatever else the machine is running, and MFU with it (one
+  run read 229, another 458 GFLOP/s, and an MFU of 122%). remeasure=True measures again
+  and keeps the higher reading, for a run that computed faster than it. A table entry is
+  a datasheet figure and stays as it is.
   """
   global _measured_cpu_peak
   if configured > 0:
@@ -251,8 +359,13 @@ def device_peak_flops(
   if device.device_kind in _KNOWN_PEAKS:
     return _KNOWN_PEAKS[device.device_kind]
   if device.platform == "cpu":
+    if _measured_cpu_peak is None and not remeasure:
+      _measured_cpu_peak = _kept_cpu_peak()
     if _measured_cpu_peak is None or remeasure:
-      _measured_cpu_peak = max(_measured_cpu_peak or 0.0, measure_matmul_peak())
+      measured = measure_matmul_peak()
+      if measured > (_measured_cpu_peak or 0.0):
+        _measured_cpu_peak = measured
+        _keep_cpu_peak(measured)
     return _measured_cpu_peak
   if device.device_kind not in _noted_unknown:
     _noted_unknown.add(device.device_kind)
@@ -264,6 +377,18 @@ def device_peak_flops(
       device.device_kind,
     )
   return None
+
+
+def peak_source(configured: float = 0.0, device: jax.Device | None = None) -> str:
+  """Which peak device_peak_flops uses, in words, for records and the start-up log."""
+  device = device or jax.devices()[0]
+  if configured > 0:
+    return "config.peak_flops_per_device"
+  if device.device_kind in _KNOWN_PEAKS:
+    return "datasheet"
+  if device.platform == "cpu":
+    return f"f32 matmul measured on this machine, kept in {cpu_peak_file()}"
+  return "device kind not in the bf16 table"
 
 
 def host_count() -> int:
@@ -284,7 +409,7 @@ def total_peak_flops(remeasure: bool = False, configured: float = 0.0) -> float 
   """Peak FLOP/s of all devices of the job (per device times the device count), or None;
   `configured`: one device's, as device_peak_flops takes it.
 
-  On CPU a device's peak is one machine's: fake CPU devices
+  On CPU a measured peak is one machine's: fake CPU devices
   (--xla_force_host_platform_device_count), and processes started on one machine, share
   its cores; processes on separate machines have their own, so the peak is that times
   the number of machines (`host_count`), as the FLOPs counted are the whole job's.
@@ -293,11 +418,24 @@ def total_peak_flops(remeasure: bool = False, configured: float = 0.0) -> float 
   peak = device_peak_flops(device, remeasure, configured)
   if peak is None:
     return None
-  if device.platform == "cpu":
+  if device.platform == "cpu" and configured <= 0:
     return peak * host_count()
-  return peak * jax.device_count()
+  return peak * jax.device_count()  # a configured peak is one device's, as its help says
 
 
 def utilisation(step_flops: float, seconds: float, peak: float | None) -> float | None:
-  """FLOPs done in `seconds` as a fraction of the peak; None when the peak is unknown."""
+  """FLOPs done in `seconds` as a fraction of the peak; None when the peak is unknown.
+
+  Above 1.0 the peak was read low (a CPU's measured at a slow moment): reports print
+  that as such (`utilisation_text`), never as an MFU above 100%."""
   return None if peak is None else step_flops / seconds / peak
+
+
+def utilisation_text(name: str, value: float | None) -> str:
+  """'MFU 38.0%', 'MFU n/a' (no peak known), or for a value above 100% 'MFU n/a (above
+  the peak: set config.peak_flops_per_device)'."""
+  if value is None:
+    return f"{name} n/a"
+  if value > 1.0:
+    return f"{name} n/a (above the peak: set config.peak_flops_per_device)"
+  return f"{name} {100 * value:.1f}%"

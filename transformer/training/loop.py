@@ -318,8 +318,15 @@ class TrainingRun:
       workdir, enabled=self.is_chief, timeout_s=config.storage_timeout_s
     )
     self.total_steps = config.num_train_steps * config.grad_accum_steps
+    peak = flops.total_peak_flops(configured=config.peak_flops_per_device)
+    if peak is not None:  # MFU's denominator, and where it came from
+      logging.info(
+        "Peak %.1f TFLOP/s for MFU (%s)",
+        peak / 1e12,
+        flops.peak_source(config.peak_flops_per_device),
+      )
     self.progress = Progress(
-      flops.total_peak_flops(configured=config.peak_flops_per_device),
+      peak,
       self.total_steps,
       self.setup.model.config,
       remeasure_peak=functools.partial(

@@ -22,6 +22,7 @@ from absl import logging
 
 from transformer import storage
 from transformer.messages import format_duration
+from transformer.training import flops
 
 # About 56 KiB of events (a scalar's event is about 70 bytes); see the module's docstring.
 TENSORBOARD_VALUES_PER_FILE = 800
@@ -277,10 +278,10 @@ def progress_line(step: int, total: int, m: dict, started: float) -> str:
 
 
 def _utilisation_text(m: dict) -> str:
-  mfu = f"MFU {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "MFU n/a"
+  mfu = flops.utilisation_text("MFU", m.get("mfu"))
   details = []
   if m.get("hfu") is not None:
-    details.append(f"HFU {100 * m['hfu']:.1f}%")
+    details.append(flops.utilisation_text("HFU", m["hfu"]))
   if m.get("padding_efficiency") is not None:
     details.append(f"{100 * m['padding_efficiency']:.0f}% real")
   return f"{mfu} ({', '.join(details)})" if details else mfu

@@ -1,0 +1,179 @@
+"""transformer/tools/compile_check.py: the train step compiled for a TPU slice, on this CPU.
+
+libtpu compiles it (`make test` installs it into .venv/libtpu on Linux x86-64); where it
+is not installed these tests skip and say why. Each command runs in a process of its own,
+so that libtpu is never loaded into the test worker.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.processes import subprocess_env
+from transformer.tools import compile_check
+
+needs_libtpu = pytest.mark.skipif(
+  compile_check.tpu_library_path() is None,
+  reason="libtpu is not installed: `make test` installs it into .venv/libtpu on Linux "
+  "x86-64 only (its one wheel)",
+)
+
+# One layer per stack, scanned as the WMT configs are: the FLOPs check must see through
+# the loop (XLA's cost analysis counts a loop's body once).
+TINY = [
+  "--config=configs/default.py",
+  "--config.model.num_layers=1",
+  "--config.model.d_model=128",
+  "--config.model.d_ff=512",
+  "--config.model.num_heads=4",
+  "--config.model.d_k=32",
+  "--config.model.d_v=32",
+  "--config.vocab_size=1024",
+  "--config.max_len=32",
+  "--config.tokens_per_batch=512",
+  "--config.eval_batch_size=8",
+  "--topology=v5e-4",
+  "--mesh=2,2,1",
+]
+
+
+def _run(*args):
+  return subprocess.run(
+    [sys.executable, "-m", "transformer.tools.compile_check", *TINY, *args],
+    capture_output=True,
+    text=True,
+    env=subprocess_env(1),
+    timeout=600,
+  )
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
+  result = _run("--config.model.scan_layers=True", "--json", "--decode_batch=8")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "TPU_WORKER_HOSTNAMES" not in result.stderr  # libtpu's log stays off the terminal
+  report = json.loads(result.stdout)
+  assert report["predicted"] == compile_check.PREDICTED
+  assert (report["topology"], report["chips"], report["device_kind"]) == ("v5e-4", 4, "TPU v5 lite")
+  assert report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+  assert (report["rows"], report["seq_len"]) == (16, 32)  # 512 tokens in rows of 32
+  # Memory per chip: the state (parameters and 2 Adam moments, f32) split over fsdp=2 is
+  # about 3x the parameters; the total is what XLA adds up, within the chip's 16 GiB.
+  assert 2.5 * report["params"] < report["state"] < 3.5 * report["params"]
+  assert report["argument"] >= report["state"]
+  assert report["total"] == (
+    report["argument"] + report["output"] - report["alias"] + report["temp"]
+  )
+  assert report["fits"] and report["total"] < report["hbm"] == 16 * 2**30
+  assert report["involuntary_remat"] == 0
+  # The FLOPs check: XLA's count of the unrolled step against training/flops.py's.
+  assert report["formula_flops"] > 0
+  assert abs(report["flops_vs_formula"]) < 0.05, report["flops_vs_formula"]
+  assert report["bytes"] > 0
+  assert report["cost_from"] == "the step with its layers unrolled"
+  # fsdp=2 gathers parameters and scatters gradients; one slice: nothing over DCN.
+  collectives = report["collectives"]
+  assert collectives["all-gather"]["count"] > 0 and collectives["all-gather"]["ici_bytes"] > 0
+  assert collectives["reduce-scatter"]["count"] + collectives["all-reduce"]["count"] > 0
+  assert all(c["dcn_bytes"] == 0 for c in collectives.values())
+  # The roofline: the slowest of its terms, and everything derived from it.
+  roof = report["roofline_s"]
+  assert roof["compute"] == pytest.approx(report["flops"] / 197e12)
+  assert report["step_s"] == max(roof.values()) and report["bound"] in roof
+  assert report["tokens_per_s"] == pytest.approx(16 * 32 / report["step_s"])
+  assert report["tokens_per_s_per_chip"] == pytest.approx(report["tokens_per_s"] / 4)
+  assert report["mfu"] == pytest.approx(report["formula_flops"] / report["step_s"] / 197e12)
+  assert 0 < report["mfu"] <= 1
+  # Beam search on the slice: 8 sentences x 4 beams through a cache of 32 + 50 slots.
+  decoding = report["decoding"]
+  assert (decoding["batch"], decoding["beam_size"], decoding["cache_len"]) == (8, 4, 82)
+  for program in ("prefill", "step"):
+    assert decoding[program]["fits"] and 0 < decoding[program]["total"] < 2**30
+    assert decoding[program]["flops"] > 0 and decoding[program]["step_s"] > 0
+  assert decoding["tokens_per_s"] == pytest.approx(8 / decoding["step"]["step_s"])
+  assert "ms per generated token" in compile_check.decoding_text(decoding)
+  # The terminal's report names every figure as a prediction.
+  text = compile_check.text(report)
+  assert "predicted by XLA's TPU compiler" in text
+  assert "fits, 0% of 16 GiB" in text and "MFU" in text and "all-gather x" in text
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_an_oversized_batch_is_one_line_naming_needed_and_available_memory():
+  result = _run(f"--batch_tokens={2**27}")
+  assert result.returncode == 1
+  verdict = result.stdout.strip().splitlines()[-1]
+  assert verdict.lstrip().startswith("does not fit: needs ")
+  assert "15.75G available on each TPU v5 lite chip" in verdict
+  # The largest array: the [rows, 32, 1024] logits, 2^27 / 32 rows of them.
+  assert f"f32[{2**27 // 32},32,1024] 512.00 GiB" in verdict
+  assert "predicted by XLA's TPU compiler" in verdict
+  assert "Traceback" not in result.stderr
+
+
+def test_slice_names_map_to_their_topologies():
+  slices = compile_check.tpu_slices()
+  assert slices["v4-8"].topology == "v4:2x2x1" and slices["v4-8"].chip_config == "megacore"
+  assert slices["v4-32"].chips == 16 and slices["v4-32"].hosts == 4
+  assert slices["v5p-128"].topology == "v5p:4x4x4"
+  assert slices["v5e-256"].topology == "v5e:16x16" and slices["v5e-256"].hosts == 64
+  assert slices["v5e-8"].hosts == 1 and slices["v6e-1"].chips == 1
+  assert "v4-4096" in slices and "v4-8192" not in slices
+  with pytest.raises(Exception, match="not a known TPU slice; known: v5e-1, v5e-4, v5e-8, v5e-16"):
+    compile_check.parse_slice("v5e-15")
+
+
+def test_collectives_are_counted_per_loop_trip_and_split_by_slice():
+  # A scanned loop of 6 trips holding an all-gather over 2 devices of one slice, and an
+  # all-reduce of 2 bf16 arrays at the top level over devices on two slices.
+  hlo = "\n".join(
+    [
+      "%body.1 (p: f32[8]) -> f32[8] {",
+      "  %all-gather.1 = f32[8,1024]{1,0} all-gather(%p), replica_groups=[2,2]<=[4]",
+      "}",
+      "ENTRY %main.2 (a: f32[8]) -> f32[8] {",
+      "  %while.1 = f32[8] while(%a), condition=%cond.1, body=%body.1,"
+      ' backend_config={"known_trip_count":{"n":"6"}}',
+      "  %all-reduce.1 = (bf16[512]{0}, bf16[512]{0}) all-reduce(%x, %y),"
+      " replica_groups={{0,2},{1,3}}",
+      "}",
+    ]
+  )
+  counted = compile_check.collectives(hlo, device_slices=[0, 0, 1, 1])
+  assert counted["all-gather"] == {"count": 6, "ici_bytes": 6 * 8 * 1024 * 4 / 2, "dcn_bytes": 0.0}
+  assert counted["all-reduce"] == {"count": 1, "ici_bytes": 0.0, "dcn_bytes": 2 * 2048 / 2}
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_run(tmp_path):
+  overrides = dict(arg.removeprefix("--config.").split("=") for arg in TINY if "config." in arg)
+  sweep_file = tmp_path / "tiny.py"
+  sweep_file.write_text(
+    "from transformer.sweeps import Row\n"
+    "BASE_CONFIG = 'configs/default.py'\n"
+    f"BASE_OVERRIDES = {{k: int(v) for k, v in {overrides!r}.items()}}\n"
+    "def get_sweep():\n"
+    "  return [Row('fits', {}), Row('two_rows', {'tokens_per_batch': 64})]\n"
+  )
+  workdir = tmp_path / "runs"
+  result = subprocess.run(
+    [sys.executable, "-m", "transformer.sweeps", "--sweep", str(sweep_file), "--workdir",
+     str(workdir), "--launch", "tpu", "--compile_check", "v5e-4"],
+    capture_output=True, text=True, env=subprocess_env(1), timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  # The table: each row with its changes, parameters, bytes, verdict, step time and MFU.
+  table = result.stderr
+  assert "Train step of each row on v5e-4" in table and "predicted by XLA's TPU compiler" in table
+  fits_row = next(line for line in table.splitlines() if line.startswith("| fits |"))
+  assert "| (base) |" in fits_row and "yes, 0% of 16 GiB" in fits_row and " ms |" in fits_row
+  # 64 tokens are 2 rows of 32, which do not split over the 4 chips' data axis.
+  assert "two_rows: no script, it does not fit v5e-4: tokens_per_batch: 64 tokens" in table
+  scripts = result.stdout.split()
+  assert any(path.endswith("fits.sh") for path in scripts)
+  assert not any("two_rows" in path for path in scripts)

@@ -1,0 +1,909 @@
+"""Know before you launch: compile the training step for a named TPU slice, on a CPU.
+
+    python -m transformer.tools.compile_check --config configs/wmt14.py:big --topology v5e-256
+    ... --num_slices 2 --mesh 1,16,16 --batch_tokens 65536 --seq_len 256 --json
+
+Compiles the same train step `train.py` runs (`transformer.tools.memory.lower_train_step`:
+`state.setup`, the config's logical axis rules and activation constraints, the
+gradient-accumulation step when grad_accum_steps > 1) for compile-only devices of the
+slice, made by libtpu's compiler on this machine; nothing runs and no TPU is needed. The
+batch is the batching plan's longest shape, rows of max_len holding tokens_per_batch as
+if every slot were a real token, in whole row shards and whole rows per host (a
+bucketed run whose rows are partly padding plans more rows: pass `--batch_tokens` =
+tokens_per_batch / its padding efficiency, docs/data.md). It prints, per chip, every
+figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
+
+  memory      state (parameters and Adam moments), arguments, temporaries, and their
+              total against the chip's HBM ("fits, 61% of 16 GiB"); a program too large
+              for the chip is one line naming what it needs, what is available and the
+              largest buffers
+  cost        XLA's FLOPs and HBM bytes accessed per step. XLA's cost analysis counts a
+              loop's body once, so for a config with model.scan_layers these come from
+              the same step compiled with the layers unrolled (a second compile)
+  flops check those FLOPs against training/flops.py's formula (the one behind the MFU
+              printed during training): they agree within 5%, or the report says by how
+              much they differ
+  collectives all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute
+              in the compiled program: counts, and bytes each chip sends (ring model),
+              over ICI. Across slices libtpu writes Megascale custom calls instead,
+              so DCN traffic is estimated: the gradients all-reduced over the slices
+  roofline    the step time if the slowest of compute (FLOPs / peak), HBM traffic,
+              ICI and DCN transfers hid all the others: a lower bound. The chips' figures
+              and their sources are training/flops.py's TPU_CHIPS
+  MFU         the model FLOPs of that step time against the peak, and target tokens per
+              second per chip and for the slice
+  remat       how many "[SPMD] Involuntary full rematerialization" warnings the
+              partitioner gave: each is a tensor gathered whole on every chip
+
+`--decode_batch N` also compiles beam search for N sentences: its prefill (the encoder
+and the first token) and one step of its loop at the longest cache, with memory per chip
+and the roofline time per generated token.
+
+libtpu is found at $TPU_LIBRARY_PATH, else under the environment's libtpu/ folder (where
+`make test` installs it: .venv/libtpu), else as an installed `libtpu` package (a TPU VM's
+`make install LOCK=requirements/lock-tpu.txt`). Its own log lines are kept off the
+terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from transformer import cli, versions
+from transformer import config as config_lib
+from transformer.model import ModelConfig
+from transformer.tools import memory
+from transformer.training import flops, sharding
+
+_FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
+)
+_TOPOLOGY = flags.DEFINE_string(
+  "topology",
+  "v5e-8",
+  "TPU slice: v4-8 ... v4-4096, v5e-1 ... v5e-256, v5p-8 ..., "
+  "v6e-1 ... v6e-256 (cores for v4 and v5p, chips for v5e and v6e).",
+  flag_values=_FLAG_VALUES,
+)
+_NUM_SLICES = flags.DEFINE_integer(
+  "num_slices",
+  1,
+  "Slices joined by DCN (multi-slice); the config's mesh.dcn_* split "
+  "them, or data parallelism when those are all 1.",
+  flag_values=_FLAG_VALUES,
+)
+_MESH = flags.DEFINE_string(
+  "mesh",
+  None,
+  "In-slice mesh sizes data,fsdp,tensor (default: the config's mesh).",
+  flag_values=_FLAG_VALUES,
+)
+_BATCH_TOKENS = flags.DEFINE_integer(
+  "batch_tokens",
+  None,
+  "Tokens (padded slots) per step; default: the config's "
+  "tokens_per_batch in full rows, rounded down to whole row shards.",
+  flag_values=_FLAG_VALUES,
+)
+_SEQ_LEN = flags.DEFINE_integer(
+  "seq_len",
+  None,
+  "Source and target length of the batch (default: max_len).",
+  flag_values=_FLAG_VALUES,
+)
+_DECODE_BATCH = flags.DEFINE_integer(
+  "decode_batch",
+  0,
+  "Also compile beam search's prefill and one-token step for this many sentences "
+  "(config.beam_size beams each): memory per chip and time per generated token.",
+  flag_values=_FLAG_VALUES,
+)
+_JSON = flags.DEFINE_bool(
+  "json",
+  False,
+  "Print the report as one JSON object (fits false, or an error: a batch that does not "
+  "split over the mesh, rather than exiting 1).",
+  flag_values=_FLAG_VALUES,
+)
+
+PREDICTED = "predicted by XLA's TPU compiler (libtpu), not measured"
+
+# --- Slices. Google Cloud TPU documentation, cloud.google.com/tpu/docs/<version>
+# ("Supported configurations"): the accelerator type's number counts TensorCores for v4
+# and v5p (two per chip, run as one "megacore" device) and chips for v5e and v6e; the ICI
+# topology is the chips' shape (a 3D torus for v4 and v5p, 2D for v5e and v6e). Hosts
+# hold 4 chips, but single-host v5e-8 and v6e-8 hold 8 and v5e-1 / v6e-1 one.
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  name: str  # "v5e-256"
+  chip: flops.TpuChip
+  topology: str  # libtpu's topology name, "v5e:16x16"
+  chip_config: str  # libtpu's chip config: "megacore" fuses a v4 / v5p chip's two cores
+  chips_per_host: tuple[int, int, int]  # the host's block of chips in the ICI shape
+
+  @property
+  def chips(self) -> int:
+    return math.prod(int(n) for n in self.topology.split(":")[1].split("x"))
+
+  @property
+  def hosts(self) -> int:
+    return self.chips // math.prod(self.chips_per_host)
+
+
+def _shapes_3d() -> dict[int, str]:
+  """v4 / v5p chips -> ICI shape: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, ..."""
+  shapes, shape = {4: "2x2x1", 8: "2x2x2"}, [2, 2, 2]
+  while math.prod(shape) < 8960:
+    shape[shape.index(min(shape))] *= 2
+    shape.sort()
+    shapes[math.prod(shape)] = "x".join(map(str, shape))
+  return shapes
+
+
+_SHAPES_2D = {
+  1: "1x1",
+  4: "2x2",
+  8: "2x4",
+  16: "4x4",
+  32: "4x8",
+  64: "8x8",
+  128: "8x16",
+  256: "16x16",
+}
+
+
+def tpu_slices() -> dict[str, Slice]:
+  """Every slice name this tool knows -> its Slice."""
+  slices = {}
+  for version in ("v4", "v5p"):
+    for chips, shape in _shapes_3d().items():
+      if version == "v4" and chips > 2048:
+        continue
+      slices[f"{version}-{2 * chips}"] = Slice(
+        f"{version}-{2 * chips}",
+        flops.TPU_CHIPS[version],
+        f"{version}:{shape}",
+        "megacore",
+        (2, 2, 1),
+      )
+  for version in ("v5e", "v6e"):
+    for chips, shape in _SHAPES_2D.items():
+      per_host = {1: (1, 1, 1), 8: (2, 4, 1)}.get(chips, (2, 2, 1))
+      slices[f"{version}-{chips}"] = Slice(
+        f"{version}-{chips}", flops.TPU_CHIPS[version], f"{version}:{shape}", "default", per_host
+      )
+  return slices
+
+
+def parse_slice(name: str) -> Slice:
+  slices = tpu_slices()
+  if name not in slices:
+    version = name.split("-")[0]
+    same = [n for n in slices if n.split("-")[0] == version]
+    known = ", ".join(same) if same else "v4-8 ... v4-4096, v5e-1 ... v5e-256, v5p-8 ..., v6e-1 ..."
+    raise app.UsageError(f"--topology {name!r}: not a known TPU slice; known: {known}")
+  return slices[name]
+
+
+# --- libtpu: kept out of every other process (it is found only here).
+
+
+def tpu_library_path() -> str | None:
+  """libtpu.so: $TPU_LIBRARY_PATH, the environment's libtpu/ folder, or the package."""
+  candidates = [
+    os.environ.get("TPU_LIBRARY_PATH", ""),
+    os.path.join(sys.prefix, "libtpu", "libtpu", "libtpu.so"),
+  ]
+  for path in candidates:
+    if path and os.path.isfile(path):
+      return path
+  try:
+    import libtpu  # type: ignore[import-not-found]  # a TPU VM's installed package
+  except ImportError:
+    return None
+  return libtpu.get_library_path()
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+  """Everything written to file descriptor 2 meanwhile (libtpu and XLA log from C++,
+  past Python's sys.stderr), as lines in the yielded list once the block ends."""
+  lines: list[str] = []
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+b") as capture:
+    os.dup2(capture.fileno(), 2)
+    try:
+      yield lines
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      capture.seek(0)
+      lines.extend(capture.read().decode(errors="replace").splitlines())
+
+
+def slice_devices(tpu_slice: Slice, num_slices: int = 1) -> list:
+  """Compile-only devices of the slice (times num_slices), made by libtpu on this host."""
+  from jax.experimental import topologies
+
+  jax.devices()  # this machine's backend first: loading libtpu later adds no TPU backend
+  path = tpu_library_path()
+  if path is None:
+    raise app.UsageError(
+      "libtpu is not installed: `make test` puts it in .venv/libtpu (Linux x86-64), or "
+      "pip install --target .venv/libtpu libtpu==<the version requirements/lock-tpu.txt "
+      "pins>, or set TPU_LIBRARY_PATH"
+    )
+  previous = os.environ.get("TPU_LIBRARY_PATH")
+  os.environ["TPU_LIBRARY_PATH"] = path
+  # libtpu takes /tmp/libtpu_lockfile to own a host's TPU; compiling needs none, and
+  # several checks (a sweep's, the tests') may run at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  options: dict[str, Any] = {"chips_per_host_bounds": list(tpu_slice.chips_per_host)}
+  if num_slices > 1:
+    options["num_slices"] = num_slices
+  try:
+    with captured_stderr():
+      topology = topologies.get_topology_desc(
+        topology_name=tpu_slice.topology,
+        platform="tpu",
+        chip_config_name=tpu_slice.chip_config,
+        **options,
+      )
+  finally:
+    if previous is None:
+      os.environ.pop("TPU_LIBRARY_PATH", None)
+    else:
+      os.environ["TPU_LIBRARY_PATH"] = previous
+  return list(topology.devices)
+
+
+# --- The compiled program's text: collectives, with loop trip counts.
+
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s4": 1,
+  "u4": 1,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+  "c64": 8,
+  "c128": 16,
+}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_INSTRUCTION = re.compile(
+  r"^\s*(?:ROOT )?%\S+ = (?P<type>.*?) (?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>\S+) .*\{\s*$")
+_CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([^,}]*)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _array_bytes(type_text: str) -> list[int]:
+  """Bytes of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple of them."""
+  return [
+    math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+    for dtype, dims in _ARRAY.findall(type_text)
+    if dtype in _DTYPE_BYTES
+  ]
+
+
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+  """The device groups of a collective instruction, in any of the forms XLA prints:
+  "mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}" (the devices laid out
+  on named axes, grouped along those in braces), '[2,4]<=[4,2]T(1,0)' (an iota, maybe
+  transposed), '{{0,1},{2,3}}', a permute's source_target_pairs; all devices when empty."""
+  named = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+    r" \{([^}]*)\}",
+    line,
+  )
+  if named:
+    axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", named.group(1))]
+    ids = np.arange(math.prod(size for _, size in axes))
+    if named.group(2):
+      ids = ids.reshape([int(n) for n in named.group(2).split(",")])
+      if named.group(3):
+        ids = ids.transpose([int(n) for n in named.group(3).split(",")])
+    ids = ids.reshape([size for _, size in axes])
+    grouped = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in named.group(4)]
+    ids = np.moveaxis(ids, grouped, list(range(len(axes) - len(grouped), len(axes))))
+    return ids.reshape(-1, math.prod(axes[i][1] for i in grouped)).tolist()
+  iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if iota:
+    shape = [int(n) for n in iota.group(1).split(",")]
+    ids = np.arange(math.prod(shape)).reshape([int(n) for n in iota.group(2).split(",")])
+    if iota.group(3):
+      ids = ids.transpose([int(n) for n in iota.group(3).split(",")])
+    return ids.reshape(shape[0], -1).tolist()
+  explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if explicit and explicit.group(1):
+    return [
+      [int(n) for n in g.split(",") if n] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
+    ]
+  pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+  if pairs:
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+  return [list(range(num_devices))]
+
+
+def _computation_counts(hlo_text: str) -> dict[str, int]:
+  """How many times each computation runs per step: a while loop's body and condition
+  its known trip count times (scanned layers), everything else once per caller."""
+  callers: dict[str, list[tuple[str, int]]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    match = _COMPUTATION.match(line)
+    if match:
+      current = match.group("name")
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    if current is None:
+      continue
+    trips = _TRIP_COUNT.search(line)
+    times = int(trips.group(1)) if trips and " while(" in line else 1
+    for called in _CALLED.findall(line):
+      for name in called.split(","):
+        name = name.strip().lstrip("%")
+        if name:
+          callers.setdefault(name, []).append((current, times))
+  counts: dict[str, int] = {}
+
+  def count(name: str, seen: frozenset = frozenset()) -> int:
+    if name == entry:
+      return 1
+    if name not in counts:
+      counts[name] = sum(
+        times * count(caller, seen | {name})
+        for caller, times in callers.get(name, [])
+        if caller not in seen
+      )
+    return counts[name]
+
+  return {name: count(name) for name in callers} | ({entry: 1} if entry else {})
+
+
+def collectives(hlo_text: str, device_slices: list[int]) -> dict[str, dict[str, float]]:
+  """{op: {count, ici_bytes, dcn_bytes}} of a compiled program, per chip per step.
+
+  Bytes are what one chip sends under a ring algorithm over its group of n: an
+  all-gather's result (n-1)/n, a reduce-scatter's (n-1) times its result, an all-reduce's
+  2 (n-1)/n, an all-to-all's (n-1)/n, a permute's whole. A group whose devices sit on
+  several slices (`device_slices[i]`: the slice of the program's device i) goes over DCN.
+  """
+  runs = _computation_counts(hlo_text)
+  out = {op: {"count": 0, "ici_bytes": 0.0, "dcn_bytes": 0.0} for op in COLLECTIVES}
+  current = ""
+  for line in hlo_text.splitlines():
+    match = _COMPUTATION.match(line)
+    if match:
+      current = match.group("name")
+      continue
+    instruction = _INSTRUCTION.match(line)
+    if not instruction:
+      continue
+    op, times = instruction.group("op"), runs.get(current, 1)
+    sizes = _array_bytes(instruction.group("type"))
+    if not sizes or times == 0:
+      continue
+    # An async start's tuple holds its operand and result; a combined op's, all of them.
+    result = max(sizes) if "-start(" in line else sum(sizes)
+    groups = replica_groups(line, len(device_slices))
+    n = max(len(g) for g in groups)
+    if op == "all-reduce" and current.startswith("all-reduce-scatter"):
+      # TPU writes a reduce-scatter as this fusion: an all-reduce, then each chip's slice.
+      op, sent = "reduce-scatter", result * (n - 1) / n
+    else:
+      sent = {
+        "all-gather": result * (n - 1) / n,
+        "reduce-scatter": result * (n - 1),
+        "all-reduce": 2 * result * (n - 1) / n,
+        "all-to-all": result * (n - 1) / n,
+        "collective-permute": result,
+      }[op]
+    across = any(len({device_slices[i] for i in g if i < len(device_slices)}) > 1 for g in groups)
+    out[op]["count"] += times
+    out[op]["dcn_bytes" if across else "ici_bytes"] += times * sent
+  return out
+
+
+# --- Compiling, and the report.
+
+
+class OutOfMemory(Exception):
+  """The program does not fit the chip's HBM; the message is the one line to print."""
+
+
+_MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)+)([a-z]+\d*)>")
+_MLIR_BYTES = {
+  "i1": 1,
+  "i8": 1,
+  "ui8": 1,
+  "bf16": 2,
+  "f16": 2,
+  "i16": 2,
+  "f32": 4,
+  "i32": 4,
+  "ui32": 4,
+  "f64": 8,
+  "i64": 8,
+}
+
+
+def largest_arrays(lowered, count: int = 3) -> list[str]:
+  """The largest arrays of the program before partitioning ('f32[64,256,37000] 2.3 GiB'):
+  global shapes, of which each chip holds its shard, or all where XLA gathers one whole."""
+  sizes = {}
+  for dims, dtype in set(_MLIR_TENSOR.findall(lowered.as_text())):
+    shape = [int(d) for d in dims.rstrip("x").split("x")]
+    sizes[f"{dtype}[{','.join(map(str, shape))}]"] = math.prod(shape) * _MLIR_BYTES.get(dtype, 4)
+  ranked = sorted(sizes.items(), key=lambda item: -item[1])[:count]
+  return [f"{shape} {_gib(size)}" for shape, size in ranked]
+
+
+def _oom_line(error: Exception, tpu_slice: Slice, lowered) -> str:
+  """One line from libtpu's RESOURCE_EXHAUSTED error: what the program needs, what the
+  chip has, and the program's largest arrays."""
+  text = str(error)
+  match = re.search(
+    r"required for ([^(]*)\(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)", text
+  )
+  if match:
+    what = f"needs {match.group(2)} of HBM for {match.group(1).strip()}, {match.group(3)} available"
+  else:
+    what = text.strip().splitlines()[0][:300]
+  return (
+    f"does not fit: {what} on each {tpu_slice.chip.device_kind} chip; largest arrays "
+    f"(whole, before sharding): {', '.join(largest_arrays(lowered))} ({PREDICTED})"
+  )
+
+
+def _compile(lowered, tpu_slice: Slice):
+  """(compiled, compiler log lines); OutOfMemory with its one line."""
+  with captured_stderr() as log:
+    try:
+      compiled = lowered.compile()
+    except Exception as e:  # jax's XlaRuntimeError
+      if "RESOURCE_EXHAUSTED" in str(e) or "exceeds available HBM" in str(e):
+        raise OutOfMemory(_oom_line(e, tpu_slice, lowered)) from None
+      raise
+  return compiled, log
+
+
+def _cost(compiled) -> dict[str, float]:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, list):  # older jax: one dict per program
+    cost = cost[0]
+  return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
+
+
+def prepare_config(config, mesh: str | None, num_slices: int):
+  """A copy with the in-slice mesh and, across slices, the config's dcn_* (data
+  parallelism where they are all 1)."""
+  config = copy.deepcopy(config)
+  if mesh is not None:
+    for axis, size in zip(config_lib.MESH_AXES, memory.parse_mesh(mesh)):
+      config.mesh[axis] = size
+  dcn = [config.mesh[f"dcn_{a}"] for a in config_lib.MESH_AXES]
+  if num_slices > 1 and all(d == 1 for d in dcn):
+    config.mesh.dcn_data = num_slices
+  if num_slices == 1:
+    for axis in config_lib.MESH_AXES:
+      config.mesh[f"dcn_{axis}"] = 1
+  config_lib.validate(config)
+  return config
+
+
+def batch_rows(config, mesh, hosts: int, seq_len: int, batch_tokens: int | None) -> int:
+  """Rows of the compiled batch: whole row shards on the mesh and whole rows per host."""
+  multiple = math.lcm(sharding.batch_row_shards(mesh, sharding.axis_rules(config)), hosts)
+  tokens = batch_tokens if batch_tokens is not None else config.tokens_per_batch
+  rows = tokens // seq_len // multiple * multiple
+  if rows == 0:
+    raise config_lib.ConfigError(
+      f"tokens_per_batch: {tokens} tokens are less than one row of {seq_len} on each of "
+      f"{multiple} row shards (mesh {dict(mesh.shape)}); try a mesh with fewer data x fsdp "
+      "devices (--mesh, e.g. more tensor) or a larger batch"
+    )
+  return rows
+
+
+def check(
+  config,
+  tpu_slice: Slice,
+  num_slices: int = 1,
+  mesh: str | None = None,
+  batch_tokens: int | None = None,
+  seq_len: int | None = None,
+) -> dict[str, Any]:
+  """Compiles the train step for the slice; the report as a dict (see the docstring).
+
+  A program too large for the chip returns {"fits": False, "oom": line, ...} rather
+  than raising; bad input raises ConfigError or UsageError before anything compiles.
+  """
+  config = prepare_config(config, mesh, num_slices)
+  seq_len = seq_len or config.max_len
+  devices = slice_devices(tpu_slice, num_slices)
+  mesh_ = sharding.create_mesh(config, devices)
+  hosts = tpu_slice.hosts * num_slices
+  rows = batch_rows(config, mesh_, hosts, seq_len, batch_tokens)
+  chips = len(devices)
+  chip = tpu_slice.chip
+  report: dict[str, Any] = {
+    "topology": tpu_slice.name,
+    "num_slices": num_slices,
+    "chips": chips,
+    "device_kind": chip.device_kind,
+    "mesh": {a: int(mesh_.shape[a]) for a in config_lib.MESH_AXES},
+    "dcn_mesh": {a: int(config.mesh[f"dcn_{a}"]) for a in config_lib.MESH_AXES},
+    "rows": rows,
+    "seq_len": seq_len,
+    "grad_accum_steps": int(config.grad_accum_steps),
+    "scan_layers": bool(config.model.scan_layers),
+    "predicted": PREDICTED,
+    "libtpu": _libtpu_version(),
+  }
+  began = time.perf_counter()
+  run, lowered = memory.lower_train_step(config, None, rows, seq_len, devices=devices)
+  try:
+    compiled, log = _compile(lowered, tpu_slice)
+  except OutOfMemory as e:
+    report.update(
+      fits=False, oom=str(e), hbm=chip.hbm_bytes, compile_s=round(time.perf_counter() - began, 1)
+    )
+    return report
+  analysis = compiled.memory_analysis()
+  state_bytes = _shard_bytes(run.restore_target())
+  params_bytes = _shard_bytes(run.restore_target().params)
+  total = (
+    int(analysis.argument_size_in_bytes)
+    + int(analysis.output_size_in_bytes)
+    - int(analysis.alias_size_in_bytes)
+    + int(analysis.temp_size_in_bytes)
+  )
+  report.update(
+    fits=total <= chip.hbm_bytes,
+    hbm=chip.hbm_bytes,
+    total=total,
+    params=params_bytes,
+    state=state_bytes,
+    argument=int(analysis.argument_size_in_bytes),
+    output=int(analysis.output_size_in_bytes),
+    alias=int(analysis.alias_size_in_bytes),
+    temp=int(analysis.temp_size_in_bytes),
+    involuntary_remat=sum("Involuntary full rematerialization" in line for line in log),
+  )
+  costed, report["cost_from"] = compiled, "the step"
+  if config.model.scan_layers:  # XLA counts a loop body once: cost the unrolled step
+    unrolled = copy.deepcopy(config)
+    unrolled.model.scan_layers = False
+    _, lowered = memory.lower_train_step(unrolled, None, rows, seq_len, devices=devices)
+    try:
+      costed, _ = _compile(lowered, tpu_slice)
+      report["cost_from"] = "the step with its layers unrolled"
+    except OutOfMemory:  # unrolled, it keeps more live: count the scanned step's loops once
+      report["cost_from"] = "the scanned step, which XLA counts one layer of (an undercount)"
+  report["compile_s"] = round(time.perf_counter() - began, 1)
+  report.update(_cost(costed))
+  slice_of = [getattr(d, "slice_index", 0) for d in mesh_.devices.flat]
+  report["collectives"] = collectives(costed.as_text(), slice_of)
+  report.update(roofline(report, config, chip))
+  return report
+
+
+def _shard_bytes(tree) -> int:
+  """Bytes one chip holds of a tree of ShapeDtypeStructs with shardings."""
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+  )
+
+
+def _libtpu_version() -> str | None:
+  path = tpu_library_path()
+  if path is None:
+    return None
+  match = re.search(
+    r"libtpu-([\w.]+)\.dist-info", " ".join(os.listdir(os.path.dirname(os.path.dirname(path))))
+  )
+  return match.group(1) if match else None
+
+
+def roofline(report: dict[str, Any], config, chip: flops.TpuChip) -> dict[str, Any]:
+  """Step time from the cost and the chip's datasheet, MFU, tokens/s and the FLOPs check."""
+  coll = report["collectives"]
+  dcn_bytes = sum(c["dcn_bytes"] for c in coll.values())
+  slices = report["num_slices"]
+  if slices > 1 and not dcn_bytes:
+    # Across slices libtpu compiles Megascale collectives (custom calls), which the HLO
+    # text does not show as collectives: estimate them as the gradients' all-reduce over
+    # the slices, as data parallelism across slices (dcn_data) needs, ring model.
+    dcn_bytes = 2 * (slices - 1) / slices * report["params"]
+    report["dcn_estimated"] = "gradients all-reduced across slices, from the parameters per chip"
+  times = {
+    "compute": report["flops"] / chip.peak_flops,
+    "hbm": report["bytes"] / chip.hbm_bytes_per_s,
+    "ici": sum(c["ici_bytes"] for c in coll.values()) / chip.ici_bytes_per_s,
+    "dcn": dcn_bytes / chip.dcn_bytes_per_s,
+  }
+  step_s = max(times.values())
+  model = ModelConfig.from_config(config)
+  rows, seq_len, chips = report["rows"], report["seq_len"], report["chips"]
+  formula = flops.training_flops(model, rows, seq_len, seq_len) / chips
+  tokens_per_s = rows * seq_len / step_s
+  return {
+    "formula_flops": formula,
+    "flops_vs_formula": report["flops"] / formula - 1,
+    "roofline_s": {k: v for k, v in times.items()},
+    "step_s": step_s,
+    "bound": max(times, key=lambda k: times[k]),
+    "mfu": min(formula / step_s / chip.peak_flops, 1.0),
+    "tokens_per_s_per_chip": tokens_per_s / chips,
+    "tokens_per_s": tokens_per_s,
+    "update_s": step_s * config.grad_accum_steps,
+  }
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.2f} GiB"
+
+
+def fits_line(report: dict[str, Any]) -> str:
+  """'fits, 61% of 16 GiB' or the one OOM line."""
+  if "oom" in report:
+    return report["oom"]
+  share = report["total"] / report["hbm"]
+  verdict = "fits" if report["fits"] else "does not fit"
+  return f"{verdict}, {share:.0%} of {report['hbm'] / 2**30:.0f} GiB"
+
+
+def _flops_verdict(difference: float) -> str:
+  if abs(difference) <= 0.05:
+    return "agrees within 5%"
+  if difference > 0:  # layer norms, softmax, the optimizer: small next to the matmuls
+    return (
+      "XLA counts more than 5% above it: element-wise work the formula leaves out, or work "
+      "repeated on the chips of a mesh axis that splits only part of it (tensor)"
+    )
+  return "XLA counts more than 5% below it: a loop's body counted once"
+
+
+def text(report: dict[str, Any]) -> str:
+  """The report for a terminal."""
+  slices = f"{report['num_slices']} x " if report["num_slices"] > 1 else ""
+  lines = [
+    f"train step on {slices}{report['topology']} ({report['chips']} x {report['device_kind']}),"
+    f" mesh {report['mesh']}"
+    + (f", across slices {report['dcn_mesh']}" if report["num_slices"] > 1 else "")
+    + f", batch {report['rows']} x {report['seq_len']} tokens",
+    f"every figure is {PREDICTED}; per chip:",
+  ]
+  if "oom" in report:
+    return "\n".join(lines + ["  " + report["oom"]])
+  c = report["collectives"]
+  lines += [
+    f"  memory      {fits_line(report)}: state {_gib(report['state'])} (parameters "
+    f"{_gib(report['params'])}), arguments {_gib(report['argument'])}, temporaries "
+    f"{_gib(report['temp'])}, total {_gib(report['total'])}",
+    f"  cost        {report['flops']:.3g} FLOPs, {report['bytes']:.3g} bytes of HBM traffic"
+    + f", from {report.get('cost_from', 'the step')}",
+    f"  flops check {report['flops_vs_formula']:+.1%} against training/flops.py's "
+    f"{report['formula_flops']:.3g} (" + _flops_verdict(report["flops_vs_formula"]) + ")",
+    "  collectives "
+    + (
+      ", ".join(
+        f"{op} x{v['count']} ({(v['ici_bytes'] + v['dcn_bytes']) / 2**20:,.1f} MiB"
+        + (f", {v['dcn_bytes'] / 2**20:,.1f} over DCN" if v["dcn_bytes"] else "")
+        + ")"
+        for op, v in c.items()
+        if v["count"]
+      )
+      or "none"
+    ),
+    *(
+      [f"  dcn         estimated: {report['dcn_estimated']} (not read from the program)"]
+      if "dcn_estimated" in report
+      else []
+    ),
+    "  roofline    "
+    + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in report["roofline_s"].items())
+    + f": step {report['step_s'] * 1e3:,.2f} ms, {report['bound']}-bound",
+    f"  MFU         {report['mfu']:.1%}; {report['tokens_per_s_per_chip']:,.0f} target tokens/s "
+    f"per chip, {report['tokens_per_s']:,.0f} for the slice",
+    f"  remat       {report['involuntary_remat']} involuntary full rematerializations",
+  ]
+  return "\n".join(lines)
+
+
+def check_decoding(
+  config, tpu_slice: Slice, batch: int, num_slices: int = 1, mesh: str | None = None
+) -> dict[str, Any]:
+  """Beam search's prefill (the encoder, and the decoder's first token for `batch`
+  sentences, repeated for the beams) and one token of its loop (batch x beam rows
+  through a cache of max_len + max_decode_extra_len slots, the longest it grows to, then
+  the beams' reordering), compiled for the slice: memory per chip and the roofline time
+  of each; the step's is the time per generated token."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from transformer.config import BOS_ID
+  from transformer.model.decoding import cache as cache_lib
+
+  config = prepare_config(config, mesh, num_slices)
+  devices = slice_devices(tpu_slice, num_slices)
+  mesh_ = sharding.create_mesh(config, devices)
+  from transformer.training import state as state_lib
+
+  run = state_lib.setup(config, mesh_)
+  multiple = math.lcm(sharding.batch_row_shards(mesh_, run.rules), tpu_slice.hosts * num_slices)
+  if batch % multiple:
+    raise config_lib.ConfigError(
+      f"--decode_batch {batch}: must be a multiple of {multiple} (the row shards and hosts)"
+    )
+  beams, seq_len = config.beam_size, config.max_len
+  cache_len = config.max_len + config.max_decode_extra_len
+  params = run.restore_target().params
+  rows = sharding.batch_sharding(mesh_, run.rules)
+
+  def prefill(params, source_BxS):
+    model, params = cache_lib.unrolled(run.model, params)
+    prompt_Bx1 = jnp.full((source_BxS.shape[0], 1), BOS_ID, jnp.int32)
+    first = cache_lib.prefill(model, params, prompt_Bx1, cache_len=cache_len, source_BxS=source_BxS)
+    return cache_lib.repeat_rows(first.state, beams), first.logits_BxV
+
+  def step(params, decoder_state, tokens_N, parent_N):
+    model, params = cache_lib.unrolled(run.model, params)
+    logits_NxLxV, decoder_state = cache_lib.feed(model, params, decoder_state, tokens_N[:, None])
+    return cache_lib.reorder_rows(decoder_state, parent_N), logits_NxLxV[:, 0]
+
+  report: dict[str, Any] = {"batch": batch, "beam_size": beams, "cache_len": cache_len}
+  source = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
+  with sharding.activation_sharding(mesh_, run.rules):
+    lowered = jax.jit(prefill).lower(params, source)
+  try:
+    compiled, _ = _compile(lowered, tpu_slice)
+  except OutOfMemory as e:
+    return {**report, "fits": False, "oom": str(e)}
+  report["prefill"] = _predicted_program(compiled, tpu_slice, mesh_)
+  decoder_state = jax.tree.map(
+    lambda shape, where: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where),
+    jax.eval_shape(prefill, params, source)[0],
+    compiled.output_shardings[0],
+  )
+  tokens = jax.ShapeDtypeStruct(
+    (batch * beams,), jnp.int32, sharding=NamedSharding(mesh_, PartitionSpec(rows.spec[0]))
+  )
+  with sharding.activation_sharding(mesh_, run.rules):
+    lowered = jax.jit(step, donate_argnums=1).lower(params, decoder_state, tokens, tokens)
+  try:
+    compiled, _ = _compile(lowered, tpu_slice)
+  except OutOfMemory as e:
+    return {**report, "fits": False, "oom": str(e)}
+  report["step"] = _predicted_program(compiled, tpu_slice, mesh_)
+  report["fits"] = report["prefill"]["fits"] and report["step"]["fits"]
+  report["tokens_per_s"] = batch / report["step"]["step_s"]  # one token per sentence a step
+  return report
+
+
+def _predicted_program(compiled, tpu_slice: Slice, mesh_) -> dict[str, Any]:
+  """Memory per chip, cost, collectives and roofline time of one compiled program."""
+  analysis = compiled.memory_analysis()
+  total = (
+    int(analysis.argument_size_in_bytes)
+    + int(analysis.output_size_in_bytes)
+    - int(analysis.alias_size_in_bytes)
+    + int(analysis.temp_size_in_bytes)
+  )
+  chip = tpu_slice.chip
+  out: dict[str, Any] = {
+    "total": total,
+    "temp": int(analysis.temp_size_in_bytes),
+    "hbm": chip.hbm_bytes,
+    "fits": total <= chip.hbm_bytes,
+    **_cost(compiled),
+  }
+  coll = collectives(compiled.as_text(), [getattr(d, "slice_index", 0) for d in mesh_.devices.flat])
+  times = {
+    "compute": out["flops"] / chip.peak_flops,
+    "hbm": out["bytes"] / chip.hbm_bytes_per_s,
+    "ici": sum(c["ici_bytes"] for c in coll.values()) / chip.ici_bytes_per_s,
+    "dcn": sum(c["dcn_bytes"] for c in coll.values()) / chip.dcn_bytes_per_s,
+  }
+  out.update(step_s=max(times.values()), bound=max(times, key=lambda k: times[k]))
+  return out
+
+
+def decoding_text(report: dict[str, Any]) -> str:
+  head = (
+    f"beam search, {report['batch']} sentences x beam {report['beam_size']}, "
+    f"cache of {report['cache_len']} slots, per chip ({PREDICTED}):"
+  )
+  if "oom" in report:
+    return head + "\n  " + report["oom"]
+  lines = [head]
+  for name in ("prefill", "step"):
+    r = report[name]
+    lines.append(
+      f"  {name:<7} {'fits' if r['fits'] else 'does not fit'}, {r['total'] / r['hbm']:.0%} of "
+      f"{r['hbm'] / 2**30:.0f} GiB; {r['flops']:.3g} FLOPs, {r['bytes']:.3g} bytes; "
+      f"roofline {r['step_s'] * 1e3:,.3f} ms ({r['bound']}-bound)"
+    )
+  lines.append(
+    f"  {report['step']['step_s'] * 1e3:,.3f} ms per generated token, "
+    f"{report['tokens_per_s']:,.0f} tokens/s for the slice"
+  )
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  tpu_slice = parse_slice(_TOPOLOGY.value)
+  if _NUM_SLICES.value < 1:
+    raise app.UsageError(f"--num_slices {_NUM_SLICES.value}: must be at least 1")
+  try:
+    report = check(
+      _CONFIG.value, tpu_slice, _NUM_SLICES.value, _MESH.value, _BATCH_TOKENS.value, _SEQ_LEN.value
+    )
+  except config_lib.ConfigError as e:
+    if not _JSON.value:
+      sys.exit(f"error: {e}")
+    # A record of the slice on which the config cannot run, for the docs' tables.
+    report = {
+      "topology": tpu_slice.name,
+      "num_slices": _NUM_SLICES.value,
+      "fits": False,
+      "error": str(e),
+      "predicted": PREDICTED,
+    }
+  if _DECODE_BATCH.value and "error" not in report:
+    try:
+      report["decoding"] = check_decoding(
+        _CONFIG.value, tpu_slice, _DECODE_BATCH.value, _NUM_SLICES.value, _MESH.value
+      )
+    except config_lib.ConfigError as e:
+      sys.exit(f"error: {e}")
+  if _JSON.value:  # the object says whether it fits; exit 0 so that it is recorded
+    print(json.dumps({**report, "versions": versions.library_versions()}))
+    return
+  print(text(report))
+  if "decoding" in report:
+    print(decoding_text(report["decoding"]))
+  if not report["fits"]:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  cli.run(main)
