@@ -289,3 +289,20 @@ def test_command_line_error_is_one_line(tmp_path):
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == (
       f"error: --quantization: 'int3' is not one of {', '.join(export.QUANTIZATIONS)}")
+
+
+@pytest.mark.slow
+def test_comparison_tool_on_a_trained_run(trained_run):
+  """compare_ctranslate2's record: every system's outputs on the split, the engine's
+  float32 greedy identical to ours, and a speed for each system, search and batch."""
+  from transformer.tools import compare_ctranslate2
+  _, workdir = trained_run
+  record = compare_ctranslate2.compare(workdir, limit=12, batch1_sentences=3, batch_size=4,
+                                       rounds=1, threads=1)
+  assert record["num_sentences"] == 12
+  assert record["greedy_identical"] == 12 and record["greedy_differing"] == []
+  assert set(record["bleu"]) == {f"{s}_{k}" for s in ("ours", "float32", "int8")
+                                 for k in ("greedy", "beam")}
+  assert {(r["system"], r["search"], r["batch"]) for r in record["speed"]} == {
+      (s, k, b) for s in ("ours", "float32", "int8") for k in ("greedy", "beam") for b in (1, 4)}
+  assert all(r["sentences_per_sec"] > 0 for r in record["speed"])
