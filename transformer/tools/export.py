@@ -276,6 +276,12 @@ class Exported:
   decoder_only: bool
 
 
+def _which(exported: Exported) -> str:
+  if exported.average_last == 1:
+    return f"the checkpoint of step {exported.step}"
+  return f"the mean of the {exported.average_last} checkpoints up to step {exported.step}"
+
+
 def _readme(config, exported: Exported, tokens: list[str]) -> str:
   suppress = [[tokens[i]] for i in NEVER_GENERATED]
   extra = config.max_decode_extra_len
@@ -303,13 +309,13 @@ results = translator.translate_batch(sources, beam_size={config.beam_size},
                                      min_decoding_length=0, suppress_sequences={suppress})
 print([sp.decode(r.hypotheses[0]) for r in results])
 """
-  kind = "a decoder-only language model" if exported.decoder_only else "a translation model"
+  kind = "A decoder-only language model" if exported.decoder_only else "A translation model"
   return f"""\
 # {kind} for CTranslate2
 
-Exported from {config.dataset} ({config.direction}) at step {exported.step}
-(the mean of {exported.average_last} checkpoint(s)), weights stored as {exported.quantization}.
-Run from this directory (`pip install ctranslate2 sentencepiece`):
+Exported from a run on {config.dataset} ({config.direction}): {_which(exported)}, weights
+stored as {exported.quantization}. Run from this directory (`pip install ctranslate2
+sentencepiece`):
 
 ```python
 {code}```
@@ -432,9 +438,9 @@ def main(argv):
     sys.exit(f"error: {e}")
   engine = "Generator" if exported.decoder_only else "Translator"
   print(
-    f"wrote step {exported.step} of {_WORKDIR.value} (mean of {exported.average_last}) as a "
-    f"{exported.quantization} CTranslate2 model to {exported.out}: ctranslate2.{engine}"
-    f"({exported.out!r}); {exported.out}/README.md shows how to use it"
+    f"wrote {_which(exported)} of {_WORKDIR.value} as a {exported.quantization} CTranslate2 "
+    f"model to {exported.out}: ctranslate2.{engine}({exported.out!r}); its README.md shows "
+    "how to translate with it"
   )
 
 
