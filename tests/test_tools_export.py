@@ -8,7 +8,6 @@ and translates text with, and refuses bad input in one line."""
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -144,6 +143,7 @@ def _engine_logprobs(engine, cfg, sources, targets):
   return [np.asarray(r.log_probs) for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", VARIANTS)
 def test_engine_decodes_and_scores_as_the_model(options, tmp_path):
   cfg, params = _model(options)
@@ -246,38 +246,35 @@ def test_command_writes_a_directory_the_engine_translates_text_with(trained_run,
   assert gap < 0.05, gap
 
 
-def test_bad_input_is_refused_in_one_line_before_anything_loads(trained_run, tmp_path):
-  config, workdir = trained_run
+def test_bad_input_is_refused_in_one_line_before_anything_loads(tmp_path):
+  """A run's config.json and no checkpoint: every refusal comes before any restore."""
+  run = tmp_path / "run"
+  run.mkdir()
+  config = config_lib.base_config()
+  (run / "config.json").write_text(json.dumps(config.to_dict()))
   out = str(tmp_path / "out")
   with pytest.raises(ConfigError, match="--quantization: 'int4' is not one of float32, int8"):
-    export.export_run(workdir, out, quantization="int4")
+    export.export_run(str(run), out, quantization="int4")
   with pytest.raises(ConfigError, match="does not exist"):
     export.export_run(str(tmp_path / "nowhere"), out)
-  # A run directory whose checkpoints are gone.
-  empty = tmp_path / "empty"
-  empty.mkdir()
-  shutil.copy(os.path.join(workdir, "config.json"), empty)
   with pytest.raises(ConfigError, match="holds no checkpoint"):
-    export.export_run(str(empty), out)
+    export.export_run(str(run), out)
+  # An existing export is kept unless --force.
+  (tmp_path / "taken").mkdir()
+  (tmp_path / "taken" / "model.bin").write_bytes(b"kept")
+  with pytest.raises(ConfigError, match="already holds a model.bin; pass --force"):
+    export.export_run(str(run), str(tmp_path / "taken"))
+  assert (tmp_path / "taken" / "model.bin").read_bytes() == b"kept"
   # Options the engine cannot compute, named.
-  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-    saved = json.load(f)
-  saved["model"]["d_v"] = saved["model"]["d_k"] * 2
-  with open(empty / "config.json", "w", encoding="utf-8") as f:
-    json.dump(saved, f)
+  config.model.d_v = config.model.d_k * 2
+  (run / "config.json").write_text(json.dumps(config.to_dict()))
   with pytest.raises(ConfigError, match=r"config.model.d_v: CTranslate2 has one head size"):
-    export.export_run(str(empty), out)
+    export.export_run(str(run), out)
   draft = config_lib.base_config()
   draft.draft.num_layers, draft.draft.target_workdir = 1, "runs/target"
   with pytest.raises(ConfigError, match="config.draft.num_layers: a shallow draft"):
     export.check_exportable(draft)
   assert not os.path.exists(out)
-  # An existing export is kept unless --force.
-  (tmp_path / "taken").mkdir()
-  (tmp_path / "taken" / "model.bin").write_bytes(b"kept")
-  with pytest.raises(ConfigError, match="already holds a model.bin; pass --force"):
-    export.export_run(workdir, str(tmp_path / "taken"))
-  assert (tmp_path / "taken" / "model.bin").read_bytes() == b"kept"
 
 
 @pytest.mark.slow

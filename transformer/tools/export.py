@@ -350,10 +350,10 @@ def export_run(
   config = checkpoints.load_run_config(workdir)
   config_lib.validate(config)
   check_exportable(config)
-  if not checkpoints.steps_on_disk(workdir):
-    raise ConfigError(f"{checkpoints.checkpoint_dir(workdir)} holds no checkpoint")
   if storage.exists(storage.join(out, "model.bin")) and not force:
     raise ConfigError(f"--out {out} already holds a model.bin; pass --force to replace it")
+  if not checkpoints.steps_on_disk(workdir):
+    raise ConfigError(f"{checkpoints.checkpoint_dir(workdir)} holds no checkpoint")
   tokenizer = tokenizer_lib.load_workdir_tokenizer(workdir)
   # One row per process is all the restore needs: the export reads whole arrays.
   config.eval_batch_size = jax.device_count()
