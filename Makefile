@@ -47,7 +47,7 @@ $(LIBTPU): requirements/lock-tpu.txt | $(STAMP)
 # UPGRADE="--upgrade-package jax --upgrade-package jaxlib" only those (docs/development.md).
 UPGRADE ?=
 LOCK_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml --universal --quiet \
-	--custom-compile-command "make lock" --extra test --extra dev \
+	--custom-compile-command "make lock" --extra test --extra dev --extra export \
 	-c requirements/constraints.txt $(UPGRADE)
 lock: install
 	$(LOCK_COMPILE) -o requirements/lock.txt

@@ -5,6 +5,9 @@ decoding_speed       beam search with and without the decoding cache
 input_speed          the input pipeline alone: examples/s and tokens/s
 average_checkpoints  the mean of a run's last k checkpoints, written as a new run
 prepare_data         a config's dataset and vocabulary, built once before a multi-host job
+export               a trained run as a CTranslate2 model (float32 or int8), for serving
+compare_ctranslate2  the run's decoding beside its CTranslate2 export: outputs, BLEU, speed
+compile_check        the training and decoding steps compiled for a named TPU slice, on a CPU
 memory               per-device memory of the compiled training step, mesh by mesh
 render_docs          `make docs`: README's and docs/' figures, from docs/results/*.jsonl
 """

@@ -90,6 +90,56 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
   return "\n".join(lines)
 
 
+def ctranslate2_quality() -> str:
+  """The exported model's outputs and BLEU beside the run's own (compare_ctranslate2)."""
+  r = read_records("ctranslate2")[-1]
+  gaps = [d["logprob_gap"] for d in r["greedy_differing"]]
+  differing = (
+    f"The {len(gaps)} that differ part where our two candidates' log-probabilities are "
+    f"at most {max(gaps):.1e} apart (near-ties: float32 sums in another order decide them)."
+    if gaps
+    else "None differs."
+  )
+  b = r["bleu"]
+  rows = [
+    ("greedy", f"{b['ours_greedy']:.2f}", f"{b['float32_greedy']:.2f}", f"{b['int8_greedy']:.2f}"),
+    (
+      f"beam {r['beam_size']}, alpha {r['length_penalty_alpha']}",
+      f"{b['ours_beam']:.2f}",
+      f"{b['float32_beam']:.2f}",
+      f"{b['int8_beam']:.2f}",
+    ),
+  ]
+  return (
+    f"Greedy: {r['greedy_identical']:,} of {r['num_sentences']:,} {r['split']} sentences "
+    f"({r['greedy_identical_share']:.1%}) identical to ours token for token. {differing}\n\n"
+    + table(("sacreBLEU", "ours", "CTranslate2 float32", "CTranslate2 int8"), rows)
+    + f"\n\nStep {r['step']:,} of `{r['workdir']}`, CTranslate2 {r['ctranslate2']}.\n\n"
+    + source("ctranslate2", [r])
+  )
+
+
+def ctranslate2_speed() -> str:
+  """Sentences/s of the run's own decoding and of the exported model, one interleaved run."""
+  r = read_records("ctranslate2")[-1]
+  rates = {(x["system"], x["search"], x["batch"]): x["sentences_per_sec"] for x in r["speed"]}
+  batches = sorted({x["batch"] for x in r["speed"]})
+  names = {"ours": "ours (JAX)", "float32": "CTranslate2 float32", "int8": "CTranslate2 int8"}
+  rows = [
+    (names[system], search, *(f"{rates[(system, search, b)]:.1f}" for b in batches))
+    for system in ("ours", "float32", "int8")
+    for search in ("greedy", "beam")
+  ]
+  return (
+    table(("", "search", *(f"batch {b} (sentences/s)" for b in batches)), rows)
+    + f"\n\nBatch 1: the first {r['batch1_sentences']:,} {r['split']} sentences; batch "
+    f"{r['batch_size']}: all {r['num_sentences']:,}, in the split's order. Each figure is "
+    f"the fastest of {r['rounds']} turns, the systems taking turns; ours compiled first. "
+    f"CTranslate2 {r['ctranslate2']} with {r['ctranslate2_threads']}.\n\n"
+    + source("ctranslate2", [r])
+  )
+
+
 def source(name: str, records: Sequence[Record]) -> str:
   """One line: the record file, and each distinct machine, date, commit and command."""
 
@@ -835,5 +885,7 @@ def views() -> dict[str, Callable[[], str]]:
       decoder_only_vs_encoder_decoder_expected,
       input_padding,
       speculative,
+      ctranslate2_quality,
+      ctranslate2_speed,
     )
   }
