@@ -159,10 +159,13 @@ def timeout_message(what: str, seconds: float, doing: str = "writing") -> str:
   )
 
 
-def read_within(seconds: float, what: str, call: Callable[[], Any]) -> Any:
-  """`call()`'s value (or its error), or StorageTimeout naming `what` if it has not
-  returned after `seconds`. It runs on a helper thread, which a stalled client may keep
-  blocked: it is left behind, and whoever catches the error ends the process."""
+def call_within(
+  seconds: float, call: Callable[[], Any], name: str = "storage-call"
+) -> tuple[bool, Any]:
+  """(True, `call()`'s value) if it returned within `seconds` (its error is re-raised
+  here), or (False, None) if it is still running then. It runs on a helper thread named
+  `name`, which a stalled client may keep blocked: it is left behind, and whoever acts on
+  the False ends the process."""
   outcome: list = []
 
   def run():
@@ -171,14 +174,23 @@ def read_within(seconds: float, what: str, call: Callable[[], Any]) -> Any:
     except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
       outcome.append((False, e))
 
-  thread = threading.Thread(target=run, name="storage-read", daemon=True)
+  thread = threading.Thread(target=run, name=name, daemon=True)
   thread.start()
   thread.join(max(seconds, 0.0))
   if not outcome:
-    raise StorageTimeout(timeout_message(what, seconds, doing="reading"))
+    return False, None
   ok, value = outcome[0]
   if not ok:
     raise value
+  return True, value
+
+
+def read_within(seconds: float, what: str, call: Callable[[], Any]) -> Any:
+  """`call()`'s value (or its error), or StorageTimeout naming `what` if it has not
+  returned after `seconds` (`call_within`)."""
+  done, value = call_within(seconds, call, name="storage-read")
+  if not done:
+    raise StorageTimeout(timeout_message(what, seconds, doing="reading"))
   return value
 
 

@@ -44,28 +44,6 @@ class CheckpointTimeout(CheckpointError, storage.StorageTimeout):
   """A save still not written after the time limit; Orbax's threads may be stuck in it."""
 
 
-def _call_within(seconds: float, call: Callable[[], Any]) -> bool:
-  """Runs `call` on a helper thread; True if it returned (or raised, re-raised here)
-  within `seconds`, False if it is still running then (it is left behind)."""
-  outcome: list = []
-
-  def run():
-    try:
-      outcome.append((True, call()))
-    except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
-      outcome.append((False, e))
-
-  thread = threading.Thread(target=run, name="checkpoint-wait", daemon=True)
-  thread.start()
-  thread.join(max(seconds, 0.0))
-  if not outcome:
-    return False
-  ok, value = outcome[0]
-  if not ok:
-    raise value
-  return True
-
-
 def _join_orbax_threads(timeout_s: float = 60.0, name: str | None = None) -> None:
   """Waits for Orbax's background threads of a failed save (those called `name`, if
   given). When one item of a save fails, the others' commit threads keep running; left
@@ -202,7 +180,7 @@ class Checkpointer:
     left = self.timeout_s
     if self._writing is not None:
       left -= time.monotonic() - self._started
-    if not _call_within(left, call):
+    if not storage.call_within(left, call, name="checkpoint-wait")[0]:
       raise self._timed_out()
 
   def latest_step(self) -> int | None:
