@@ -14,7 +14,7 @@ bench/cpu.sh runs with PYTHON set to a fake bench. `make train` is what the shar
 is; `make test` is this suite.
 
 A command with a flag that no longer exists, or that fails, fails the test; so does a
-command line no rule below knows how to shrink. About 14 processes, each a command of
+command line no rule below knows how to shrink. About 16 processes, each a command of
 README (100 s of CPU): slow, and the reason the run is shared.
 """
 
@@ -32,6 +32,7 @@ import pytest
 
 from tests.helpers import tiny_run
 from tests.helpers.processes import TEST_XLA_FLAGS, subprocess_env
+from transformer.tools import compile_check
 
 REPO = tiny_run.REPO
 COMMAND = re.compile(r"^(python|bash|make|srun|gcloud) ")
@@ -120,7 +121,7 @@ def shrink(command: str, tmp, small_corpus) -> tuple[list[str], dict]:
   words = shlex.split(command)
   places = {"workdirs/mine": str(tmp / "mine"), "W": str(tmp / "sweep"),
             "pairs.tsv": str(tmp / "pairs.tsv"), "news.en": str(tmp / "news.en"),
-            "news.es": str(tmp / "news.es")}
+            "news.es": str(tmp / "news.es"), "mine-ct2": str(tmp / "mine-ct2")}
   words = [places.get(w, w) for w in words]
   words = [w.replace("tsv:pairs.tsv", f"tsv:{tmp / 'pairs.tsv'}")
            .replace("gs://B/tfds", str(tmp / "tfds")) for w in words]
@@ -154,22 +155,29 @@ def shrink(command: str, tmp, small_corpus) -> tuple[list[str], dict]:
   if program == "-m transformer.tools.memory":
     # One device, as on a laptop: the tool makes the CPU devices its mesh needs.
     return words + tiny + ["--mesh", "2,1,1"], {"XLA_FLAGS": TEST_XLA_FLAGS}
+  if program == "-m transformer.tools.compile_check":
+    # A 4-chip slice of the same kind: the tiny model's rows do not split over 256 chips.
+    words[words.index("--topology") + 1] = "v5e-4"
+    return words + tiny, {}
   if program == "-m transformer.tools.prepare_data":
     # The bundled tfds dataset, built into the data_dir; a small vocabulary.
     return words + ["--config.vocab_size=256", "--config.vocab_max_sentences=2000"], {}
-  if program.startswith(("eval.py", "generate.py")) or words[0] == "srun" or (
-      "--dry_run" in words):
+  if (program.startswith(("eval.py", "generate.py")) or program == "-m transformer.tools.export"
+      or words[0] == "srun" or "--dry_run" in words):
     return words, {}
   raise AssertionError(f"no rule shrinks README's command: {command}")
 
 
-@pytest.mark.slow  # every README command, about 14 processes
+@pytest.mark.slow  # every README command, about 16 processes
 def test_every_readme_command_runs_as_printed(place, small_corpus):
   tmp, env = place
   ran = []
   for command in readme_commands():
     if command in ("make train", "make test"):
       continue  # the shared run below is make train's; make test is this suite
+    if "transformer.tools.compile_check" in command and compile_check.tpu_library_path() is None:
+      print(f"skipped (libtpu is not installed): {command}")
+      continue
     argv, extra_env = shrink(command, tmp, small_corpus)
     started = time.time()
     result = subprocess.run(argv, cwd=REPO, env={**env, **extra_env}, capture_output=True,
@@ -193,6 +201,10 @@ def test_every_readme_command_runs_as_printed(place, small_corpus):
   assert os.path.exists(tmp / "sweep" / "table3_small.png")
   assert "| 2 | 1 | 1 |" in output("python -m transformer.tools.memory")
   assert os.path.isdir(tmp / "tfds" / "tatoeba_en_es")
+  import ctranslate2
+  assert ctranslate2.Translator(str(tmp / "mine-ct2")).model_is_loaded
+  if compile_check.tpu_library_path() is not None:
+    assert "TPU v5 lite" in output("python -m transformer.tools.compile_check")
   assert [json.loads(line)["label"] for line in open(tmp / "bench" / "cpu.jsonl")][:2] == [
       "base", "base-unscanned"]
 
