@@ -53,12 +53,14 @@ def test_two_processes_on_an_interleaved_mesh_match_one_process(trained_run, tmp
   assert abs(together["ppl"] - alone["ppl"]) < 1e-4 * alone["ppl"]
 
 
-@pytest.mark.slow  # two eval.py processes
-def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(trained_run,
-                                                                            tmp_path):
+@pytest.mark.slow  # two eval.py (or generate.py) processes
+@pytest.mark.parametrize("entry_point", ["eval.py", "generate.py"])
+def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(
+    trained_run, small_corpus, tmp_path, entry_point):
   """jax.distributed's handler takes SIGTERM on several processes. Sent to process 1
   once it has searched its second batch, both processes stop after the same batch, in
-  one line each, and no output file is written."""
+  one line each, and nothing is written: no scores or output file from eval.py, no
+  translation from generate.py."""
   _, trained = trained_run
   workdir = tmp_path / "run"
   shutil.copytree(trained, workdir)
@@ -66,10 +68,18 @@ def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(trai
   env = subprocess_env(1, FAULT_NOTICE_PROCESS="1", FAULT_NOTICE_AFTER_BATCH="2",
                        FAULT_NOTICE_MARKER=str(marker))
   port = free_port()
+  cluster = [f"--coordinator_address=localhost:{port}", "--num_processes=2"]
+  if entry_point == "eval.py":
+    job = ["--workdir", str(workdir), "--split", "test", "--search", "greedy"]
+  else:  # the test split's sources, one per line, as a user's file
+    sources = tmp_path / "sources.txt"
+    with open(small_corpus[0], encoding="utf-8") as f:
+      sources.write_text("".join(line.split("\t")[0] + "\n" for line, _ in zip(f, range(143))))
+    job = ["translate", "--workdir", str(workdir), "--input_file", str(sources),
+           "--search", "greedy"]
   processes = [subprocess.Popen(
-      [sys.executable, "tests/helpers/fault_injection.py", "eval.py", "--workdir",
-       str(workdir), "--split", "test", "--search", "greedy",
-       f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+      [sys.executable, "tests/helpers/fault_injection.py", entry_point, *cluster,
+       f"--process_id={i}", *job],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
   try:
@@ -82,7 +92,8 @@ def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(trai
   last_lines = [stderr.strip().splitlines()[-1] for _, stderr in outputs]
   for p, (stdout, stderr) in zip(processes, outputs):
     assert p.returncode == 1, stderr[-3000:]
-    assert "BLEU" not in stdout  # no scores (gloo says it connected)
+    # No scores, no translations (of 143 lines; gloo prints that it connected).
+    assert "BLEU" not in stdout and len(stdout.splitlines()) < 100, stdout[-3000:]
   # 143 sentences in batches of 16: nine. The agreed batch is the second or the third.
   assert last_lines[0] == last_lines[1] and last_lines[0] in [
       f"error: stopped by SIGTERM (a preemption notice) after {n} batches; nothing was "

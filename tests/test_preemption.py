@@ -183,3 +183,57 @@ def test_a_notice_on_a_resumed_run_is_agreed_at_once_in_every_window(small_corpu
         _checkpoint(workdir, step, setup), _checkpoint(reference, step, setup))
     assert our_position == their_position, step
     jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+
+
+def test_a_restore_stalled_on_one_host_ends_every_host_with_the_checkpoint_intact(
+    trained_run, small_corpus, tmp_path):
+  """Process 1's checkpoint reads hang (each for 600 s) with storage_timeout_s=3, on a
+  copy of the shared run: process 1 exits 1 with the one line naming the checkpoints and
+  the wait, process 0 (whose reads went through) does not wait for it forever but exits
+  in one line too, and the checkpoint is as it was."""
+  _, trained = trained_run
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  saved = checkpoints.steps_on_disk(str(workdir))
+  first, last = saved[0], saved[-1]
+  before = workdir / "checkpoints" / str(last)
+  files_before = sorted((p.relative_to(before), p.stat().st_size)
+                        for p in before.rglob("*") if p.is_file())
+  port = free_port()
+  command = [sys.executable, "tests/helpers/fault_injection.py", "train.py", "--config",
+             "configs/default.py", "--workdir", str(workdir),
+             *flag_overrides(small_corpus, num_train_steps=last + 4,
+                             checkpoint_every_steps=first, max_decode_extra_len=5),
+             "--config.storage_timeout_s=3", f"--coordinator_address=localhost:{port}",
+             "--num_processes=2", "--heartbeat_timeout_s=30"]
+  hosts = []
+  for i in range(2):
+    env = subprocess_env(1, PYTHONUNBUFFERED="1",
+                         **({"FAULT_SLOW_RESTORE_S": "600"} if i == 1 else {}))
+    hosts.append(subprocess.Popen(command + [f"--process_id={i}"], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+  outputs, codes = [], []
+  try:
+    for process in hosts:
+      try:
+        outputs.append(process.communicate(timeout=240)[0])  # far less than the stall
+      except subprocess.TimeoutExpired:
+        outputs.append("(still running: a hang)")
+      codes.append(process.poll())
+  finally:
+    for process in hosts:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+  assert codes[1] == 1, outputs[1][-3000:]
+  assert outputs[1].strip().splitlines()[-1].startswith(
+      f"error: reading the checkpoints in {checkpoints.checkpoint_dir(str(workdir))} did "
+      "not finish within 3 s (config.storage_timeout_s)"), outputs[1][-3000:]
+  # Process 0 waited for process 1 in Orbax's start (a barrier): it ends in one line too.
+  assert codes[0] == 1, outputs[0][-3000:]
+  assert outputs[0].strip().splitlines()[-1].startswith("error: "), outputs[0][-3000:]
+  assert "Traceback" not in outputs[0] + outputs[1]
+  assert checkpoints.steps_on_disk(str(workdir)) == saved
+  assert sorted((p.relative_to(before), p.stat().st_size)
+                for p in before.rglob("*") if p.is_file()) == files_before

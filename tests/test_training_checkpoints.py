@@ -110,6 +110,33 @@ def test_restore_into_another_model_is_a_checkpoint_error_naming_the_step(tmp_pa
   assert "\n" not in message
 
 
+def test_a_stalled_read_is_a_timeout_naming_what_was_read(tmp_path, tiny):
+  """Each read is bounded by timeout_s: the manager's start (it reads every checkpoint's
+  metadata) and, once started, a checkpoint's config, data state and arrays."""
+  from tests.helpers import fault_injection
+  run, train_state = tiny
+  save_all(str(tmp_path), run, [with_params(run, train_state, step=3, seed=0)])
+  directory = checkpoints.checkpoint_dir(str(tmp_path))
+  fault_injection.arm(slow_restore_s=3)
+  try:
+    with pytest.raises(checkpoints.CheckpointTimeout) as info:
+      checkpoints.Checkpointer(str(tmp_path), keep=10, timeout_s=1)
+    assert str(info.value).startswith(
+        f"reading the checkpoints in {directory} did not finish within 1 s"), info.value
+    fault_injection.disarm()
+    checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=10, timeout_s=1)
+    fault_injection.arm(slow_restore_s=3)
+    for read in (checkpointer.saved_config, checkpointer.saved_iterator_state,
+                 lambda step: checkpointer.restore(step, run.restore_target())):
+      with pytest.raises(checkpoints.CheckpointTimeout) as info:
+        read(3)
+      assert str(info.value).startswith(
+          f"reading checkpoint 3 in {directory} did not finish within 1 s"), info.value
+  finally:
+    fault_injection.disarm()
+  assert checkpoints.steps_on_disk(str(tmp_path)) == [3]
+
+
 def test_keeps_only_the_newest_checkpoints(tmp_path, tiny):
   run, train_state = tiny
   states = [with_params(run, train_state, step=s, seed=s) for s in (1, 2, 3, 4)]

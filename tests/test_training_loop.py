@@ -261,7 +261,7 @@ def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
     trained_run, tmp_path, monkeypatch):
   """A read that hangs (storage_timeout_s=3; each stall lasts 5 s, so that its thread
   ends soon after), in a copy of the shared run resumed from its last checkpoint: the
-  corpus's next chunk in the middle of an epoch, then the checkpoint's first read on the
+  corpus's next chunk in the middle of an epoch, then the checkpoints' first read on the
   rerun. Each is one line naming what and how long; the checkpoint stays, and loads."""
   from tests.helpers import fault_injection
   from transformer import storage
@@ -301,8 +301,9 @@ def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
       loop.train_and_evaluate(config, workdir)
   finally:
     fault_injection.disarm()
+  # The first read is the checkpoint manager's, of every checkpoint's metadata.
   assert str(error.value).startswith(
-      f"reading checkpoint {saved[-1]} in {checkpoints.checkpoint_dir(workdir)} did not "
+      f"reading the checkpoints in {checkpoints.checkpoint_dir(workdir)} did not "
       "finish within 3 s (config.storage_timeout_s): the storage stalled; rerun"), error.value
   assert checkpoints.steps_on_disk(workdir) == saved
   params = restored_params(workdir, config, saved[-1])

@@ -8,6 +8,8 @@ As a launcher it runs an entry point with the fault armed:
   seconds, default 600) after Orbax created `N.orbax-checkpoint-tmp`, so a `kill -9` lands
   in the middle of an asynchronous save. The stall creates the file FAULT_SLOW_SAVE_MARKER
   (if set) as it begins, for a test to wait on.
+- FAULT_SLOW_RESTORE_S=S: every read of a checkpoint's JSON items (the first reads of a
+  restore) waits S seconds first, as on a stalled bucket.
 - FAULT_FULL_DISK_STEP=N: writing checkpoint N fails with OSError(ENOSPC), as on a full disk.
 - FAULT_KILL_AFTER_SAVE_STEP=N: the process kills itself (SIGKILL) as soon as checkpoint
   N is committed, as the loop goes on: the kill that finds records still queued.
@@ -250,7 +252,8 @@ if __name__ == "__main__":
       full_disk_step=_env_int("FAULT_FULL_DISK_STEP"),
       slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""),
       slow_validation_s=float(os.environ.get("FAULT_SLOW_VALIDATION_S", "0")),
-      slow_validation_marker=os.environ.get("FAULT_SLOW_VALIDATION_MARKER", ""))
+      slow_validation_marker=os.environ.get("FAULT_SLOW_VALIDATION_MARKER", ""),
+      slow_restore_s=float(os.environ.get("FAULT_SLOW_RESTORE_S", "0")))
   if os.environ.get("FAULT_NOTICE_PROCESS"):
     arm_notice(int(os.environ["FAULT_NOTICE_PROCESS"]),
                in_save=_env_int("FAULT_NOTICE_IN_SAVE"),

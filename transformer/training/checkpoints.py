@@ -130,7 +130,15 @@ class Checkpointer:
       # Created here, so that a path that cannot hold checkpoints fails now, not at the
       # first save (Orbax creates it lazily).
       storage.makedirs(self.directory)
-      self._manager = _Manager(storage.as_path(self.directory), options=options, item_names=_ITEMS)
+      # Orbax's manager reads every checkpoint's metadata as it starts, and waits for
+      # the other processes: bounded like any read, or a stalled bucket holds every host.
+      self._manager = storage.read_within(
+        timeout_s,
+        f"the checkpoints in {self.directory}",
+        lambda: _Manager(storage.as_path(self.directory), options=options, item_names=_ITEMS),
+      )
+    except storage.StorageTimeout as e:
+      raise CheckpointTimeout(str(e)) from None
     except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
       raise CheckpointError(
         f"cannot use {self.directory} for checkpoints: {storage.error_text(e)}"
