@@ -163,7 +163,8 @@ def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_ru
   workdir = tmp_path / "runs"
   result = subprocess.run(
     [sys.executable, "-m", "transformer.sweeps", "--sweep", str(sweep_file), "--workdir",
-     str(workdir), "--launch", "tpu", "--compile_check", "v5e-4"],
+     str(workdir), "--launch", "tpu", "--compile_check", "v5e-4",
+     "--config.data_dir=gs://bucket/tfds"],  # the prepared data every worker reads
     capture_output=True, text=True, env=subprocess_env(1), timeout=600,
   )
   assert result.returncode == 0, result.stderr[-2000:]
