@@ -11,9 +11,9 @@ vocabulary), 1,000 steps of about 1,000 real target tokens. The corpus ships in 
 Expected result:
 
 <!-- results:make_train_expected -->
-sacreBLEU 28.06 (tokenized BLEU 28.48) on the 1,992-sentence test split, perplexity 9.78
-there; 1,000 steps in 8m59s on a 2-core AMD EPYC CPU, no accelerator, otherwise idle
-(2026-12-01, commit 8c23d83; docs/results/make_train.jsonl).
+sacreBLEU 27.98 (tokenized BLEU 28.38) on the 1,992-sentence test split, perplexity 9.78
+there; 1,000 steps in 7m15s on a 2-core AMD EPYC CPU, no accelerator, otherwise idle
+(2026-12-03, commit 9b130d2; docs/results/make_train.jsonl).
 <!-- /results -->
 
 `configs/default.py:draft` is the same model with one encoder and one decoder layer: a

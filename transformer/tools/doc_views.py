@@ -233,8 +233,9 @@ def make_test() -> str:
   minutes = f"{low} minutes" if low == high else f"{low} to {high} minutes"
   install = "install included" if r["install_included"] else "with the install already done"
   return (
-    f"It ran {r['tests']} tests in {minutes}, {install}, on a "
-    f"{r['machine']} ({r['date']}, commit {r['commit']}; `docs/results/make_test.jsonl`)."
+    f"`make test` runs the full suite, as CI does: {r['tests']} tests in {minutes}, "
+    f"{install}, on a {r['machine']} ({r['date']}, commit {r['commit']}; "
+    "`docs/results/make_test.jsonl`)."
   )
 
 
