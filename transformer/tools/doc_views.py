@@ -860,6 +860,48 @@ def before_you_launch() -> str:
   )
 
 
+def table2_predicted_time() -> str:
+  """Table 2's rows priced on a v5e-8: compile_check's predicted step time (a roofline from
+  XLA's TPU compiler, not a measurement) times the config's steps."""
+  from transformer import config as config_lib
+
+  records = [
+    r
+    for r in latest(
+      read_records("compile_check"),
+      key=lambda r: (_command_flag(r["command"], "config"), r["topology"]),
+    )
+    if r["topology"] == "v5e-8" and "error" not in r and _command_flag(r["command"], "mesh") is None
+  ]
+  rows = []
+  for r in records:
+    config_name = _command_flag(r["command"], "config") or ""
+    steps = config_lib.load_config(config_name).num_train_steps
+    hours = r["step_s"] * steps / 3600
+    rows.append(
+      (
+        config_name.rsplit(":", 1)[-1],
+        f"{steps // 1000}K",
+        f"{1000 * r['step_s']:.0f} ms",
+        f"{100 * r['mfu']:.0f}%",
+        f"{hours:.1f} hours",
+        f"{hours * r['chips']:.0f}",
+      )
+    )
+  return (
+    "Predicted by XLA's TPU compiler for a v5e-8 at the paper's batch (the config's mesh; "
+    "`python -m transformer.tools.compile_check --config configs/wmt14.py:MODEL --topology "
+    "v5e-8`), not measured: a roofline of the compiled step's FLOPs, bytes and collectives "
+    '(docs/performance.md, "Before you launch"), without input, checkpoints or evaluation.\n\n'
+    + table(
+      ("model", "steps", "step", "MFU", "time to its steps", "chip-hours"),
+      rows,
+    )
+    + "\n\n"
+    + source("compile_check", records)
+  )
+
+
 def views() -> dict[str, Callable[[], str]]:
   """Every view, by the name regions use."""
   return {
@@ -878,6 +920,7 @@ def views() -> dict[str, Callable[[], str]]:
       before_you_launch,
       flax_train_step,
       flax_beam_search,
+      table2_predicted_time,
       table3,
       table3_cost,
       table3_small,
