@@ -178,3 +178,16 @@ def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_ru
   scripts = result.stdout.split()
   assert any(path.endswith("fits.sh") for path in scripts)
   assert not any("two_rows" in path for path in scripts)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_two_slices_with_a_mesh_that_splits_a_physical_axis_compile():
+  """2 x v5e-16 (4x4 chips each) with 8 data shards per slice: 8 is no product of the
+  slice's axes (4, 4), so the hybrid mesh must split one, as the one-slice mesh does."""
+  result = _run("--topology=v5e-16", "--num_slices=2", "--mesh=8,1,2", "--json",
+                "--config.eval_batch_size=16", "--decode_batch=16")
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads(result.stdout)
+  assert (report["chips"], report["mesh"]) == (32, {"data": 16, "fsdp": 1, "tensor": 2})
+  assert report["dcn_mesh"]["data"] == 2 and report["fits"]

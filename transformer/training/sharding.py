@@ -62,8 +62,12 @@ def create_mesh(
   devices = list(devices if devices is not None else jax.devices())
   num_slices = 1 + max(getattr(d, "slice_index", 0) for d in devices)
   ici, dcn = mesh_shape(config, len(devices), num_slices)
+  # Splitting a physical axis (8 tensor shards on a 16x16 slice) is allowed in both: the
+  # mesh sizes are the config's choice, and any that divide the slice must work.
   if num_slices > 1:
-    device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    device_array = mesh_utils.create_hybrid_device_mesh(
+      ici, dcn, devices, allow_split_physical_axes=True
+    )
   else:
     device_array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
   return Mesh(device_array, MESH_AXES)
