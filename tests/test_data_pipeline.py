@@ -339,8 +339,8 @@ def test_a_plan_the_new_mesh_cannot_split_is_a_one_line_error(setup):
   message = str(error.value)
   assert "\n" not in message
   assert message.startswith(f"the checkpoint's batches have {uneven} rows by length, which "
-                            "do not split over the 3 row shards of this run (mesh "
-                            "{'data': 3} over 1 processes)")
+                            "are not multiples of 3, the least common multiple of this run's "
+                            "row shards and processes (mesh {'data': 3} over 1 processes)")
   assert "change tokens_per_batch" in message
 
 

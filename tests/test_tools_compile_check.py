@@ -39,9 +39,9 @@ TINY = [
 ]
 
 
-def _run(*args):
+def _run(*args, base=TINY):
   return subprocess.run(
-    [sys.executable, "-m", "transformer.tools.compile_check", *TINY, *args],
+    [sys.executable, "-m", "transformer.tools.compile_check", *base, *args],
     capture_output=True,
     text=True,
     env=subprocess_env(1),
@@ -191,3 +191,57 @@ def test_two_slices_with_a_mesh_that_splits_a_physical_axis_compile():
   report = json.loads(result.stdout)
   assert (report["chips"], report["mesh"]) == (32, {"data": 16, "fsdp": 1, "tensor": 2})
   assert report["dcn_mesh"]["data"] == 2 and report["fits"]
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_the_mesh_search_refuses_what_cannot_run_and_picks_the_shortest_step_that_fits():
+  """v5e-4, 4 heads: five candidate meshes. A vocabulary of 1026 does not split 4 ways
+  and a batch of 2 rows not over 4 row shards, so only 2,1,2 and 1,2,2 compile."""
+  tiny_without_mesh = [a for a in TINY if not a.startswith("--mesh")]
+  result = _run(
+    "--search_mesh", "--json", "--config.vocab_size=1026", "--config.tokens_per_batch=64",
+    base=tiny_without_mesh,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads(result.stdout)
+  tried = {t["mesh"]: t for t in report["search"]}
+  assert list(tried) == ["4,1,1", "1,4,1", "2,1,2", "1,2,2", "1,1,4"]
+  assert "fewer than the 4 a batch must be a multiple of" in tried["4,1,1"]["error"]
+  assert "fewer than the 4" in tried["1,4,1"]["error"]
+  assert "vocab_size: 1026" in tried["1,1,4"]["error"]
+  compiled = {m: t for m, t in tried.items() if "error" not in t}
+  assert set(compiled) == {"2,1,2", "1,2,2"} and all(t["fits"] for t in compiled.values())
+  best = min(compiled, key=lambda m: compiled[m]["step_s"])
+  assert report["searched_mesh"] == best
+  data, fsdp, tensor = map(int, best.split(","))
+  assert report["mesh"] == {"data": data, "fsdp": fsdp, "tensor": tensor}
+  assert report["step_s"] == compiled[best]["step_s"] and report["rows"] == 2
+  # A line per candidate as it is decided, on stderr (stdout stays one JSON object).
+  for mesh in tried:
+    assert f"mesh {mesh}: " in result.stderr
+  assert compile_check.search_text(report).endswith(f"shortest step that fits: --mesh {best}")
+
+
+def test_the_mesh_search_and_a_mesh_are_one_choice():
+  result = _run("--search_mesh")
+  assert result.returncode != 0
+  assert "--search_mesh chooses the mesh: drop --mesh" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+@needs_libtpu
+def test_a_batch_with_fewer_rows_than_hosts_names_the_hosts_and_the_batch_it_needs():
+  """2 x v5e-16 is 8 hosts; mesh 2,1,8 has 4 row shards; 6 rows of 32 split over neither
+  the hosts nor their multiple 8, and fewer row shards cannot help."""
+  result = _run(
+    "--topology=v5e-16", "--num_slices=2", "--mesh=2,1,8", "--config.model.num_heads=8",
+    "--config.model.d_k=16", "--config.model.d_v=16", "--config.tokens_per_batch=192",
+  )
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert lines[-1] == (
+    "error: tokens_per_batch: 192 tokens make 6 rows of 32, fewer than the 8 a batch must be "
+    "a multiple of (4 row shards on mesh {'data': 4, 'fsdp': 1, 'tensor': 8}, 8 hosts); this "
+    "slice needs a batch of at least 256 tokens (--batch_tokens)"
+  ), lines[-3:]

@@ -302,10 +302,10 @@ class TrainIterator:
     if uneven:
       common = math.gcd(*saved_rows.values())
       raise ConfigError(
-        f"the checkpoint's batches have {uneven} rows by length, which do not split "
-        f"over the {self._row_multiple} row shards of this run "
-        f"({layout or f'{self._process_count} processes'}); use a mesh whose "
-        f"data-parallel devices times processes divide {common}, or change "
+        f"the checkpoint's batches have {uneven} rows by length, which are not multiples "
+        f"of {self._row_multiple}, the least common multiple of this run's row shards and "
+        f"processes ({layout or f'{self._process_count} processes'}); use a mesh whose "
+        f"row shards and processes both divide {common}, or change "
         f"tokens_per_batch to plan the batches again"
       )
     self._plan = saved_rows

@@ -2,6 +2,7 @@
 
     python -m transformer.tools.compile_check --config configs/wmt14.py:big --topology v5e-256
     ... --num_slices 2 --mesh 1,16,16 --batch_tokens 65536 --seq_len 256 --json
+    ... --search_mesh   (instead of --mesh: the mesh with the shortest step that fits)
 
 Compiles the same train step `train.py` runs (`transformer.tools.memory.lower_train_step`:
 `state.setup`, the config's logical axis rules and activation constraints, the
@@ -34,6 +35,11 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
               second per chip and for the slice
   remat       how many "[SPMD] Involuntary full rematerialization" warnings the
               partitioner gave: each is a tensor gathered whole on every chip
+
+`--search_mesh` compiles a small search of in-slice meshes instead of one (each tensor
+size up to the number of heads, the other chips all data or all fsdp; a mesh the config
+or the batch cannot use is refused without compiling) and reports the one with the
+shortest predicted step that fits, after a line per candidate.
 
 `--decode_batch N` also compiles beam search for N sentences: its prefill (the encoder
 and the first token) and one step of its loop at the longest cache, with memory per chip
@@ -107,6 +113,14 @@ _SEQ_LEN = flags.DEFINE_integer(
   "seq_len",
   None,
   "Source and target length of the batch (default: max_len).",
+  flag_values=_FLAG_VALUES,
+)
+_SEARCH_MESH = flags.DEFINE_bool(
+  "search_mesh",
+  False,
+  "Compile each in-slice mesh of a small search (every tensor size up to the heads, the "
+  "rest all data or all fsdp) and report the one with the shortest predicted step that "
+  "fits; each candidate's outcome goes to stderr as it compiles.",
   flag_values=_FLAG_VALUES,
 )
 _DECODE_BATCH = flags.DEFINE_integer(
@@ -530,14 +544,22 @@ def prepare_config(config, mesh: str | None, num_slices: int):
 
 def batch_rows(config, mesh, hosts: int, seq_len: int, batch_tokens: int | None) -> int:
   """Rows of the compiled batch: whole row shards on the mesh and whole rows per host."""
-  multiple = math.lcm(sharding.batch_row_shards(mesh, sharding.axis_rules(config)), hosts)
+  shards = sharding.batch_row_shards(mesh, sharding.axis_rules(config))
+  multiple = math.lcm(shards, hosts)
   tokens = batch_tokens if batch_tokens is not None else config.tokens_per_batch
   rows = tokens // seq_len // multiple * multiple
   if rows == 0:
+    # Every host feeds whole rows and every row shard holds whole rows: a batch is a
+    # multiple of both. Past the host count, fewer row shards no longer help.
+    fix = (
+      "try a mesh with fewer data x fsdp devices (--mesh, e.g. more tensor) or a larger batch"
+      if shards >= hosts
+      else f"this slice needs a batch of at least {multiple * seq_len} tokens (--batch_tokens)"
+    )
     raise config_lib.ConfigError(
-      f"tokens_per_batch: {tokens} tokens are less than one row of {seq_len} on each of "
-      f"{multiple} row shards (mesh {dict(mesh.shape)}); try a mesh with fewer data x fsdp "
-      "devices (--mesh, e.g. more tensor) or a larger batch"
+      f"tokens_per_batch: {tokens} tokens make {tokens // seq_len} rows of {seq_len}, fewer "
+      f"than the {multiple} a batch must be a multiple of ({shards} row shards on mesh "
+      f"{dict(mesh.shape)}, {hosts} hosts); {fix}"
     )
   return rows
 
@@ -623,6 +645,62 @@ def check(
   report["collectives"] = collectives(costed.as_text(), slice_of)
   report.update(roofline(report, config, chip))
   return report
+
+
+def candidate_meshes(config, chips: int) -> list[str]:
+  """The in-slice meshes "data,fsdp,tensor" that --search_mesh compiles: each tensor size
+  up to the number of heads (what tensor parallelism splits), with the other chips all
+  data or all fsdp. A mix of the two lies between them: it all-reduces fewer gradient
+  bytes than data alone and all-gathers fewer parameter bytes than fsdp alone, but pays
+  for both, and holds more state per chip than fsdp alone."""
+  meshes = []
+  for tensor in range(1, min(chips, config.model.num_heads) + 1):
+    if chips % tensor == 0:
+      rest = chips // tensor
+      meshes += [f"{rest},1,{tensor}"] + ([f"1,{rest},{tensor}"] if rest > 1 else [])
+  return meshes
+
+
+_SEARCH_FIELDS = ("fits", "rows", "total", "hbm", "step_s", "bound", "mfu", "oom", "error")
+
+
+def search_mesh(
+  config,
+  tpu_slice: Slice,
+  num_slices: int = 1,
+  batch_tokens: int | None = None,
+  seq_len: int | None = None,
+) -> dict[str, Any]:
+  """check() on each of candidate_meshes(): the report of the one with the shortest
+  predicted step that fits, with "searched_mesh" (its "data,fsdp,tensor") and "search"
+  (each candidate's mesh and outcome). A mesh the config or the batch cannot use is
+  refused in a line, without compiling. When none fits, {"fits": False, "error": ...}."""
+  tried, best, best_mesh = [], None, None
+  for mesh in candidate_meshes(config, tpu_slice.chips):
+    try:
+      report = check(config, tpu_slice, num_slices, mesh, batch_tokens, seq_len)
+    except config_lib.ConfigError as e:
+      report = {"fits": False, "error": str(e)}
+    tried.append({"mesh": mesh, **{k: report[k] for k in _SEARCH_FIELDS if k in report}})
+    outcome = (
+      f"{report['step_s'] * 1e3:,.2f} ms, {fits_line(report)}"
+      if report["fits"]
+      else report.get("oom") or report["error"]
+    )
+    print(f"mesh {mesh}: {outcome}", file=sys.stderr, flush=True)
+    if report["fits"] and (best is None or report["step_s"] < best["step_s"]):
+      best, best_mesh = report, mesh
+  if best is None:
+    reasons = "; ".join(dict.fromkeys(t.get("oom") or t["error"] for t in tried))
+    return {
+      "topology": tpu_slice.name,
+      "num_slices": num_slices,
+      "fits": False,
+      "error": f"none of the {len(tried)} meshes searched fits: {reasons}",
+      "search": tried,
+      "predicted": PREDICTED,
+    }
+  return {**best, "searched_mesh": best_mesh, "search": tried}
 
 
 def _shard_bytes(tree) -> int:
@@ -745,6 +823,20 @@ def text(report: dict[str, Any]) -> str:
     f"per chip, {report['tokens_per_s']:,.0f} for the slice",
     f"  remat       {report['involuntary_remat']} involuntary full rematerializations",
   ]
+  return "\n".join(lines)
+
+
+def search_text(report: dict[str, Any]) -> str:
+  """--search_mesh's candidates, one line each, and the one chosen."""
+  lines = [f"meshes searched (data,fsdp,tensor in each slice), {PREDICTED}:"]
+  for t in report["search"]:
+    outcome = (
+      f"{t['step_s'] * 1e3:,.2f} ms, MFU {t['mfu']:.1%}, {t['total'] / t['hbm']:.0%} of HBM"
+      if t["fits"]
+      else (t.get("oom") or t["error"])
+    )
+    lines.append(f"  {t['mesh']:>12}  {outcome}")
+  lines.append(f"shortest step that fits: --mesh {report['searched_mesh']}")
   return "\n".join(lines)
 
 
@@ -873,10 +965,19 @@ def main(argv):
   tpu_slice = parse_slice(_TOPOLOGY.value)
   if _NUM_SLICES.value < 1:
     raise app.UsageError(f"--num_slices {_NUM_SLICES.value}: must be at least 1")
+  if _SEARCH_MESH.value and _MESH.value is not None:
+    raise app.UsageError("--search_mesh chooses the mesh: drop --mesh")
+  mesh = _MESH.value
   try:
-    report = check(
-      _CONFIG.value, tpu_slice, _NUM_SLICES.value, _MESH.value, _BATCH_TOKENS.value, _SEQ_LEN.value
-    )
+    if _SEARCH_MESH.value:
+      report = search_mesh(
+        _CONFIG.value, tpu_slice, _NUM_SLICES.value, _BATCH_TOKENS.value, _SEQ_LEN.value
+      )
+      mesh = report.get("searched_mesh")
+    else:
+      report = check(
+        _CONFIG.value, tpu_slice, _NUM_SLICES.value, mesh, _BATCH_TOKENS.value, _SEQ_LEN.value
+      )
   except config_lib.ConfigError as e:
     if not _JSON.value:
       sys.exit(f"error: {e}")
@@ -888,16 +989,20 @@ def main(argv):
       "error": str(e),
       "predicted": PREDICTED,
     }
+  if "error" in report and not _JSON.value:
+    sys.exit(f"error: {report['error']}")
   if _DECODE_BATCH.value and "error" not in report:
     try:
       report["decoding"] = check_decoding(
-        _CONFIG.value, tpu_slice, _DECODE_BATCH.value, _NUM_SLICES.value, _MESH.value
+        _CONFIG.value, tpu_slice, _DECODE_BATCH.value, _NUM_SLICES.value, mesh
       )
     except config_lib.ConfigError as e:
       sys.exit(f"error: {e}")
   if _JSON.value:  # the object says whether it fits; exit 0 so that it is recorded
     print(json.dumps({**report, "versions": versions.library_versions()}))
     return
+  if "searched_mesh" in report:
+    print(search_text(report))
   print(text(report))
   if "decoding" in report:
     print(decoding_text(report["decoding"]))
