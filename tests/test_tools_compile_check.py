@@ -245,3 +245,17 @@ def test_a_batch_with_fewer_rows_than_hosts_names_the_hosts_and_the_batch_it_nee
     "a multiple of (4 row shards on mesh {'data': 4, 'fsdp': 1, 'tensor': 8}, 8 hosts); this "
     "slice needs a batch of at least 256 tokens (--batch_tokens)"
   ), lines[-3:]
+
+
+@needs_libtpu
+def test_a_search_where_no_mesh_can_run_is_one_line_with_the_last_reason():
+  tiny_without_mesh = [a for a in TINY if not a.startswith("--mesh")]
+  # One row of 32 splits over no mesh with row shards; 1026 tokens not over 4 chips.
+  result = _run("--search_mesh", "--config.tokens_per_batch=32", "--config.vocab_size=1026",
+                base=tiny_without_mesh)
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: none of the 5 meshes searched fits (each one's reason is in "
+                         "the search); the last, 1,1,4: config.vocab_size: 1026 does not split")
+  assert result.stderr.count("fewer than the") == 4  # a line per refused candidate
+  assert "Traceback" not in result.stderr

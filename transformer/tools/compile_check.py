@@ -691,12 +691,13 @@ def search_mesh(
     if report["fits"] and (best is None or report["step_s"] < best["step_s"]):
       best, best_mesh = report, mesh
   if best is None:
-    reasons = "; ".join(dict.fromkeys(t.get("oom") or t["error"] for t in tried))
+    last = tried[-1]  # the most tensor parallelism: the fewest row shards
     return {
       "topology": tpu_slice.name,
       "num_slices": num_slices,
       "fits": False,
-      "error": f"none of the {len(tried)} meshes searched fits: {reasons}",
+      "error": f"none of the {len(tried)} meshes searched fits (each one's reason is in "
+      f"the search); the last, {last['mesh']}: {last.get('oom') or last['error']}",
       "search": tried,
       "predicted": PREDICTED,
     }

@@ -787,50 +787,73 @@ def _command_flag(command: str, flag: str) -> str | None:
   return words[words.index(f"--{flag}") + 1]
 
 
-def before_you_launch() -> str:
-  """compile_check's records: each WMT model on each slice, with the config's mesh and
-  with any other mesh recorded, every figure a prediction of XLA's TPU compiler."""
-  records = latest(
-    read_records("compile_check"),
-    key=lambda r: (
-      _command_flag(r["command"], "config"),
-      r["topology"],
-      r.get("num_slices", 1),
-      _command_flag(r["command"], "mesh"),
-    ),
+_SLICE_ORDER = ("v5e-8", "v4-32", "v5p-128", "v5e-256")
+
+
+def _launch_key(record: dict[str, Any]) -> tuple:
+  """What a compile_check record is about: model, slice, slices, mesh asked, batch asked."""
+  command = record["command"]
+  mesh = "search" if "--search_mesh" in command.split() else _command_flag(command, "mesh")
+  return (
+    _command_flag(command, "config"),
+    record["topology"],
+    record.get("num_slices", 1),
+    mesh,
+    _command_flag(command, "batch_tokens"),
   )
+
+
+def _slice_mesh(record: dict[str, Any]) -> str:
+  """The in-slice mesh "data x fsdp x tensor" (the mesh over every slice, divided by the
+  slices' dcn_* split)."""
+  dcn = record.get("dcn_mesh") or {}
+  return "x".join(str(record["mesh"][a] // dcn.get(a, 1)) for a in ("data", "fsdp", "tensor"))
+
+
+def _launch_mesh(record: dict[str, Any]) -> str:
+  """The mesh column: the mesh and who chose it (the config, --mesh or --search_mesh)."""
+  _, _, _, asked, _ = _launch_key(record)
+  if asked == "search":
+    searched = len(record.get("search", []))
+    if "error" in record:
+      return f"--search_mesh ({searched} tried)"
+    return f"{_slice_mesh(record)} (--search_mesh, best of {searched})"
+  if "error" in record:
+    return "the config's" if asked is None else f"{asked.replace(',', 'x')} (--mesh)"
+  return f"{_slice_mesh(record)} ({'the config' + chr(39) + 's' if asked is None else '--mesh'})"
+
+
+def before_you_launch() -> str:
+  """compile_check's records: each WMT model on each slice, with the config's mesh, any
+  other mesh recorded and the best of --search_mesh, every figure a prediction of XLA's
+  TPU compiler."""
+  records = latest(read_records("compile_check"), key=_launch_key)
+
+  def order(record):
+    model, topology, slices, asked, batch = _launch_key(record)
+    where = _SLICE_ORDER.index(topology) if topology in _SLICE_ORDER else len(_SLICE_ORDER)
+    chosen = {None: 0, "search": 2}.get(asked, 1)
+    return (model, slices, where, int(batch or 0), chosen)
+
   rows = []
-  for r in records:
+  for r in sorted(records, key=order):
     model = (_command_flag(r["command"], "config") or "").rsplit(":", 1)[-1]
     slices = f"{r['num_slices']} x " if r.get("num_slices", 1) > 1 else ""
-    where = f"{model} | {slices}{r['topology']}"
-    asked = _command_flag(r["command"], "mesh")
+    asked_tokens = _command_flag(r["command"], "batch_tokens")
+    batch_note = f" (--batch_tokens {int(asked_tokens):,})" if asked_tokens else ""
+    head = (model, f"{slices}{r['topology']}", _launch_mesh(r))
     if "error" in r:
-      mesh = "the config's" if asked is None else f"{asked.replace(',', 'x')} (--mesh)"
-      rows.append((*where.split(" | "), mesh, "", f"no: {r['error']}", "", "", "", ""))
+      rows.append((*head, batch_note.strip(), f"no: {r['error']}", "", "", "", ""))
       continue
-    mesh = "x".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
-    chosen = "the config's" if asked is None else "--mesh"
+    batch = f"{r['rows']} x {r['seq_len']}{batch_note}"
     if "oom" in r:
-      rows.append(
-        (
-          *where.split(" | "),
-          f"{mesh} ({chosen})",
-          f"{r['rows']} x {r['seq_len']}",
-          r["oom"].split(" (predicted")[0],
-          "",
-          "",
-          "",
-          "",
-        )
-      )
+      rows.append((*head, batch, r["oom"].split(" (predicted")[0], "", "", "", ""))
       continue
     share = r["total"] / r["hbm"]
     rows.append(
       (
-        *where.split(" | "),
-        f"{mesh} ({chosen})",
-        f"{r['rows']} x {r['seq_len']}",
+        *head,
+        batch,
         f"{'fits' if r['fits'] else 'does not fit'}, {share:.0%} of {r['hbm'] / 2**30:.0f} GiB",
         f"{r['step_s'] * 1e3:,.0f} ms ({r['bound']})",
         f"{r['mfu']:.0%}",
@@ -840,7 +863,8 @@ def before_you_launch() -> str:
     )
   return (
     "Per chip, every figure predicted by XLA's TPU compiler (libtpu), none measured; "
-    "mesh data x fsdp x tensor, batch rows x tokens:\n\n"
+    "mesh data x fsdp x tensor in each slice, batch rows x tokens (the paper's 25,000 "
+    "tokens a step unless --batch_tokens says otherwise):\n\n"
     + table(
       (
         "model",
