@@ -46,7 +46,7 @@ def test_dry_run_json_prints_one_object_per_row():
      "error: choose one of --dry_run, --launch, --collect (got dry_run, collect)"),
     (["--sweep", TABLE3, "--collect", "--launch", "tpu", "--workdir", "W"],
      "error: choose one of --dry_run, --launch, --collect (got collect, launch)"),
-    (["--sweep", TABLE3, "--json", "--workdir", "W"], "error: --json goes with --dry_run"),
+    (["--sweep", TABLE3, "--json", "--workdir", "W"], "error: --json goes with --dry_run or --compile_check alone"),
     (["--sweep", TABLE3], "error: --workdir is required (each row runs in WORKDIR/<row>)"),
     (["--sweep", TABLE3, "--dry_run", "--only", "A1,bse"],
      "error: --only: no row 'bse' in sweep table3 (did you mean base?)"),

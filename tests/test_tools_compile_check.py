@@ -148,9 +148,9 @@ def test_collectives_are_counted_per_loop_trip_and_split_by_slice():
   assert counted["all-reduce"] == {"count": 1, "ici_bytes": 0.0, "dcn_bytes": 2 * 2048 / 2}
 
 
-@needs_libtpu
-@pytest.mark.slow
-def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_run(tmp_path):
+def _tiny_sweep(tmp_path):
+  """A sweep of the tiny config: row 'fits', and 'two_rows', whose 2 rows of 32 do not
+  split over v5e-4's 4 chips."""
   overrides = dict(arg.removeprefix("--config.").split("=") for arg in TINY if "config." in arg)
   sweep_file = tmp_path / "tiny.py"
   sweep_file.write_text(
@@ -160,6 +160,30 @@ def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_ru
     "def get_sweep():\n"
     "  return [Row('fits', {}), Row('two_rows', {'tokens_per_batch': 64})]\n"
   )
+  return sweep_file
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_sweeps_check_as_json_is_each_rows_report_with_its_row(tmp_path):
+  result = subprocess.run(
+    [sys.executable, "-m", "transformer.sweeps", "--sweep", str(_tiny_sweep(tmp_path)),
+     "--compile_check", "v5e-4", "--json"],
+    capture_output=True, text=True, env=subprocess_env(1), timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  fits, two_rows = [json.loads(line) for line in result.stdout.splitlines()]
+  assert (fits["row"], fits["overrides"], fits["topology"]) == ("fits", {}, "v5e-4")
+  assert fits["fits"] and fits["step_s"] > 0 and fits["predicted"] == compile_check.PREDICTED
+  assert fits["num_train_steps"] > 0
+  assert (two_rows["row"], two_rows["overrides"]) == ("two_rows", {"tokens_per_batch": 64})
+  assert not two_rows["fits"] and "64 tokens make 2 rows of 32" in two_rows["error"]
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_run(tmp_path):
+  sweep_file = _tiny_sweep(tmp_path)
   workdir = tmp_path / "runs"
   result = subprocess.run(
     [sys.executable, "-m", "transformer.sweeps", "--sweep", str(sweep_file), "--workdir",

@@ -11,8 +11,9 @@
   python -m transformer.sweeps --sweep configs/sweeps/table3.py --compile_check v5e-32
       Compiles every row's train step for that TPU slice on this machine and prints, per
       row, bytes per chip, whether it fits, and the predicted step time, MFU and time to
-      its step count (transformer/tools/compile_check.py). --launch tpu does this first
-      and writes no script for a row that does not fit (--compile_check none: skip it).
+      its step count (transformer/tools/compile_check.py); --json: each row's report.
+      --launch tpu does this first and writes no script for a row that does not fit
+      (--compile_check none: skip it).
   python -m transformer.sweeps --sweep ... --workdir W --collect [--output_dir DIR]
       Final validation perplexity and BLEU of every row beside the paper's numbers:
       DIR/<sweep>.md, .csv and .png (report.py).
@@ -45,7 +46,11 @@ flags.DEFINE_bool(
   False,
   "Print each row's overrides, parameters and FLOPs per target token; train nothing.",
 )
-flags.DEFINE_bool("json", False, "With --dry_run: one JSON object per row instead of a table.")
+flags.DEFINE_bool(
+  "json",
+  False,
+  "With --dry_run or --compile_check alone: one JSON object per row instead of a table.",
+)
 flags.DEFINE_enum(
   "launch",
   None,
@@ -90,8 +95,8 @@ def main(argv, overrides: dict[str, str]) -> None:
       raise spec.SweepError("--compile_check goes alone or with --launch tpu")
     if FLAGS.compile_check and not FLAGS.launch:
       modes.append("compile_check")
-    if FLAGS.json and not FLAGS.dry_run:
-      raise spec.SweepError("--json goes with --dry_run")
+    if FLAGS.json and modes not in (["dry_run"], ["compile_check"]):
+      raise spec.SweepError("--json goes with --dry_run or --compile_check alone")
     if FLAGS.launch == "tpu" and not FLAGS.compile_check:
       raise spec.SweepError(
         "--launch tpu checks each row on the slice first: name it, e.g. --compile_check "
@@ -112,6 +117,11 @@ def main(argv, overrides: dict[str, str]) -> None:
           print(json.dumps({**entry, "versions": versions.library_versions()}))
       else:
         print(report.dry_run_table(sweep, summaries))
+    elif modes == ["compile_check"] and FLAGS.json:
+      checks, _ = _check_rows(sweep, rows, configs)
+      for row in rows:  # each row's compile_check report, with the row and its overrides
+        record = {"row": row.name, "overrides": row.overrides, **checks[row.name]}
+        print(json.dumps(record, default=str))
     elif modes == ["compile_check"]:
       print(_check_rows(sweep, rows, configs)[1])
     elif FLAGS.launch:
