@@ -106,7 +106,7 @@ _BATCH_TOKENS = flags.DEFINE_integer(
   "batch_tokens",
   None,
   "Tokens (padded slots) per step; default: the config's "
-  "tokens_per_batch in full rows, rounded down to whole row shards.",
+  "tokens_per_batch in full rows, rounded down to a multiple of the row shards and hosts.",
   flag_values=_FLAG_VALUES,
 )
 _SEQ_LEN = flags.DEFINE_integer(
@@ -608,43 +608,54 @@ def check(
       fits=False, oom=str(e), hbm=chip.hbm_bytes, compile_s=round(time.perf_counter() - began, 1)
     )
     return report
-  analysis = compiled.memory_analysis()
-  state_bytes = _shard_bytes(run.restore_target())
-  params_bytes = _shard_bytes(run.restore_target().params)
-  total = (
-    int(analysis.argument_size_in_bytes)
-    + int(analysis.output_size_in_bytes)
-    - int(analysis.alias_size_in_bytes)
-    + int(analysis.temp_size_in_bytes)
-  )
-  report.update(
-    fits=total <= chip.hbm_bytes,
-    hbm=chip.hbm_bytes,
-    total=total,
-    params=params_bytes,
-    state=state_bytes,
-    argument=int(analysis.argument_size_in_bytes),
-    output=int(analysis.output_size_in_bytes),
-    alias=int(analysis.alias_size_in_bytes),
-    temp=int(analysis.temp_size_in_bytes),
-    involuntary_remat=sum("Involuntary full rematerialization" in line for line in log),
-  )
-  costed, report["cost_from"] = compiled, "the step"
-  if config.model.scan_layers:  # XLA counts a loop body once: cost the unrolled step
-    unrolled = copy.deepcopy(config)
-    unrolled.model.scan_layers = False
-    _, lowered = memory.lower_train_step(unrolled, None, rows, seq_len, devices=devices)
-    try:
-      costed, _ = _compile(lowered, tpu_slice)
-      report["cost_from"] = "the step with its layers unrolled"
-    except OutOfMemory:  # unrolled, it keeps more live: count the scanned step's loops once
-      report["cost_from"] = "the scanned step, which XLA counts one layer of (an undercount)"
+  report.update(_memory(compiled, run, chip, log))
+  costed, report["cost_from"] = _costed(compiled, config, tpu_slice, rows, seq_len, devices)
   report["compile_s"] = round(time.perf_counter() - began, 1)
   report.update(_cost(costed))
   slice_of = [getattr(d, "slice_index", 0) for d in mesh_.devices.flat]
   report["collectives"] = collectives(costed.as_text(), slice_of)
   report.update(roofline(report, config, chip))
   return report
+
+
+def _memory(compiled, run, chip: flops.TpuChip, log: list[str]) -> dict[str, Any]:
+  """Bytes per chip of the compiled step, whether they fit, and the partitioner's
+  involuntary rematerializations."""
+  analysis = compiled.memory_analysis()
+  total = (
+    int(analysis.argument_size_in_bytes)
+    + int(analysis.output_size_in_bytes)
+    - int(analysis.alias_size_in_bytes)
+    + int(analysis.temp_size_in_bytes)
+  )
+  return dict(
+    fits=total <= chip.hbm_bytes,
+    hbm=chip.hbm_bytes,
+    total=total,
+    params=_shard_bytes(run.restore_target().params),
+    state=_shard_bytes(run.restore_target()),
+    argument=int(analysis.argument_size_in_bytes),
+    output=int(analysis.output_size_in_bytes),
+    alias=int(analysis.alias_size_in_bytes),
+    temp=int(analysis.temp_size_in_bytes),
+    involuntary_remat=sum("Involuntary full rematerialization" in line for line in log),
+  )
+
+
+def _costed(compiled, config, tpu_slice: Slice, rows: int, seq_len: int, devices) -> tuple:
+  """(the compiled program whose FLOPs, bytes and collectives to count, what it is).
+
+  XLA's cost analysis counts a loop's body once, so a scanned config is costed by the
+  same step compiled with its layers unrolled (a second compile)."""
+  if not config.model.scan_layers:
+    return compiled, "the step"
+  unrolled = copy.deepcopy(config)
+  unrolled.model.scan_layers = False
+  _, lowered = memory.lower_train_step(unrolled, None, rows, seq_len, devices=devices)
+  try:
+    return _compile(lowered, tpu_slice)[0], "the step with its layers unrolled"
+  except OutOfMemory:  # unrolled, it keeps more live: count the scanned step's loops once
+    return compiled, "the scanned step, which XLA counts one layer of (an undercount)"
 
 
 def candidate_meshes(config, chips: int) -> list[str]:

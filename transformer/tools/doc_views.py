@@ -926,6 +926,65 @@ def table2_predicted_time() -> str:
   )
 
 
+def table3_predicted_time() -> str:
+  """Table 3's rows priced on a v5e-8: each row's train step compiled by
+  `sweeps --compile_check v5e-8` (XLA's TPU compiler's roofline, not a measurement),
+  times the row's steps."""
+  from transformer.sweeps.spec import load_sweep
+
+  order = [row.name for row in load_sweep("configs/sweeps/table3.py").rows]
+  records = [
+    r
+    for r in latest(read_records("table3_compile_check"), key=lambda r: (r["row"], r["topology"]))
+    if r["topology"] == "v5e-8"
+  ]
+  by_row = {r["row"]: r for r in records}
+  rows, hours_total, chip_hours_total = [], 0.0, 0.0
+  for name in [n for n in order if n in by_row]:
+    r = by_row[name]
+    steps = r["num_train_steps"]
+    if not r["fits"]:
+      why = r.get("error") or r["oom"].split(" (predicted")[0]
+      rows.append((name, f"{steps // 1000}K", f"no: {why}", "", "", "", ""))
+      continue
+    hours = r["step_s"] * steps / 3600
+    hours_total += hours
+    chip_hours_total += hours * r["chips"]
+    rows.append(
+      (
+        name,
+        f"{steps // 1000}K",
+        f"fits, {r['total'] / r['hbm']:.0%} of {r['hbm'] / 2**30:.0f} GiB",
+        f"{1000 * r['step_s']:.0f} ms ({r['bound']})",
+        f"{100 * r['mfu']:.0f}%",
+        f"{hours:.1f} hours",
+        f"{hours * r['chips']:.0f}",
+      )
+    )
+  missing = [n for n in order if n not in by_row]
+  summary = (
+    f"The {len(by_row)} rows priced take {hours_total:.0f} hours "
+    f"({chip_hours_total:,.0f} chip-hours) one after another on one v5e-8"
+    + (f"; not yet compiled: {', '.join(missing)}" if missing else "")
+    + "."
+  )
+  return (
+    "Predicted by XLA's TPU compiler for a v5e-8 at the paper's batch (the config's mesh; "
+    "`python -m transformer.sweeps --sweep configs/sweeps/table3.py --compile_check v5e-8 "
+    "--json --only ROW`), not measured: each row's compiled train step, a roofline of its "
+    "FLOPs, bytes and collectives, times its steps; without input, checkpoints or "
+    "evaluation.\n\n"
+    + table(
+      ("row", "steps", "memory per chip", "step", "MFU", "time to its steps", "chip-hours"),
+      rows,
+    )
+    + "\n\n"
+    + summary
+    + "\n\n"
+    + source("table3_compile_check", records)
+  )
+
+
 def views() -> dict[str, Callable[[], str]]:
   """Every view, by the name regions use."""
   return {
@@ -947,6 +1006,7 @@ def views() -> dict[str, Callable[[], str]]:
       table2_predicted_time,
       table3,
       table3_cost,
+      table3_predicted_time,
       table3_small,
       decoder_only_vs_encoder_decoder,
       table3_small_expected,
