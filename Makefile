@@ -71,9 +71,9 @@ test: lint $(LIBTPU)
 	$(PYTEST) --durations=15 tests
 
 # ruff (lint, then formatting, checked not applied) and mypy, configured in pyproject.toml,
-# over transformer/, the three commands and configs/. `$(VENV)/bin/ruff format` and
-# `$(VENV)/bin/ruff check --fix` apply what they can.
-LINT_PATHS := transformer train.py eval.py generate.py configs
+# over transformer/, the three commands, configs/ and docs/render/. `$(VENV)/bin/ruff
+# format` and `$(VENV)/bin/ruff check --fix` apply what they can.
+LINT_PATHS := transformer train.py eval.py generate.py configs docs/render
 # All three run, and any finding fails the target.
 lint: install
 	@status=0; \
@@ -95,9 +95,9 @@ durations: install $(LIBTPU)
 	$(PYTEST) -m "not slow" --store-durations=fast tests
 
 # Renders the figures of README, docs/ and the configs' docstrings from the records in
-# docs/results/ (transformer/tools/render_docs.py).
+# docs/results/ (docs/render/render_docs.py).
 docs: install
-	$(PY) -m transformer.tools.render_docs
+	$(PY) -m docs.render.render_docs
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache .mypy_cache .ruff_cache

@@ -16,7 +16,7 @@ import re
 import pytest
 
 from transformer import config as config_lib
-from transformer.tools import render_docs
+from docs.render import render_docs
 
 ROOT = config_lib.REPO_ROOT
 TOP_LEVEL = ("transformer/", "configs/", "docs/", "tests/", "bench/", "data/")
@@ -27,6 +27,8 @@ GENERATED = ("bench/results/", "workdirs/")
 
 # The top-level commands; each defines its own flags.
 ENTRY_POINTS = ("train.py", "eval.py", "generate.py")
+# The code run as `python -m NAME`: the package, and what `make docs` runs.
+PYTHON_MODULES = ("transformer", "docs.render")
 
 
 def _read(relative: str) -> str:
@@ -41,7 +43,7 @@ def _markdown_files() -> list[str]:
 
 def _python_files() -> list[str]:
   found = list(ENTRY_POINTS)
-  for pattern in ("configs/**/*.py", "transformer/**/*.py"):
+  for pattern in ("configs/**/*.py", "transformer/**/*.py", "docs/render/*.py"):
     found += sorted(os.path.relpath(p, ROOT)
                     for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
   return found
@@ -172,11 +174,11 @@ def _flags_of(entry: str) -> frozenset:
 
 def _entry_at(words: list[str], i: int) -> str | None:
   """The file whose flags follow words[i], if words[i] starts a command: one of
-  ENTRY_POINTS or `-m transformer.X`."""
+  ENTRY_POINTS or `-m transformer.X` (or docs.render.X)."""
   word = words[i]
   if os.path.basename(word) in ENTRY_POINTS:
     return os.path.basename(word)
-  if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("transformer"):
+  if word == "-m" and i + 1 < len(words) and words[i + 1].startswith(PYTHON_MODULES):
     path = _module_path(words[i + 1])
     if path and path.endswith("__init__.py"):
       path = os.path.join(os.path.dirname(path), "__main__.py")
@@ -186,9 +188,7 @@ def _entry_at(words: list[str], i: int) -> str | None:
 
 @functools.cache
 def _all_flags() -> frozenset:
-  entries = list(ENTRY_POINTS) + [
-      os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "transformer", "**",
-                                                               "*.py"), recursive=True)]
+  entries = [f for f in _python_files() if not f.startswith("configs/")]
   return frozenset().union(*(_flags_of(e) for e in entries))
 
 
@@ -272,7 +272,7 @@ def _repository_basenames() -> frozenset:
 def _problems(relative: str, text: str) -> list[str]:
   problems = []
   # Rendered regions quote each record's command as it ran, then; they are checked
-  # against their records instead (test_tools_render_docs.py).
+  # against their records instead (test_render_docs.py).
   text = render_docs.REGION.sub("", text)
   is_markdown = relative.endswith(".md")
   code = _code(text, is_markdown)
@@ -320,7 +320,7 @@ def _problems(relative: str, text: str) -> list[str]:
         key = dotted[len("config."):] if first == "config" else dotted
         if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
           problems.append(f"config key {key}")
-      elif first == "transformer":
+      elif dotted.startswith(PYTHON_MODULES):
         if not _resolves(dotted):
           problems.append(f"module or name {dotted}")
       elif first in _modules_by_basename():
@@ -376,6 +376,8 @@ def test_the_check_finds_what_is_missing():
 ```
 python train.py --config configs/default.py:nosuch --no_such_flag --config.model.no_key=1
 python -m transformer.tools.no_such_tool
+python -m docs.render.render_docs --no_such_render_flag
+python -m docs.render.no_such_renderer
 make no_such_target
 ```
 `speed.py` in `transformer/data/`; `tied_projection` in `model.py`; `decoding.no_such_name`;
@@ -386,6 +388,8 @@ The paper's values (PAPER.md). Started as README ("No such section") says.
   for expected in ("file speed.py", "file model.py", "flag --no_such_flag",
                    "--config.model.no_key", "config configs/default.py:nosuch",
                    "module or name transformer.tools.no_such_tool",
+                   "flag --no_such_render_flag (docs/render/render_docs.py)",
+                   "module or name docs.render.no_such_renderer",
                    "module or name decoding.no_such_name", "config key model.no_such_key",
                    "make no_such_target", "link docs/no_such_page.md", "file PAPER.md",
                    "README section No such section",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from transformer.tools import doc_views, render_docs
+from docs.render import doc_views, render_docs
 
 PROVENANCE = {"machine": "a test machine", "date": "2026-12-01", "commit": "abc1234",
               "command": "python -m transformer.tools.bench --json"}
@@ -79,7 +79,7 @@ def test_record_appends_what_a_command_prints_with_its_provenance(tmp_path):
   out = tmp_path / "new.jsonl"
   program = "print('compiling...'); print('{\"name\": \"train_step\", \"step_time_s\": 0.5}')"
   result = subprocess.run(
-      [sys.executable, "-m", "transformer.tools.render_docs", "--record", str(out),
+      [sys.executable, "-m", "docs.render.render_docs", "--record", str(out),
        "--machine", "a test machine", "--", sys.executable, "-c", program],
       capture_output=True, text=True, cwd=render_docs.REPO_ROOT)
   assert result.returncode == 0, result.stderr
