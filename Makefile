@@ -14,14 +14,16 @@ install: $(STAMP)
 # requirements/lock-tpu.txt for a GPU or a TPU (the same pins plus JAX's plugin; after an
 # install for another lock, add -B). Reinstalls only when pyproject.toml or the lock
 # changes; otherwise this takes a second. The package itself goes in editable, without
-# resolving anything again.
+# resolving anything again, and without setuptools' warning on every editable install
+# (that a folder named as the package in the working directory would shadow it: here
+# that folder is the package); its other warnings and errors show.
 LOCK ?= requirements/lock.txt
 $(STAMP): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed, found " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r $(LOCK)
-	$(PY) -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 
 # libtpu, the TPU compiler behind transformer/tools/compile_check.py (which compiles for a
