@@ -14,14 +14,16 @@ install: $(STAMP)
 # requirements/lock-tpu.txt for a GPU or a TPU (the same pins plus JAX's plugin; after an
 # install for another lock, add -B). Reinstalls only when pyproject.toml or the lock
 # changes; otherwise this takes a second. The package itself goes in editable, without
-# resolving anything again.
+# resolving anything again, and without setuptools' warning on every editable install
+# (that a folder named as the package in the working directory would shadow it: here
+# that folder is the package); its other warnings and errors show.
 LOCK ?= requirements/lock.txt
 $(STAMP): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed, found " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r $(LOCK)
-	$(PY) -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 
 # libtpu, the TPU compiler behind transformer/tools/compile_check.py (which compiles for a
@@ -71,9 +73,9 @@ test: lint $(LIBTPU)
 	$(PYTEST) --durations=15 tests
 
 # ruff (lint, then formatting, checked not applied) and mypy, configured in pyproject.toml,
-# over transformer/, the three commands and configs/. `$(VENV)/bin/ruff format` and
-# `$(VENV)/bin/ruff check --fix` apply what they can.
-LINT_PATHS := transformer train.py eval.py generate.py configs
+# over transformer/, the three commands, configs/ and docs/render/. `$(VENV)/bin/ruff
+# format` and `$(VENV)/bin/ruff check --fix` apply what they can.
+LINT_PATHS := transformer train.py eval.py generate.py configs docs/render
 # All three run, and any finding fails the target.
 lint: install
 	@status=0; \
@@ -95,9 +97,9 @@ durations: install $(LIBTPU)
 	$(PYTEST) -m "not slow" --store-durations=fast tests
 
 # Renders the figures of README, docs/ and the configs' docstrings from the records in
-# docs/results/ (transformer/tools/render_docs.py).
+# docs/results/ (docs/render/render_docs.py).
 docs: install
-	$(PY) -m transformer.tools.render_docs
+	$(PY) -m docs.render.render_docs
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache .mypy_cache .ruff_cache

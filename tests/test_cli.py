@@ -89,6 +89,33 @@ def test_a_command_imports_tensorflow_without_keras():
   assert result.stdout.split("\n")[0] == "[] [0, 1, 2]"
 
 
+# TensorFlow's C++ start-up lines, as it prints them when nothing silences it.
+TENSORFLOW_START_UP_LINES = ("oneDNN custom operations are on",
+                             "All log messages before absl::InitializeLog()",
+                             "cpu_feature_guard")
+
+
+@pytest.mark.slow  # a process of its own that imports TensorFlow
+def test_a_command_that_starts_tensorflow_prints_only_its_own_lines(tmp_path):
+  """eval.py on a missing workdir imports the input pipeline, and so TensorFlow, before
+  it stops: its output is the project's one error line, with none of TensorFlow's
+  start-up lines (which the environment of the suite would hide: left out here)."""
+  env = subprocess_env(devices=1)
+  for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS"):
+    env.pop(name, None)
+  missing = str(tmp_path / "no_such_run")
+  result = subprocess.run([sys.executable, "-X", "importtime", os.path.join(REPO, "eval.py"),
+                           "--workdir", missing], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+  imports = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+  assert "tensorflow" in {line.split("|")[-1].strip() for line in imports}  # the case tested
+  output = result.stdout + "\n".join(
+      line for line in result.stderr.splitlines() if not line.startswith("import time:"))
+  assert result.returncode != 0
+  assert output.strip() == f"error: --workdir {missing} does not exist"
+  assert not [line for line in TENSORFLOW_START_UP_LINES if line in output]
+
+
 def test_a_config_files_own_error_is_one_line_without_its_traceback():
   """`--config configs/wmt14.py:huge`: get_config() raises, config_flags wraps that with
   its traceback; the user sees the flag and the config file's message."""

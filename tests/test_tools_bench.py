@@ -1,4 +1,4 @@
-"""`python -m transformer.bench` at a tiny size: every measurement runs and is consistent.
+"""`python -m transformer.tools.bench` at a tiny size: every measurement runs and is consistent.
 
 Timings themselves are not asserted (they depend on the machine); docs/performance.md
 records them.

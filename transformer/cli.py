@@ -3,7 +3,8 @@ commands.
 
 `run(main)` is absl's `app.run` with four additions:
   - the process keeps freed host memory where JAX computes on the CPU (host_memory.py),
-    set before anything starts a JAX backend, and TensorFlow skips loading Keras;
+    set before anything starts a JAX backend, and TensorFlow skips loading Keras and
+    prints none of its C++ start-up lines;
   - a bad `--config.KEY=VALUE` override is reported in one line naming it;
   - `--config FILE[:ARG]` is found relative to the working directory or, failing that,
     to the repository, so every command works from any directory;
@@ -153,6 +154,14 @@ def run(main) -> None:
   # nothing here uses. Told to use the legacy tf_keras package instead, which is not
   # installed, TensorFlow skips that import (tf.keras is then unavailable).
   os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+  # TensorFlow only reads, shuffles and groups text here (and writes TensorBoard files),
+  # and its C++ start-up lines would open every command's output, twice: "oneDNN custom
+  # operations are on" (oneDNN speeds up float math, which no TensorFlow op here does,
+  # so turning it off changes no result) and the absl::InitializeLog() notice that comes
+  # with any early line. TensorFlow's other C++ INFO lines go too; its warnings and
+  # errors still show.
+  os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
   def quiet_main(argv):
     quiet_library_logs()

@@ -1,12 +1,12 @@
 """Keeps freed host memory in the process, so XLA:CPU's per-step buffers are not re-faulted.
 
-XLA:CPU allocates a step's temporary buffers (about 1.1 GB for the Transformer-base step
-of `configs/wmt14.py` at 16 x 64 tokens) with malloc when the step starts and frees
+XLA:CPU allocates a step's temporary buffers (about a gigabyte for the Transformer-base
+step of `configs/wmt14.py` at 16 x 64 tokens) with malloc when the step starts and frees
 them when it ends. glibc serves blocks that large with mmap and returns them with munmap,
 so every step maps fresh pages and the kernel zero-fills each of them on first touch:
-about 306,000 page faults and 0.6 s of kernel time per step on a 2-core CPU, where the
-step took 10% longer for it (docs/performance.md). Three glibc settings keep the memory
-in the process instead, and the next step reuses it:
+hundreds of thousands of page faults per step, and the step slower for the kernel's time
+(measured in docs/performance.md, "Freed host memory kept in the process"). Three glibc
+settings keep the memory in the process instead, and the next step reuses it:
 
   M_ARENA_MAX=1      every thread allocates from the main heap. Other threads' arenas
                      cannot grow past 64 MB and fall back to mmap for larger blocks.
@@ -14,11 +14,10 @@ in the process instead, and the next step reuses it:
   M_TRIM_THRESHOLD   -1: freed memory at the top of the heap is never returned.
 
 The costs: the process keeps its peak heap for its lifetime, as with tcmalloc or jemalloc
-(the base step's benchmark peaked at 3.4 GB of resident memory instead of 2.4 GB), and
-threads contend for the one arena (the bundled corpus's input pipeline ran 15% slower,
-though still far faster than the step consumes; `bench --only train_loop`, alternating,
-found the default config's training loop 22% faster with the settings, and its bare step
-18% faster, on 2 cores).
+(a higher peak resident memory), and threads contend for the one arena (the input
+pipeline is slower, though still far faster than the step consumes; the training loop
+and the bare step are faster with the settings: `bench --only train_loop`, recorded in
+docs/performance.md).
 So it applies only where JAX computes on the CPU, the only backend whose step buffers
 are host memory: JAX_PLATFORMS names cpu first, or, with JAX_PLATFORMS unset, no GPU or
 TPU plugin is installed. Every command applies it as it starts (`cli.run`, which train.py,

@@ -2,7 +2,7 @@
 
 tf.data reads and shuffles on its C++ threads and groups sentences in chunks; each chunk
 is tokenized in one SentencePiece call, then bucketing and packing run in numpy. This
-split measured ~6x faster than per-example tf.data ops here (docs/data.md).
+split costs less than per-example tf.data ops (docs/data.md, "Speed", and its measurements).
 
 Training stream, identical on every host: epoch e is the training split shuffled by
 (seed, e), tokenized, filtered to max_len and batched. Every host builds the same

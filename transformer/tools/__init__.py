@@ -9,5 +9,4 @@ export               a trained run as a CTranslate2 model (float32 or int8), for
 compare_ctranslate2  the run's decoding beside its CTranslate2 export: outputs, BLEU, speed
 compile_check        the training and decoding steps compiled for a named TPU slice, on a CPU
 memory               per-device memory of the compiled training step, mesh by mesh
-render_docs          `make docs`: README's and docs/' figures, from docs/results/*.jsonl
 """

@@ -30,7 +30,7 @@ class Prefetcher:
   that long, `__next__` raises storage.StorageTimeout naming `what` (a stalled read of
   the corpus would otherwise hold the loop, and every host with it, for good). Progress
   is the iterator's `last_progress` (time.monotonic() of its last read, as
-  data.TrainIterator keeps it) where it has one, else the item itself: a first batch
+  pipeline.TrainIterator keeps it) where it has one, else the item itself: a first batch
   that replays an epoch up to a checkpoint reads all the while, and is not cut short.
   """
 

@@ -158,7 +158,7 @@ def source(name: str, records: Sequence[Record]) -> str:
     parts.append(f"`{commands[0]}`")
   else:
     parts.append("each row's command is in its record")
-  quoted: dict[str, list[str]] = {}  # "docs/x.md at COMMIT (...)": where a figure was quoted
+  quoted: dict[str, list[str]] = {}  # a page -> its commits ("PAGE at COMMIT (...)")
   for r in records:
     if "source" in r:
       where, _, commit = r["source"].split(" (")[0].partition(" at ")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from transformer.tools import doc_views, render_docs
+from docs.render import doc_views, record_sources, render_docs
 
 PROVENANCE = {"machine": "a test machine", "date": "2026-12-01", "commit": "abc1234",
               "command": "python -m transformer.tools.bench --json"}
@@ -79,7 +79,7 @@ def test_record_appends_what_a_command_prints_with_its_provenance(tmp_path):
   out = tmp_path / "new.jsonl"
   program = "print('compiling...'); print('{\"name\": \"train_step\", \"step_time_s\": 0.5}')"
   result = subprocess.run(
-      [sys.executable, "-m", "transformer.tools.render_docs", "--record", str(out),
+      [sys.executable, "-m", "docs.render.render_docs", "--record", str(out),
        "--machine", "a test machine", "--", sys.executable, "-c", program],
       capture_output=True, text=True, cwd=render_docs.REPO_ROOT)
   assert result.returncode == 0, result.stderr
@@ -133,3 +133,76 @@ def test_the_acceptance_rate_a_speed_up_needs_inverts_the_tokens_per_round(a):
   (1 - a^4) / (1 - a) tokens."""
   tokens_per_round = (1 - a**4) / (1 - a)
   assert doc_views._acceptance_for(tokens_per_round, 3) == pytest.approx(a, abs=1e-9)
+
+
+def test_every_record_file_has_its_producing_paths_and_they_exist():
+  files = {os.path.basename(p)[:-len(".jsonl")] for p in os.listdir(doc_views.RESULTS_DIR)
+           if p.endswith(".jsonl")}
+  assert set(record_sources.PRODUCERS) == files
+  missing = [path for paths in record_sources.PRODUCERS.values() for path in paths
+             if not os.path.exists(os.path.join(render_docs.REPO_ROOT, path))]
+  assert missing == []
+
+
+def test_every_shown_record_is_as_new_as_the_code_it_measures():
+  """A record the docs show was made at or after the last change to the code that
+  produces it (docs/render/record_sources.py); each stale one is named in a line."""
+  problems, reason = record_sources.check()
+  if reason:
+    pytest.skip(reason)
+  assert not problems, "rerun these records:\n" + "\n".join(problems)
+
+
+def test_only_executable_code_counts_as_a_change():
+  code = b'"""A module."""\nimport os\n\ndef f():\n  """Doc."""\n  return 1  # one\n'
+  reworded = b'"""Another docstring."""\nimport os\n\n\ndef f():\n  return 1  # 1\n'
+  changed = b'"""A module."""\nimport os\n\ndef f():\n  """Doc."""\n  return 2\n'
+  executable = record_sources.executable
+  assert executable("m.py", code) == executable("m.py", reworded)
+  assert executable("m.py", code) != executable("m.py", changed)
+  assert executable("cpu.sh", b"a\n") != executable("cpu.sh", b"b\n")
+  assert executable("m.py", None) is None  # a file that does not exist
+
+
+def test_a_record_older_than_a_code_change_is_named_with_the_commit(tmp_path):
+  env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+         "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=tmp_path, env=env, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+  def commit(text, message):
+    (tmp_path / "tool.py").write_text(text)
+    git("add", "-A")
+    git("commit", "-qm", message)
+    return git("rev-parse", "--short", "HEAD")
+
+  git("init", "-q")
+  (tmp_path / "docs" / "results").mkdir(parents=True)
+  measured = commit('"""Tool."""\nSTEPS = 10\n', "tool")
+  record = {"name": "steps", **PROVENANCE, "commit": measured + "-dirty"}
+  (tmp_path / "docs" / "results" / "steps.jsonl").write_text(json.dumps(record) + "\n")
+  commit('"""The tool, reworded."""\n\nSTEPS = 10  # a comment\n', "docstring only")
+  shown, producers = {"steps": [record]}, {"steps": ("tool.py",)}
+  assert record_sources.stale(shown, producers, str(tmp_path)) == []
+  changed = commit('"""The tool, reworded."""\n\nSTEPS = 20\n', "fewer steps")
+  commit('"""The tool once more."""\n\nSTEPS = 20\n', "docstring again")
+  assert record_sources.stale(shown, producers, str(tmp_path)) == [
+      f"docs/results/steps.jsonl line(s) 1: commit {measured} predates {changed}, which "
+      "changed tool.py: rerun and append"]
+
+
+def test_the_rendered_records_are_those_a_view_shows(tmp_path):
+  """The newest record per label (what the view's Records line names), not the one it
+  replaced; a view without a Records line shows the newest record of its file."""
+  records = [{"label": "base", "ms": 10, **PROVENANCE}, {"label": "base", "ms": 9, **PROVENANCE},
+             {"label": "big", "ms": 30, **PROVENANCE}]
+  views = _repo(tmp_path, records)
+  results = str(tmp_path / "docs" / "results")
+  views["steps"] = lambda: doc_views.source("steps", doc_views.latest(
+      doc_views.read_records("steps", results), key=lambda r: r["label"]))
+  views["newest"] = lambda: str(doc_views.read_records("steps", results)[-1]["ms"])
+  assert record_sources.rendered_records(views) == {"steps": records[1:]}
+  del views["steps"]
+  assert record_sources.rendered_records(views) == {"steps": records[2:]}

@@ -1,12 +1,12 @@
 """The figures of README, docs/ and the configs' docstrings, rendered from result records.
 
     make docs                                          # render every region
-    python -m transformer.tools.render_docs --check    # exit 1 if a region is stale
-    python -m transformer.tools.render_docs --record docs/results/cpu.jsonl -- \\
+    python -m docs.render.render_docs --check    # exit 1 if a region is stale
+    python -m docs.render.render_docs --record docs/results/cpu.jsonl -- \\
         python -m transformer.tools.bench --config configs/default.py --json --label default
-    python -m transformer.tools.render_docs --record docs/results/make_train.jsonl \\
+    python -m docs.render.render_docs --record docs/results/make_train.jsonl \\
         --from_workdir workdirs/default --wall_time_s 658 --command "make train"
-    python -m transformer.tools.render_docs --record docs/results/cpu.jsonl \\
+    python -m docs.render.render_docs --record docs/results/cpu.jsonl \\
         --from_json bench/results/cpu.jsonl --command "bash bench/cpu.sh"
 
 A record is one JSON object per line of `docs/results/NAME.jsonl`: what one of the
@@ -31,7 +31,7 @@ marker, in a Markdown file or a Python docstring:
     (replaced by `make docs`)
     <!-- /results -->
 
-VIEW names a function of `transformer/tools/doc_views.py`, which reads the records and
+VIEW names a function of `docs/render/doc_views.py`, which reads the records and
 turns them into Markdown. Rendering is deterministic, so `--check` (and a test) fail when a
 region no longer matches its records.
 """
@@ -48,9 +48,9 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from docs.render.doc_views import REPO_ROOT, RecordError
+from docs.render.doc_views import views as all_views
 from transformer import storage
-from transformer.tools.doc_views import REPO_ROOT, RecordError
-from transformer.tools.doc_views import views as all_views
 
 # The files that hold rendered regions: README, every page of docs/ (not the history
 # under docs/notes/), and the configs' docstrings.
@@ -226,7 +226,7 @@ def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-    prog="python -m transformer.tools.render_docs",
+    prog="python -m docs.render.render_docs",
     description="Render the results regions of README, docs/ and the configs from "
     "docs/results/*.jsonl, or append records to one of those files.",
   )

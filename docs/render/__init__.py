@@ -1,0 +1,12 @@
+"""The figures of README, docs/ and the configs' docstrings, rendered from docs/results/.
+
+    make docs                                  # python -m docs.render.render_docs
+    python -m docs.render.render_docs --check  # exit 1 if a rendered region is stale
+
+render_docs.py  the regions, their rendering and the making of records (`--record`)
+doc_views.py    the views: each reads its records and turns them into Markdown
+record_sources.py  the code each record file measures; the shown records older than it
+
+Run from the repository root: it is no part of the installed package, and it imports
+the package only for what the views compute (a sweep's rows, a config's steps).
+"""
