@@ -95,6 +95,17 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
     "transformer/training/",
     "configs/wmt14.py",
   ),
+  # `sweeps --compile_check v5e-8 --json`: each Table 3 row's training step compiled
+  # for a TPU slice (compile_check, run by the sweep per row).
+  "table3_compile_check": (
+    "transformer/sweeps/",
+    "transformer/tools/compile_check.py",
+    "transformer/tools/memory.py",
+    "transformer/training/",
+    *_TRAIN_STEP_MODEL,
+    "configs/sweeps/table3.py",
+    "configs/wmt14.py",
+  ),
   # `sweeps --dry_run` of Table 3: each row's parameters and FLOPs per token.
   "table3_dry_run": (
     "transformer/sweeps/",
