@@ -18,8 +18,9 @@ from tests.helpers import processes  # noqa: E402  (no JAX in it)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if processes.TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist's workers inherit
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
-                             processes.xla_flags(devices=8)).strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " " + processes.xla_flags(devices=8)
+  ).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # One persistent compilation cache for the whole run, made by the first process that
@@ -41,6 +42,7 @@ from tests.helpers import durations  # noqa: E402
 def small_corpus(tmp_path_factory):
   """(tsv path, vocabulary cache dir) shared by the end-to-end tests."""
   from tests.helpers import tiny_run
+
   path = tiny_run.write_small_corpus(str(tmp_path_factory.mktemp("corpus")))
   return path, str(tmp_path_factory.mktemp("vocab"))
 
@@ -51,10 +53,12 @@ def trained_run(small_corpus, tmp_path_factory):
   by the tests that evaluate, translate or average a run and leave it as it is."""
   from tests.helpers import tiny_run
   from transformer.training import loop
+
   workdir = str(tmp_path_factory.mktemp("run"))
   first, last = tiny_run.TRAINED_RUN_STEPS
-  config = tiny_run.make_config(small_corpus, num_train_steps=last,
-                                checkpoint_every_steps=first, max_decode_extra_len=5)
+  config = tiny_run.make_config(
+    small_corpus, num_train_steps=last, checkpoint_every_steps=first, max_decode_extra_len=5
+  )
   loop.train_and_evaluate(config, workdir)
   return config, workdir
 
@@ -72,3 +76,7 @@ def pytest_configure(config):
 def pytest_sessionfinish(session, exitstatus):
   if _OWN_COMPILATION_CACHE is not None:
     shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
+
+
+# The local GCS fake's fixtures, for every test file that asks for a bucket.
+from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: E402, F401

@@ -21,17 +21,30 @@ def load_config(path, arg=None):
   return config_lib.load_config(f"{path}:{arg}" if arg is not None else path)
 
 
-@pytest.mark.parametrize("path,arg", [
-    ("configs/default.py", None), ("configs/wmt14.py", "base"), ("configs/wmt14.py", "big"),
-    ("configs/wmt14.py", "base,en-fr"), ("configs/wmt14.py", "big,en-fr")])
+@pytest.mark.parametrize(
+  "path,arg",
+  [
+    ("configs/default.py", None),
+    ("configs/wmt14.py", "base"),
+    ("configs/wmt14.py", "big"),
+    ("configs/wmt14.py", "base,en-fr"),
+    ("configs/wmt14.py", "big,en-fr"),
+  ],
+)
 def test_shipped_configs_validate(path, arg):
   config_lib.validate(load_config(path, arg))
 
 
 def test_wmt14_has_the_papers_hyperparameters():
   base, big = load_config("configs/wmt14.py", "base"), load_config("configs/wmt14.py", "big")
-  assert (base.model.num_layers, base.model.d_model, base.model.d_ff, base.model.num_heads,
-          base.model.d_k, base.model.d_v) == (6, 512, 2048, 8, 64, 64)
+  assert (
+    base.model.num_layers,
+    base.model.d_model,
+    base.model.d_ff,
+    base.model.num_heads,
+    base.model.d_k,
+    base.model.d_v,
+  ) == (6, 512, 2048, 8, 64, 64)
   assert (big.model.d_model, big.model.d_ff, big.model.num_heads) == (1024, 4096, 16)
   assert big.model.dropout_rate == 0.3
   assert load_config("configs/wmt14.py", "big,en-fr").model.dropout_rate == 0.1
@@ -68,10 +81,13 @@ def test_wrong_type_is_named():
     c.unlock()
     del c["max_len"]
     c.max_len = "64"
+
   assert _bad(mutate).startswith("config.max_len: expected int")
 
 
-@pytest.mark.parametrize("key,value,expected", [
+@pytest.mark.parametrize(
+  "key,value,expected",
+  [
     ("model.positional", "absolute", "config.model.positional"),
     ("model.norm", "sandwich", "config.model.norm"),
     ("model.dropout_rate", 1.5, "config.model.dropout_rate"),
@@ -83,7 +99,8 @@ def test_wrong_type_is_named():
     ("storage_timeout_s", 0.0, "config.storage_timeout_s: must be positive"),
     ("peak_flops_per_device", -1.0, "config.peak_flops_per_device: must be >= 0"),
     ("mesh.tensor", 3, "config.model.num_heads"),
-])
+  ],
+)
 def test_inconsistent_values_are_named(key, value, expected):
   def mutate(c):
     *parents, leaf = key.split(".")
@@ -91,6 +108,7 @@ def test_inconsistent_values_are_named(key, value, expected):
     for p in parents:
       node = node[p]
     node[leaf] = value
+
   assert _bad(mutate).startswith(expected)
 
 
@@ -115,6 +133,7 @@ class RecordingConfig(ml_collections.ConfigDict):
   reads every key) takes the value by attribute or by item; bulk conversions inside
   ml_collections (to_json, items) do not count.
   """
+
   reads: set = set()
 
   def __getitem__(self, key):
@@ -137,8 +156,11 @@ def _recording(config: ml_collections.ConfigDict, prefix: str = "") -> Recording
   out = RecordingConfig()
   RecordingConfig._prefixes[id(out)] = prefix
   for key, value in config.items():
-    out[key] = (_recording(value, f"{prefix}{key}.")
-                if isinstance(value, ml_collections.ConfigDict) else value)
+    out[key] = (
+      _recording(value, f"{prefix}{key}.")
+      if isinstance(value, ml_collections.ConfigDict)
+      else value
+    )
   return out
 
 
@@ -163,18 +185,26 @@ def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
   from tests.helpers.tiny_run import make_config
   from transformer.evaluation.validation import ValidationWithBleu
   from transformer.training import loop, state
-  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
-                       eval_bleu_sentences=4, num_eval_batches=1, checkpoint_every_steps=3,
-                       checkpoint_every_minutes=60.0, log_every_steps=2)
+
+  config = make_config(
+    small_corpus,
+    num_train_steps=4,
+    eval_every_steps=2,
+    eval_bleu_sentences=4,
+    num_eval_batches=1,
+    checkpoint_every_steps=3,
+    checkpoint_every_minutes=60.0,
+    log_every_steps=2,
+  )
   RecordingConfig.reads = set()
-  loop.train_and_evaluate(_recording(config), str(tmp_path / "run"),
-                          validation=ValidationWithBleu)
+  loop.train_and_evaluate(_recording(config), str(tmp_path / "run"), validation=ValidationWithBleu)
   unread = sorted(set(config_lib.flatten(config_lib.base_config())) - RecordingConfig.reads)
   assert not unread, f"config keys never read: {unread}"
 
   # The model keys reach the modules through ModelConfig: each of its fields must be read
   # there (a learned position table reads max_position; beam search runs the cache path).
   from transformer.model import decoding
+
   model_fields_read.clear()
   for positional in ("sinusoidal", "learned"):
     fields = dataclasses.asdict(ModelConfig.from_config(config))
@@ -182,24 +212,29 @@ def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
     model = Transformer(RecordingModelConfig(**{**fields, "positional": positional}))
     params = model.init(jax.random.key(0), **state.dummy_inputs(config))["params"]
     source = jnp.array([[5, 6, config_lib.EOS_ID]], jnp.int32)
-    decoding.decode(model, nn.unbox(params), decoding.translation_prompts(source, 2, False),
-                    decoding.BeamSearch(beam_size=2, alpha=0.6))
+    decoding.decode(
+      model,
+      nn.unbox(params),
+      decoding.translation_prompts(source, 2, False),
+      decoding.BeamSearch(beam_size=2, alpha=0.6),
+    )
     del run
   unread = sorted(set(ModelConfig.__dataclass_fields__) - model_fields_read)
   assert not unread, f"ModelConfig fields never read by the model: {unread}"
 
 
-def test_load_config_applies_overrides_and_finds_files_from_any_directory(tmp_path,
-                                                                          monkeypatch):
+def test_load_config_applies_overrides_and_finds_files_from_any_directory(tmp_path, monkeypatch):
   """FILE:ARG with dotted overrides, the path relative to the repository when the working
   directory has no such file; a bad key is a one-line error with a suggestion."""
   monkeypatch.chdir(tmp_path)
-  config = config_lib.load_config("configs/wmt14.py:big", {"model.num_heads": 4,
-                                                           "tokens_per_batch": 1000})
-  assert (config.model.d_model, config.model.num_heads, config.tokens_per_batch) == (1024, 4,
-                                                                                     1000)
-  with pytest.raises(config_lib.ConfigError,
-                     match=r"config.model.num_heds: unknown key \(did you mean config.model.num_heads\?\)"):
+  config = config_lib.load_config(
+    "configs/wmt14.py:big", {"model.num_heads": 4, "tokens_per_batch": 1000}
+  )
+  assert (config.model.d_model, config.model.num_heads, config.tokens_per_batch) == (1024, 4, 1000)
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=r"config.model.num_heds: unknown key \(did you mean config.model.num_heads\?\)",
+  ):
     config_lib.load_config("configs/default.py", {"model.num_heds": 4})
   with pytest.raises(config_lib.ConfigError, match="config file configs/nope.py not found"):
     config_lib.load_config("configs/nope.py")

@@ -11,10 +11,8 @@ def _ids(*values):
 
 
 def test_shift_right_unpacked_exact_values():
-  target = np.array([[5, 6, 7, EOS_ID, 0, 0],
-                     [8, EOS_ID, 0, 0, 0, 0]], np.int32)
-  expected = np.array([[BOS_ID, 5, 6, 7, 0, 0],
-                       [BOS_ID, 8, 0, 0, 0, 0]], np.int32)
+  target = np.array([[5, 6, 7, EOS_ID, 0, 0], [8, EOS_ID, 0, 0, 0, 0]], np.int32)
+  expected = np.array([[BOS_ID, 5, 6, 7, 0, 0], [BOS_ID, 8, 0, 0, 0, 0]], np.int32)
   np.testing.assert_array_equal(batching.shift_right(target), expected)
 
 
@@ -28,23 +26,29 @@ def test_shift_right_restarts_each_packed_segment_with_bos():
 def test_packer_segment_ids_and_positions():
   packer = batching.Packer(rows=1, row_len=8, max_open_rows=1)
   examples = [
-      {"source": _ids(11, 12, EOS_ID), "target": _ids(21, EOS_ID)},
-      {"source": _ids(13, EOS_ID), "target": _ids(22, 23, 24, EOS_ID)},
-      {"source": _ids(14, 15, 16, 17, EOS_ID), "target": _ids(25, EOS_ID)},  # no fit: new row
+    {"source": _ids(11, 12, EOS_ID), "target": _ids(21, EOS_ID)},
+    {"source": _ids(13, EOS_ID), "target": _ids(22, 23, 24, EOS_ID)},
+    {"source": _ids(14, 15, 16, 17, EOS_ID), "target": _ids(25, EOS_ID)},  # no fit: new row
   ]
   batches = [packer.add(ex) for ex in examples]
   assert batches[:2] == [None, None]
   batch = batches[2]
-  assert set(batch) == {"source", "target", "decoder_input", "source_segment_ids",
-                        "source_positions", "target_segment_ids", "target_positions"}
+  assert set(batch) == {
+    "source",
+    "target",
+    "decoder_input",
+    "source_segment_ids",
+    "source_positions",
+    "target_segment_ids",
+    "target_positions",
+  }
   np.testing.assert_array_equal(batch["source"], [[11, 12, EOS_ID, 13, EOS_ID, 0, 0, 0]])
   np.testing.assert_array_equal(batch["source_segment_ids"], [[1, 1, 1, 2, 2, 0, 0, 0]])
   np.testing.assert_array_equal(batch["source_positions"], [[0, 1, 2, 0, 1, 0, 0, 0]])
   np.testing.assert_array_equal(batch["target"], [[21, EOS_ID, 22, 23, 24, EOS_ID, 0, 0]])
   np.testing.assert_array_equal(batch["target_segment_ids"], [[1, 1, 2, 2, 2, 2, 0, 0]])
   np.testing.assert_array_equal(batch["target_positions"], [[0, 1, 0, 1, 2, 3, 0, 0]])
-  np.testing.assert_array_equal(batch["decoder_input"],
-                                [[BOS_ID, 21, BOS_ID, 22, 23, 24, 0, 0]])
+  np.testing.assert_array_equal(batch["decoder_input"], [[BOS_ID, 21, BOS_ID, 22, 23, 24, 0, 0]])
   assert all(v.dtype == np.int32 for v in batch.values())
 
 
@@ -64,7 +68,7 @@ def test_token_buckets_pad_each_example_to_its_own_bucket():
     assert batch["target"].shape == (rows, length)
     assert rows_by_length[length] == rows
     # Padded only within the bucket: the longest row is longer than the bucket below.
-    below = max([l for l in rows_by_length if l < length], default=0)
+    below = max([n for n in rows_by_length if n < length], default=0)
     longest = max((batch["source"] != 0).sum(1).max(), (batch["target"] != 0).sum(1).max())
     assert below < longest <= length
 
@@ -94,12 +98,19 @@ def test_rows_count_real_tokens_not_padding():
 
 
 def test_geometric_length_is_the_smallest_doubling_that_holds_n():
-  assert [batching.geometric_length(n, 256) for n in (1, 8, 9, 16, 17, 100, 200, 256)] == \
-      [8, 8, 16, 16, 32, 128, 256, 256]
+  assert [batching.geometric_length(n, 256) for n in (1, 8, 9, 16, 17, 100, 200, 256)] == [
+    8,
+    8,
+    16,
+    16,
+    32,
+    128,
+    256,
+    256,
+  ]
   assert batching.geometric_length(70, 100) == 100  # capped at max_len
   # However many lengths a split has, at most log2(cap / 8) + 1 shapes come out.
-  assert {batching.geometric_length(n, 256) for n in range(1, 257)} == {
-      8, 16, 32, 64, 128, 256}
+  assert {batching.geometric_length(n, 256) for n in range(1, 257)} == {8, 16, 32, 64, 128, 256}
 
 
 def test_planned_rows_never_exceed_the_budget_and_miss_it_by_under_one_multiple():

@@ -9,11 +9,8 @@ import pytest
 
 from transformer import config as config_lib
 from transformer.config import EOS_ID
-from transformer.data import batching
+from transformer.data import batching, pipeline, sources, tatoeba
 from transformer.data import batching as batching_lib
-from transformer.data import pipeline
-from transformer.data import sources
-from transformer.data import tatoeba
 from transformer.data import tokenizer as tokenizer_lib
 
 
@@ -73,15 +70,18 @@ def test_tokenizer_round_trip_and_fixed_ids(setup):
 
 def test_vocab_cache_is_reused_and_copied_to_workdir(setup, monkeypatch, tmp_path):
   config, source, tokenizer = setup
+
   def no_training(*args, **kwargs):
     raise AssertionError("the cached vocabulary should have been reused")
+
   monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
   again = tokenizer_lib.load_or_train_tokenizer(config, source=source)
   assert again.model_proto == tokenizer.model_proto
   other = config.copy_and_resolve_references()
   other.vocab_size = 301
-  assert (tokenizer_lib.vocab_cache_path(other, source)
-          != tokenizer_lib.vocab_cache_path(config, source))
+  assert tokenizer_lib.vocab_cache_path(other, source) != tokenizer_lib.vocab_cache_path(
+    config, source
+  )
   tokenizer_lib.copy_vocab_to_workdir(tokenizer, str(tmp_path))
   assert tokenizer_lib.load_workdir_tokenizer(str(tmp_path)).model_proto == tokenizer.model_proto
 
@@ -94,8 +94,10 @@ def test_same_seed_same_batches_other_seed_differs(setup, batching):
   _assert_same(first, _take(config, setup, 4, row_multiple=2))
   config.seed = 1
   other = _take(config, setup, 4, row_multiple=2)
-  assert any(a["target"].shape != b["target"].shape or (a["target"] != b["target"]).any()
-             for a, b in zip(first, other))
+  assert any(
+    a["target"].shape != b["target"].shape or (a["target"] != b["target"]).any()
+    for a, b in zip(first, other)
+  )
 
 
 @pytest.mark.parametrize("batching", ["tokens", "packed"])
@@ -113,8 +115,7 @@ def test_batches_hold_the_budget_in_real_tokens_in_few_shapes(setup, batching):
   # The fuller side of a batch holds up to tokens_per_batch real tokens, never more (on
   # average; rows come in multiples of 4, so up to 4 rows' worth less): more padded
   # slots than the budget, not fewer real tokens.
-  real = [max(int((b[side] != 0).sum()) for side in ("source", "decoder_input"))
-          for b in batches]
+  real = [max(int((b[side] != 0).sum()) for side in ("source", "decoder_input")) for b in batches]
   assert 0.8 * config.tokens_per_batch < np.mean(real) <= config.tokens_per_batch
   assert np.mean([b["target"].size for b in batches]) > 1.05 * config.tokens_per_batch
 
@@ -124,8 +125,9 @@ def test_two_processes_make_the_same_global_batches(setup, batching):
   config = setup[0].copy_and_resolve_references()
   config.batching = batching
   single = _take(config, setup, 5, row_multiple=2)
-  parts = [_take(config, setup, 5, process_index=p, process_count=2, row_multiple=2)
-           for p in range(2)]
+  parts = [
+    _take(config, setup, 5, process_index=p, process_count=2, row_multiple=2) for p in range(2)
+  ]
   joined = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*parts)]
   assert parts[0][0]["target"].shape == parts[1][0]["target"].shape
   _assert_same(single, joined)
@@ -199,8 +201,8 @@ def test_each_evaluation_sentence_exactly_once(setup):
   assert all(i == -1 for i in indices if i < 0)
   assert not rows_by_index.get(-1, np.zeros(1)).any()  # fill rows are all padding
   for index in (0, len(pairs) - 1):
-    expected = tokenizer.encode(pairs[index][0])[:config.max_len - 1] + [EOS_ID]
-    assert list(rows_by_index[index][:len(expected)]) == expected
+    expected = tokenizer.encode(pairs[index][0])[: config.max_len - 1] + [EOS_ID]
+    assert list(rows_by_index[index][: len(expected)]) == expected
 
 
 def test_a_validation_subset_spans_every_length(setup):
@@ -208,8 +210,7 @@ def test_a_validation_subset_spans_every_length(setup):
   the first ones would hold only the shortest sentences."""
   config, source, tokenizer = setup
   every = pipeline.make_eval_batches(config, tokenizer, "validation", source=source)
-  subset = pipeline.make_eval_batches(config, tokenizer, "validation", source=source,
-                                      max_batches=3)
+  subset = pipeline.make_eval_batches(config, tokenizer, "validation", source=source, max_batches=3)
   assert len(every) >= 9 and len(subset) == 3
   positions = [[(b["index"] == s["index"]).all() for b in every].index(True) for s in subset]
   assert positions == [len(every) // 6, len(every) // 2, 5 * len(every) // 6]
@@ -217,6 +218,7 @@ def test_a_validation_subset_spans_every_length(setup):
   def mean_source_length(batches):
     real = np.concatenate([(b["source"] != 0).sum(1)[b["index"] >= 0] for b in batches])
     return real.mean()
+
   whole = mean_source_length(every)
   assert abs(mean_source_length(subset) - whole) < 0.15 * whole
   assert mean_source_length(every[:3]) < 0.7 * whole  # what the first batches measured
@@ -246,12 +248,13 @@ def test_get_tokenizer_copies_to_workdir_and_resumes_from_it(setup, tmp_path):
 
 def test_pad_batch_fills_rows_and_rounds_length():
   padded = batching.pad_batch([[5, EOS_ID], [6, 7, 8, EOS_ID]], rows=3)
-  np.testing.assert_array_equal(padded, [[5, EOS_ID, 0, 0, 0, 0, 0, 0],
-                                         [6, 7, 8, EOS_ID, 0, 0, 0, 0],
-                                         [0] * 8])
+  np.testing.assert_array_equal(
+    padded, [[5, EOS_ID, 0, 0, 0, 0, 0, 0], [6, 7, 8, EOS_ID, 0, 0, 0, 0], [0] * 8]
+  )
 
 
 # --- The stream on another mesh: the same examples in the same global batches.
+
 
 def _ids_by_example(config, setup):
   """{(source ids, target ids) as training feeds them: example id}, the id being the
@@ -261,8 +264,10 @@ def _ids_by_example(config, setup):
   pairs = pipeline.load_raw_pairs(config, "train", source=source)
   ids = {}
   for index, (source_text, target_text) in enumerate(pairs):
-    key = tuple(tuple(tokenizer_lib.with_eos(tokenizer.encode(text), config.max_len))
-                for text in (source_text, target_text))
+    key = tuple(
+      tuple(tokenizer_lib.with_eos(tokenizer.encode(text), config.max_len))
+      for text in (source_text, target_text)
+    )
     ids.setdefault(key, index)
   assert len(ids) > 0.99 * len(pairs)  # the few repeated pairs share an id
   return ids
@@ -276,8 +281,9 @@ def _example_ids(batch, ids):
     for side in ("source", "target"):
       tokens = batch[side][row]
       segments = batch.get(f"{side}_segment_ids", (batch[side] != 0).astype(np.int32))[row]
-      sides.append([tuple(tokens[(segments == s) & (tokens != 0)])
-                    for s in range(1, segments.max() + 1)])
+      sides.append(
+        [tuple(tokens[(segments == s) & (tokens != 0)]) for s in range(1, segments.max() + 1)]
+      )
     found += [ids[pair] for pair in zip(*sides)]
   return found
 
@@ -288,9 +294,14 @@ def _global_batches(config, setup, steps, state, processes, row_multiple, **kwar
   _, source, tokenizer = setup
   hosts = []
   for index in range(processes):
-    iterator = pipeline.make_train_iterator(config, tokenizer, source=source,
-                                            process_index=index, process_count=processes,
-                                            row_multiple=row_multiple)
+    iterator = pipeline.make_train_iterator(
+      config,
+      tokenizer,
+      source=source,
+      process_index=index,
+      process_count=processes,
+      row_multiple=row_multiple,
+    )
     iterator.set_state(json.loads(json.dumps(state)), **kwargs)
     hosts.append(iterator)
   batches = []
@@ -318,8 +329,7 @@ def test_resumed_on_another_mesh_the_global_batches_hold_the_same_examples(setup
   fresh = pipeline.make_train_iterator(config, tokenizer, source=source, row_multiple=1)
   assert fresh.rows_by_length != straight.rows_by_length
   for processes, row_multiple in ((2, 2), (1, 1)):
-    batches, hosts = _global_batches(config, setup, later_steps, state, processes,
-                                     row_multiple)
+    batches, hosts = _global_batches(config, setup, later_steps, state, processes, row_multiple)
     assert [_example_ids(b, ids) for b in batches] == expected, (processes, row_multiple)
     assert all(h.rows_by_length == straight.rows_by_length for h in hosts)
   seen = {i for step in before for i in step}
@@ -334,18 +344,22 @@ def test_a_plan_the_new_mesh_cannot_split_is_a_one_line_error(setup):
   uneven = {length: r for length, r in rows.items() if r % 3}
   assert uneven  # rows a multiple of 4, not all of 3
   with pytest.raises(config_lib.ConfigError) as error:
-    _global_batches(config, setup, 1, straight.get_state(), 1, 3,
-                    layout="mesh {'data': 3} over 1 processes")
+    _global_batches(
+      config, setup, 1, straight.get_state(), 1, 3, layout="mesh {'data': 3} over 1 processes"
+    )
   message = str(error.value)
   assert "\n" not in message
-  assert message.startswith(f"the checkpoint's batches have {uneven} rows by length, which "
-                            "are not multiples of 3, the least common multiple of this run's "
-                            "row shards and processes (mesh {'data': 3} over 1 processes)")
+  assert message.startswith(
+    f"the checkpoint's batches have {uneven} rows by length, which "
+    "are not multiples of 3, the least common multiple of this run's "
+    "row shards and processes (mesh {'data': 3} over 1 processes)"
+  )
   assert "change tokens_per_batch" in message
 
 
 def test_a_changed_tokens_per_batch_plans_again_says_so_and_skips_nothing_trained(
-    setup, monkeypatch):
+  setup, monkeypatch
+):
   config, source, tokenizer = setup
   ids = _ids_by_example(config, setup)
   straight = pipeline.make_train_iterator(config, tokenizer, source=source, row_multiple=2)
@@ -357,9 +371,11 @@ def test_a_changed_tokens_per_batch_plans_again_says_so_and_skips_nothing_traine
   bigger.tokens_per_batch = 2 * config.tokens_per_batch
   batches, (host,) = _global_batches(bigger, setup, 3, state, 1, 2)
   assert len(warnings) == 1 and "\n" not in warnings[0]
-  assert warnings[0].startswith(f"tokens_per_batch {config.tokens_per_batch} -> "
-                                f"{bigger.tokens_per_batch} since the checkpoint: batches "
-                                "planned again")
+  assert warnings[0].startswith(
+    f"tokens_per_batch {config.tokens_per_batch} -> "
+    f"{bigger.tokens_per_batch} since the checkpoint: batches "
+    "planned again"
+  )
   assert f"the stream goes on at pair {state['pairs_read']} of epoch 0" in warnings[0]
   assert all(len(b["target"]) == host.rows_by_length[b["target"].shape[1]] for b in batches)
   assert sum(host.rows_by_length.values()) > sum(straight.rows_by_length.values())
@@ -369,8 +385,8 @@ def test_a_changed_tokens_per_batch_plans_again_says_so_and_skips_nothing_traine
 
 # --- Data states of older formats.
 
-def test_a_data_state_without_a_plan_resumes_with_the_plan_it_was_written_with(
-    setup, monkeypatch):
+
+def test_a_data_state_without_a_plan_resumes_with_the_plan_it_was_written_with(setup, monkeypatch):
   """A checkpoint from before plans were saved holds {epoch, batch_in_epoch} (format 1),
   and its code planned rows rounded to the nearest multiple. Planned today's way (down),
   the batches before batch_in_epoch would be others, and the resumed run would skip or
@@ -379,16 +395,17 @@ def test_a_data_state_without_a_plan_resumes_with_the_plan_it_was_written_with(
   multiple, skipped, later = 4, 6, 4
   measured = []  # (budget, real tokens per row, row_multiple) of each shape the plan sized
   rows_for_real_tokens = batching.rows_for_real_tokens
+
   def spy(budget, real, row_multiple, nearest=False):
     measured.append((budget, real, row_multiple))
     return rows_for_real_tokens(budget, real, row_multiple, nearest)
+
   monkeypatch.setattr(batching, "rows_for_real_tokens", spy)
   warnings = []
   monkeypatch.setattr(pipeline.logging, "warning", lambda *a: warnings.append(a[0] % a[1:]))
 
   def from_old_state(batch_in_epoch):
-    iterator = pipeline.make_train_iterator(config, tokenizer, source=source,
-                                            row_multiple=multiple)
+    iterator = pipeline.make_train_iterator(config, tokenizer, source=source, row_multiple=multiple)
     # What the code before DATA_STATE_FORMAT 2 saved, through the checkpoint's JSON.
     iterator.set_state(json.loads(json.dumps({"epoch": 0, "batch_in_epoch": batch_in_epoch})))
     return iterator

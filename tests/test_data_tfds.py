@@ -6,8 +6,7 @@ import tensorflow_datasets as tfds
 
 from transformer import config as config_lib
 from transformer.config import EOS_ID
-from transformer.data import pipeline
-from transformer.data import sources
+from transformer.data import pipeline, sources
 from transformer.data import tokenizer as tokenizer_lib
 
 
@@ -63,24 +62,31 @@ def _wmt_config(tmp_path):
 def test_wmt_mock_data_en_de_puts_english_on_the_source_side(tmp_path):
   config = _wmt_config(tmp_path)
   with tfds.testing.mock_data(num_examples=40):
-    expected = [(ex["en"].decode(), ex["de"].decode()) for ex in tfds.as_numpy(
-        tfds.load("wmt14_translate/de-en", split="validation", data_dir=config.data_dir))]
+    expected = [
+      (ex["en"].decode(), ex["de"].decode())
+      for ex in tfds.as_numpy(
+        tfds.load("wmt14_translate/de-en", split="validation", data_dir=config.data_dir)
+      )
+    ]
     source = sources.make_source(config)
     pairs = pipeline.load_raw_pairs(config, "validation", source=source)
     tokenizer = tokenizer_lib.load_or_train_tokenizer(config, source=source)
     eval_batches = pipeline.make_eval_batches(config, tokenizer, "validation", source=source)
     train_batch = next(pipeline.make_train_iterator(config, tokenizer, source=source))
   assert pairs == expected  # (English, German): 'en-de' reversed tfds's (de, en)
-  first_source = next(b["source"][list(b["index"]).index(0)] for b in eval_batches
-                      if 0 in b["index"])
-  encoded = tokenizer.encode(pairs[0][0])[:config.max_len - 1] + [EOS_ID]
-  np.testing.assert_array_equal(first_source[:len(encoded)], encoded)
+  first_source = next(
+    b["source"][list(b["index"]).index(0)] for b in eval_batches if 0 in b["index"]
+  )
+  encoded = tokenizer.encode(pairs[0][0])[: config.max_len - 1] + [EOS_ID]
+  np.testing.assert_array_equal(first_source[: len(encoded)], encoded)
   assert set(train_batch) == {"source", "decoder_input", "target"}
 
 
 def test_direction_must_name_the_datasets_languages(tmp_path):
   config = _wmt_config(tmp_path)
   config.direction = "en-fr"
-  with tfds.testing.mock_data(num_examples=4):
-    with pytest.raises(config_lib.ConfigError, match="direction"):
-      sources.make_source(config)
+  with (
+    tfds.testing.mock_data(num_examples=4),
+    pytest.raises(config_lib.ConfigError, match="direction"),
+  ):
+    sources.make_source(config)

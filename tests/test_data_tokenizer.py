@@ -4,6 +4,7 @@ and the cache file name."""
 
 import io
 import os
+import pathlib
 import types
 
 import numpy as np
@@ -13,7 +14,7 @@ import tensorflow as tf
 
 from tests.helpers import tiny_run
 from transformer import config as config_lib
-from transformer.config import BOS_ID, ConfigError, EOS_ID, PAD_ID, UNK_ID
+from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ConfigError
 from transformer.data import tokenizer as tokenizer_lib
 
 SPECIAL = {PAD_ID: "<pad>", EOS_ID: "</s>", BOS_ID: "<s>", UNK_ID: "<unk>"}
@@ -35,8 +36,9 @@ def tokenizer(sentences):
 @pytest.mark.parametrize("vocab_type", ["bpe", "unigram"])
 def test_trained_vocabulary_has_the_fixed_special_ids(sentences, vocab_type):
   """PAD=0 EOS=1 BOS=2 UNK=3 whatever the model type; other pieces come after them."""
-  trained = tokenizer_lib.train_tokenizer((s for s in sentences), vocab_size=200,
-                                          vocab_type=vocab_type)
+  trained = tokenizer_lib.train_tokenizer(
+    (s for s in sentences), vocab_size=200, vocab_type=vocab_type
+  )
   assert trained.vocab_size == 200
   assert {i: trained.id_to_piece(i) for i in SPECIAL} == SPECIAL
   ids = [i for s in sentences[:50] for i in trained.encode(s)]
@@ -45,8 +47,7 @@ def test_trained_vocabulary_has_the_fixed_special_ids(sentences, vocab_type):
 
 def test_too_large_a_vocabulary_shrinks_instead_of_failing(sentences):
   """A small corpus cannot fill 5,000 unigram pieces: it gets fewer, not an error."""
-  trained = tokenizer_lib.train_tokenizer(iter(sentences), vocab_size=5000,
-                                          vocab_type="unigram")
+  trained = tokenizer_lib.train_tokenizer(iter(sentences), vocab_size=5000, vocab_type="unigram")
   assert 200 < trained.vocab_size < 5000
 
 
@@ -104,8 +105,7 @@ def test_encode_for_model_is_ids_plus_eos_within_max_len(tokenizer, sentences):
   assert all(e.dtype == np.int32 for e in encoded)
 
 
-def test_save_writes_through_a_temporary_file_and_loads_back(tokenizer, tmp_path,
-                                                             monkeypatch):
+def test_save_writes_through_a_temporary_file_and_loads_back(tokenizer, tmp_path, monkeypatch):
   """save() creates missing directories, writes the whole model to a temporary name in
   the same directory, then renames it over the target, leaving nothing else behind;
   load() gives back the same model."""
@@ -114,9 +114,17 @@ def test_save_writes_through_a_temporary_file_and_loads_back(tokenizer, tmp_path
   real_rename = tf.io.gfile.rename
 
   def rename(source, destination, overwrite=False):
-    renames.append((source, destination, overwrite, os.path.exists(destination),
-                    open(source, "rb").read() == tokenizer.model_proto))
+    renames.append(
+      (
+        source,
+        destination,
+        overwrite,
+        os.path.exists(destination),
+        pathlib.Path(source).read_bytes() == tokenizer.model_proto,
+      )
+    )
     real_rename(source, destination, overwrite=overwrite)
+
   monkeypatch.setattr(tf.io.gfile, "rename", rename)
   tokenizer.save(path)
   [(source, destination, overwrite, existed, complete)] = renames
@@ -143,10 +151,14 @@ def test_a_model_with_other_special_ids_is_refused(sentences):
   """A SentencePiece model trained with its own defaults (unk=0, bos=1, eos=2, no pad)
   would silently scramble every id the model relies on: it is refused."""
   writer = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=writer,
-                                 vocab_size=100, minloglevel=2)
-  with pytest.raises(ValueError, match=r"pad/eos/bos/unk ids \(-1, 2, 1, 0\), expected "
-                                       r"\(0, 1, 2, 3\)"):
+  spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(sentences), model_writer=writer, vocab_size=100, minloglevel=2
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"pad/eos/bos/unk ids \(-1, 2, 1, 0\), expected "
+    r"\(0, 1, 2, 3\)",
+  ):
     tokenizer_lib.Tokenizer(writer.getvalue())
 
 
@@ -154,15 +166,20 @@ def _source(name="tsv:/data/corpus.tsv", cache_key="tsv:/data/corpus.tsv:abc"):
   return types.SimpleNamespace(name=name, cache_key=cache_key)
 
 
-@pytest.mark.parametrize("key,value", [
-    ("direction", "es-en"), ("vocab_type", "unigram"), ("vocab_size", 8001),
-    ("vocab_max_sentences", 1000)])
+@pytest.mark.parametrize(
+  "key,value",
+  [
+    ("direction", "es-en"),
+    ("vocab_type", "unigram"),
+    ("vocab_size", 8001),
+    ("vocab_max_sentences", 1000),
+  ],
+)
 def test_vocab_cache_path_changes_with_every_setting_it_depends_on(key, value):
   config = config_lib.base_config()
   config.vocab_cache_dir = "/cache"
   path = tokenizer_lib.vocab_cache_path(config, _source())
-  assert path == tokenizer_lib.vocab_cache_path(config.copy_and_resolve_references(),
-                                                _source())
+  assert path == tokenizer_lib.vocab_cache_path(config.copy_and_resolve_references(), _source())
   changed = config.copy_and_resolve_references()
   changed[key] = value
   assert tokenizer_lib.vocab_cache_path(changed, _source()) != path
@@ -186,35 +203,39 @@ def test_vocab_cache_dir_defaults_under_data_dir_or_home(monkeypatch):
   config = config_lib.base_config()
   config.data_dir = "/data/tfds"
   assert os.path.dirname(tokenizer_lib.vocab_cache_path(config, _source())) == (
-      "/data/tfds/transformer_vocab")
+    "/data/tfds/transformer_vocab"
+  )
   config.data_dir = ""
   monkeypatch.setenv("HOME", "/home/someone")
   assert os.path.dirname(tokenizer_lib.vocab_cache_path(config, _source())) == (
-      "/home/someone/.cache/transformer_vocab")
+    "/home/someone/.cache/transformer_vocab"
+  )
 
 
 def test_load_workdir_tokenizer(tokenizer, tmp_path):
   """A missing WORKDIR/vocab.model is a one-line ConfigError naming the workdir."""
   with pytest.raises(ConfigError) as error:
     tokenizer_lib.load_workdir_tokenizer(str(tmp_path))
-  assert str(error.value) == (f"workdir: no vocab.model in {tmp_path} (was it trained "
-                              "here?)")
+  assert str(error.value) == (f"workdir: no vocab.model in {tmp_path} (was it trained here?)")
   tokenizer_lib.copy_vocab_to_workdir(tokenizer, str(tmp_path))
-  assert tokenizer_lib.load_workdir_tokenizer(str(tmp_path)).model_proto == (
-      tokenizer.model_proto)
+  assert tokenizer_lib.load_workdir_tokenizer(str(tmp_path)).model_proto == (tokenizer.model_proto)
 
 
 def test_a_stalled_vocabulary_read_is_a_timeout_naming_the_file(tokenizer, tmp_path, monkeypatch):
   """Reading a resumed run's vocab.model from a stalled bucket: one line after
   storage_timeout_s, naming the file, rather than a wait as long as the client retries."""
   import threading
+
   from transformer import storage
+
   tokenizer_lib.copy_vocab_to_workdir(tokenizer, str(tmp_path))
   release = threading.Event()
   load = tokenizer_lib.Tokenizer.load.__func__
+
   def stalled_load(cls, path):
     release.wait(30)
     return load(cls, path)
+
   monkeypatch.setattr(tokenizer_lib.Tokenizer, "load", classmethod(stalled_load))
   config = config_lib.base_config()
   config.storage_timeout_s = 0.3
@@ -225,6 +246,7 @@ def test_a_stalled_vocabulary_read_is_a_timeout_naming_the_file(tokenizer, tmp_p
     release.set()
   path = os.path.join(str(tmp_path), tokenizer_lib.WORKDIR_VOCAB_NAME)
   assert str(error.value).startswith(
-      f"reading {path} did not finish within 0.3 s (config.storage_timeout_s)")
+    f"reading {path} did not finish within 0.3 s (config.storage_timeout_s)"
+  )
   monkeypatch.undo()
   assert tokenizer_lib.get_tokenizer(config, str(tmp_path)).model_proto == tokenizer.model_proto

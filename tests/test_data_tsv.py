@@ -6,8 +6,7 @@ import pytest
 
 from transformer import config as config_lib
 from transformer.config import ConfigError
-from transformer.data import sources
-from transformer.data import tsv
+from transformer.data import sources, tsv
 
 
 def _write(path, data: bytes):
@@ -16,15 +15,20 @@ def _write(path, data: bytes):
 
 
 def test_malformed_lines_are_skipped_and_counted(tmp_path):
-  path = _write(tmp_path / "pairs.tsv", b"".join([
-      b"Hello.\tHola.\tattribution one\n",
-      b"no tab on this line\n",
-      b"\tempty source\n",
-      b"empty target\t \n",
-      b"bad bytes \xff\xfe\tmalos\n",
-      b"Thanks.\tGracias.\r\n",
-      b"\n",
-  ]))
+  path = _write(
+    tmp_path / "pairs.tsv",
+    b"".join(
+      [
+        b"Hello.\tHola.\tattribution one\n",
+        b"no tab on this line\n",
+        b"\tempty source\n",
+        b"empty target\t \n",
+        b"bad bytes \xff\xfe\tmalos\n",
+        b"Thanks.\tGracias.\r\n",
+        b"\n",
+      ]
+    ),
+  )
   contents = tsv.read_tsv(path)
   assert contents.pairs == [("Hello.", "Hola."), ("Thanks.", "Gracias.")]
   assert contents.extras == ["attribution one", ""]
@@ -69,8 +73,7 @@ def test_split_is_decided_by_the_source_sentence(tmp_path):
 
 
 def test_separate_validation_file_keeps_its_pairs_and_main_file_feeds_train(tmp_path):
-  main = _write(tmp_path / "train.tsv",
-                "".join(f"s{i}\tt{i}\n" for i in range(200)).encode())
+  main = _write(tmp_path / "train.tsv", "".join(f"s{i}\tt{i}\n" for i in range(200)).encode())
   validation = _write(tmp_path / "valid.tsv", b"v1\tw1\nv2\tw2\n")
   source = sources.TsvSource(main, validation_file=validation)
   assert source.pairs("validation") == [("v1", "w1"), ("v2", "w2")]

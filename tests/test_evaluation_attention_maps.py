@@ -9,9 +9,9 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from transformer.evaluation import attention_maps
 from transformer.config import BOS_ID, EOS_ID
 from transformer.data.tokenizer import with_eos
+from transformer.evaluation import attention_maps
 from transformer.model import ModelConfig, Transformer, stack_layer_params
 
 LAYERS, HEADS = 2, 2
@@ -37,19 +37,36 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def model_and_params():
-  model = Transformer(ModelConfig(vocab_size=10, max_position=32, num_layers=LAYERS,
-                                  d_model=16, d_ff=32, num_heads=HEADS, d_k=8, d_v=8))
-  variables = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
-                                  jnp.ones((1, 4), jnp.int32))
+  model = Transformer(
+    ModelConfig(
+      vocab_size=10,
+      max_position=32,
+      num_layers=LAYERS,
+      d_model=16,
+      d_ff=32,
+      num_heads=HEADS,
+      d_k=8,
+      d_v=8,
+    )
+  )
+  variables = jax.jit(model.init)(
+    jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
+  )
   return model, nn.unbox(variables["params"])
 
 
 def test_writes_one_png_per_layer_and_kind(model_and_params, tmp_path):
   model, params = model_and_params
   tokenizer = WordTokenizer(["the", "cat", "sat", "on", "mat", "today"])
-  paths = attention_maps.plot_attention_maps(model, params, tokenizer, "the cat sat on the mat",
-                                             str(tmp_path), max_len=5,
-                                             max_decode_extra_len=3)
+  paths = attention_maps.plot_attention_maps(
+    model,
+    params,
+    tokenizer,
+    "the cat sat on the mat",
+    str(tmp_path),
+    max_len=5,
+    max_decode_extra_len=3,
+  )
   assert len(paths) == LAYERS * len(attention_maps.ATTENTION_KINDS) == len(set(paths))
   assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.split("/")[-1] for p in paths)
   for path in paths:

@@ -27,8 +27,13 @@ def test_without_bleu_sentences_it_is_the_loops_validation(trained_run):
 
 def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path):
   workdir = str(tmp_path / "validated")
-  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=2,
-                       eval_bleu_sentences=8, max_decode_extra_len=4)
+  config = make_config(
+    small_corpus,
+    num_train_steps=4,
+    eval_every_steps=2,
+    eval_bleu_sentences=8,
+    max_decode_extra_len=4,
+  )
   result = loop.train_and_evaluate(config, workdir, validation=ValidationWithBleu)
   records = read_metrics(workdir, kind="validation")
   assert [r["step"] for r in records] == [2, 4]
@@ -47,8 +52,13 @@ def test_periodic_validation_reports_perplexity_and_bleu(small_corpus, tmp_path)
 def test_the_loops_own_validation_is_the_same_loss_without_bleu(small_corpus, tmp_path):
   """Without evaluation's ValidationWithBleu the loop reports the same validation loss,
   and no BLEU: the training layer never imports the evaluation layer."""
-  config = make_config(small_corpus, num_train_steps=2, eval_every_steps=2,
-                       eval_bleu_sentences=8, max_decode_extra_len=4)
+  config = make_config(
+    small_corpus,
+    num_train_steps=2,
+    eval_every_steps=2,
+    eval_bleu_sentences=8,
+    max_decode_extra_len=4,
+  )
   plain, with_bleu = str(tmp_path / "plain"), str(tmp_path / "bleu")
   loop.train_and_evaluate(config, plain)
   loop.train_and_evaluate(config, with_bleu, validation=ValidationWithBleu)

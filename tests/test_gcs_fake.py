@@ -25,16 +25,19 @@ import pytest
 import tensorflow as tf
 from etils import epath
 
-from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_python(code: str, *args: str, timeout: float = 240) -> str:
   """stdout of `code` run by a fresh interpreter with this process's environment."""
   result = subprocess.run(
-      [sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO, timeout=timeout,
-      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True, text=True)
+    [sys.executable, "-c", textwrap.dedent(code), *args],
+    cwd=REPO,
+    timeout=timeout,
+    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    capture_output=True,
+    text=True,
+  )
   assert result.returncode == 0, result.stderr[-6000:]
   return result.stdout
 
@@ -116,6 +119,7 @@ def test_google_cloud_storage_client_uses_the_fake(gcs):
   """Orbax asks google-cloud-storage whether a gs:// bucket has a hierarchical
   namespace before it lists checkpoints; the client honours STORAGE_EMULATOR_HOST."""
   from google.cloud import storage
+
   client = storage.Client()
   bucket = client.get_bucket(gcs.bucket)
   assert not bucket.hierarchical_namespace_enabled
@@ -129,10 +133,11 @@ def test_google_cloud_storage_client_uses_the_fake(gcs):
   assert [r["status"] for r in gcs.requests() if r["method"] == "PUT"] == [308, 308, 200]
   # Downloads are checked against the object's crc32c / md5.
   assert bucket.blob("gcs/small.txt").download_as_bytes() == b"alpha"
-  assert bucket.blob("gcs/big.bin").download_as_bytes(start=1000, end=1009) == \
-      content[1000:1010]
-  assert [b.name for b in client.list_blobs(gcs.bucket, prefix="gcs/")] == \
-      ["gcs/big.bin", "gcs/small.txt"]
+  assert bucket.blob("gcs/big.bin").download_as_bytes(start=1000, end=1009) == content[1000:1010]
+  assert [b.name for b in client.list_blobs(gcs.bucket, prefix="gcs/")] == [
+    "gcs/big.bin",
+    "gcs/small.txt",
+  ]
   bucket.blob("gcs/small.txt").delete()
   assert gcs.list_objects() == ["gcs/big.bin"]
 
@@ -166,7 +171,9 @@ def state_at(step):
 
 def test_orbax_checkpoint_manager_saves_and_restores_through_the_fake(gcs):
   directory = f"{gcs.url}/run/checkpoints"
-  saved = run_python(_ORBAX_COMMON + """
+  saved = run_python(
+    _ORBAX_COMMON
+    + """
 options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                        enable_async_checkpointing=True)
 epath.Path(DIRECTORY).mkdir(parents=True, exist_ok=True)
@@ -180,26 +187,36 @@ manager.wait_until_finished()
 manager.check_for_errors()
 manager.close()
 print(json.dumps(manager.all_steps()))
-""", directory)
+""",
+    directory,
+  )
   assert json.loads(saved.splitlines()[-1]) == [2]
   names = gcs.list_objects(prefix="run/checkpoints/")
   # Step 1 was deleted; step 2 is complete (on GCS Orbax writes in place and marks a
   # finished checkpoint with commit_success.txt instead of renaming a tmp directory).
   assert {n.split("/")[2] for n in names} == {"", "2"}, names
   step = "run/checkpoints/2/"
-  for name in ["commit_success.txt", "state/manifest.ocdbt", "state/_METADATA",
-               "data_iterator/metadata", "config/metadata"]:
+  for name in [
+    "commit_success.txt",
+    "state/manifest.ocdbt",
+    "state/_METADATA",
+    "data_iterator/metadata",
+    "config/metadata",
+  ]:
     assert step + name in names, names
   # TensorStore's OCDBT data files: the array chunks.
   assert [n for n in names if n.startswith(step + "state/ocdbt.process_0/d/")], names
   assert json.loads(gcs.read("run/checkpoints/2/data_iterator/metadata")) == {"position": 2}
   # TensorStore wrote the arrays over plain HTTP (TENSORSTORE_GCS_HTTP_URL), with
   # conditional uploads.
-  plain_uploads = [r for r in gcs.requests()
-                   if not r["tls"] and r["path"].startswith("/upload/storage/v1/")]
+  plain_uploads = [
+    r for r in gcs.requests() if not r["tls"] and r["path"].startswith("/upload/storage/v1/")
+  ]
   assert plain_uploads
 
-  restored = run_python(_ORBAX_COMMON + """
+  restored = run_python(
+    _ORBAX_COMMON
+    + """
 manager = ocp.CheckpointManager(DIRECTORY, item_names=ITEMS)
 step = manager.latest_step()
 abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
@@ -213,7 +230,9 @@ print(json.dumps({"steps": manager.all_steps(), "step": step,
                   "b": np.asarray(state["params"]["b"], np.float32).tolist(),
                   "w_sharded": state["params"]["w"].sharding.spec == P("data"),
                   "scalar": int(state["step"]), "iterator": restored["data_iterator"]}))
-""", directory)
+""",
+    directory,
+  )
   result = json.loads(restored.splitlines()[-1])
   assert result["steps"] == [2] and result["step"] == 2
   np.testing.assert_array_equal(result["w"], np.arange(32).reshape(8, 4) * 2)
@@ -228,21 +247,27 @@ print(json.dumps({"steps": manager.all_steps(), "step": step,
 
 def test_sentencepiece_model_saved_and_loaded_through_the_fake(gcs):
   from transformer.data import tokenizer as tokenizer_lib
-  sentences = [f"the {w} sat on the mat number {i}" for i, w in
-               enumerate(["cat", "dog", "bird", "fish", "cow"] * 20)]
+
+  sentences = [
+    f"the {w} sat on the mat number {i}"
+    for i, w in enumerate(["cat", "dog", "bird", "fish", "cow"] * 20)
+  ]
   trained = tokenizer_lib.train_tokenizer(iter(sentences), vocab_size=60, vocab_type="bpe")
   path = f"{gcs.url}/vocab/shared.model"
   trained.save(path)  # tf.io.gfile: makedirs, write a temporary file, rename it
 
   assert gcs.list_objects() == ["vocab/", "vocab/shared.model"]
   assert gcs.read("vocab/shared.model") == trained.model_proto
-  loaded = run_python("""
+  loaded = run_python(
+    """
 import hashlib, json, sys
 from transformer.data import tokenizer as tokenizer_lib
 tokenizer = tokenizer_lib.Tokenizer.load(sys.argv[1])
 print(json.dumps([hashlib.sha256(tokenizer.model_proto).hexdigest(),
                   tokenizer.encode("the cat sat on the mat")]))
-""", path)
+""",
+    path,
+  )
   digest, ids = json.loads(loaded.splitlines()[-1])
   assert digest == hashlib.sha256(trained.model_proto).hexdigest()
   assert ids == trained.encode("the cat sat on the mat")
@@ -258,8 +283,11 @@ def test_tfrecord_dataset_reads_from_the_fake(gcs):
   read = [r.numpy() for r in tf.data.TFRecordDataset([path])]
   assert read == records
   # The records came from the bucket: a ranged XML API read of this object.
-  reads = [r for r in gcs.requests()
-           if r["method"] == "GET" and r["path"] == "/test-bucket/records%2Fdata.tfrecord"]
+  reads = [
+    r
+    for r in gcs.requests()
+    if r["method"] == "GET" and r["path"] == "/test-bucket/records%2Fdata.tfrecord"
+  ]
   assert reads and all(r["tls"] and r["host"] == "storage.googleapis.com" for r in reads)
 
 
@@ -268,7 +296,8 @@ def test_tfds_builder_reads_a_prepared_dataset_from_the_fake(gcs, tmp_path):
   (no network: its examples are generated), copied into the bucket, and read back by a
   builder that only knows the gs:// data_dir."""
   data_dir = f"{gcs.url}/tfds"
-  out = run_python("""
+  out = run_python(
+    """
 import json, os, sys
 import numpy as np
 import tensorflow as tf
@@ -302,7 +331,10 @@ assert builder.data_dir.startswith("gs://"), builder.data_dir
 read_config = tfds.ReadConfig(shuffle_seed=0, try_autocache=False)
 examples = tfds.as_numpy(builder.as_dataset(split="train", read_config=read_config))
 print(json.dumps(sorted((int(ex["id"]), ex["en"].decode()) for ex in examples)))
-""", str(tmp_path / "tfds"), data_dir)
+""",
+    str(tmp_path / "tfds"),
+    data_dir,
+  )
   assert json.loads(out.splitlines()[-1]) == [[i, f"sentence {i}"] for i in range(40)]
   names = gcs.list_objects()
   prefix = "tfds/gcs_fake_tiny/1.0.0/"
@@ -340,24 +372,30 @@ def test_fake_honours_generation_preconditions_as_tensorstore_needs(gcs):
   assert (status, body) == (200, b"v2") and second > first
   assert _http(gcs, "GET", media + f"&ifGenerationNotMatch={second}")[0] == 304
   assert _http(gcs, "GET", media + f"&ifGenerationMatch={first}")[0] == 412
-  assert _http(gcs, "DELETE", f"/storage/v1/b/test-bucket/o/k?ifGenerationMatch={first}"
-               )[0] == 412
-  assert _http(gcs, "DELETE", f"/storage/v1/b/test-bucket/o/k?ifGenerationMatch={second}"
-               )[0] == 204
+  assert _http(gcs, "DELETE", f"/storage/v1/b/test-bucket/o/k?ifGenerationMatch={first}")[0] == 412
+  assert _http(gcs, "DELETE", f"/storage/v1/b/test-bucket/o/k?ifGenerationMatch={second}")[0] == 204
   assert gcs.list_objects() == []
 
 
 def test_fake_ranges_uploads_and_listing_pages(gcs):
-  status, _, body = _http(gcs, "POST",
-                          "/upload/storage/v1/b/test-bucket/o?uploadType=media&name=d%2F")
+  status, _, body = _http(
+    gcs, "POST", "/upload/storage/v1/b/test-bucket/o?uploadType=media&name=d%2F"
+  )
   assert status == 200 and json.loads(body)["size"] == "0"  # an empty directory marker
   boundary = "b0undary"
-  multipart = (f"--{boundary}\r\nContent-Type: application/json\r\n\r\n"
-               '{"name": "d/m.txt", "metadata": {"k": "v"}}\r\n'
-               f"--{boundary}\r\nContent-Type: text/plain\r\n\r\n0123456789\r\n"
-               f"--{boundary}--\r\n").encode()
-  status, _, body = _http(gcs, "POST", "/upload/storage/v1/b/test-bucket/o?uploadType=multipart",
-                          multipart, {"Content-Type": f"multipart/related; boundary={boundary}"})
+  multipart = (
+    f"--{boundary}\r\nContent-Type: application/json\r\n\r\n"
+    '{"name": "d/m.txt", "metadata": {"k": "v"}}\r\n'
+    f"--{boundary}\r\nContent-Type: text/plain\r\n\r\n0123456789\r\n"
+    f"--{boundary}--\r\n"
+  ).encode()
+  status, _, body = _http(
+    gcs,
+    "POST",
+    "/upload/storage/v1/b/test-bucket/o?uploadType=multipart",
+    multipart,
+    {"Content-Type": f"multipart/related; boundary={boundary}"},
+  )
   assert status == 200 and json.loads(body)["metadata"] == {"k": "v"}
   assert gcs.read("d/m.txt") == b"0123456789"
 
@@ -369,8 +407,7 @@ def test_fake_ranges_uploads_and_listing_pages(gcs):
 
   for name in ["d/x/1", "d/x/2", "d/y/1", "d/z", "e"]:
     quoted = urllib.parse.quote(name, safe="")
-    _http(gcs, "POST", f"/upload/storage/v1/b/test-bucket/o?uploadType=media&name={quoted}",
-          b"-")
+    _http(gcs, "POST", f"/upload/storage/v1/b/test-bucket/o?uploadType=media&name={quoted}", b"-")
   items, prefixes, token = [], [], ""
   while True:  # one entry a page: the page token must resume after a prefix
     query = "prefix=d%2F&delimiter=%2F&maxResults=1" + (f"&pageToken={token}" if token else "")
@@ -381,8 +418,9 @@ def test_fake_ranges_uploads_and_listing_pages(gcs):
     if not token:
       break
   assert items == ["d/", "d/m.txt", "d/z"] and prefixes == ["d/x/", "d/y/"]
-  page = json.loads(_http(gcs, "GET",
-                          "/storage/v1/b/test-bucket/o?startOffset=d%2Fx&endOffset=d%2Fz")[2])
+  page = json.loads(
+    _http(gcs, "GET", "/storage/v1/b/test-bucket/o?startOffset=d%2Fx&endOffset=d%2Fz")[2]
+  )
   assert [i["name"] for i in page["items"]] == ["d/x/1", "d/x/2", "d/y/1"]
 
 

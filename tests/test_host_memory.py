@@ -33,14 +33,16 @@ thread = threading.Thread(target=worker)
 thread.start(); thread.join()
 print(host_memory.retained(), faults[0])
 """
-_REFAULTS = ("from transformer import host_memory\nhost_memory.retain_freed_memory()\n" +
-             _TOUCH_TWICE)
+_REFAULTS = (
+  "from transformer import host_memory\nhost_memory.retain_freed_memory()\n" + _TOUCH_TWICE
+)
 
 
 def _second_touch(retain: str, platforms: str = "cpu") -> tuple[str, int]:
   env = dict(os.environ, TRANSFORMER_RETAIN_FREED_MEMORY=retain, JAX_PLATFORMS=platforms)
-  out = subprocess.run([sys.executable, "-c", _REFAULTS], cwd=REPO, env=env,
-                       capture_output=True, text=True, check=True).stdout.split()
+  out = subprocess.run(
+    [sys.executable, "-c", _REFAULTS], cwd=REPO, env=env, capture_output=True, text=True, check=True
+  ).stdout.split()
   return out[0], int(out[1])
 
 
@@ -72,7 +74,8 @@ def test_only_a_cpu_process_keeps_freed_memory_unless_asked():
 # Imports the model as a notebook or a sweep file would, then reports what changed: the
 # environment, whether the allocator settings were applied, how often the installed
 # distributions were listed, and the page faults of reusing a freed 256 MB block.
-_IMPORT_ONLY = """
+_IMPORT_ONLY = (
+  """
 import importlib.metadata, json, os, sys
 listed = []  # by the package's own modules (JAX lists them too, as it is imported)
 _distributions = importlib.metadata.distributions
@@ -89,7 +92,9 @@ changed = sorted(k for k in set(environment) | set(os.environ)
                  if environment.get(k) != os.environ.get(k))
 print(json.dumps({"changed": changed, "retained": host_memory.retained(),
                   "distributions_listed": listed}))
-""" + _TOUCH_TWICE
+"""
+  + _TOUCH_TWICE
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
@@ -98,8 +103,14 @@ def test_importing_the_model_leaves_the_process_as_it_was():
   lists no installed distributions and sets no environment variable."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("TRANSFORMER_RETAIN_FREED_MEMORY", None)
-  lines = subprocess.run([sys.executable, "-c", _IMPORT_ONLY], cwd=REPO, env=env,
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+  lines = subprocess.run(
+    [sys.executable, "-c", _IMPORT_ONLY],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.splitlines()
   report = json.loads(lines[0])
   assert report == {"changed": [], "retained": False, "distributions_listed": []}, report
   applied, faults = lines[1].split()
@@ -109,10 +120,13 @@ def test_importing_the_model_leaves_the_process_as_it_was():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
 def test_a_command_applies_the_settings_before_its_main():
   """cli.run, which every command's main goes through, applies them on the CPU."""
-  command = ("from transformer import cli, host_memory\n"
-             "cli.run(lambda argv: print('retained', host_memory.retained()))\n")
+  command = (
+    "from transformer import cli, host_memory\n"
+    "cli.run(lambda argv: print('retained', host_memory.retained()))\n"
+  )
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("TRANSFORMER_RETAIN_FREED_MEMORY", None)
-  out = subprocess.run([sys.executable, "-c", command], cwd=REPO, env=env,
-                       capture_output=True, text=True, check=True).stdout
+  out = subprocess.run(
+    [sys.executable, "-c", command], cwd=REPO, env=env, capture_output=True, text=True, check=True
+  ).stdout
   assert out.split() == ["retained", "True"], out

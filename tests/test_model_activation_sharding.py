@@ -112,20 +112,29 @@ def test_constraints_name_the_rules_mesh_axes_and_vanish_outside_them():
   assert all(c.startswith('[{"data", "fsdp"}') for c in constraints if c != table)
   assert '[{"data", "fsdp"}, {}, {"tensor"}]' in constraints  # [B, L, F] and [B, L, V]
 
-  step = jax.jit(lambda params, batch: run.model.apply(
-      {"params": params}, batch["source"], batch["decoder_input"]))
-  batch = memory.abstract_batch(run.config, ROWS, LENGTH,
-                                sharding.batch_sharding(run.mesh, run.rules))
+  step = jax.jit(
+    lambda params, batch: run.model.apply(
+      {"params": params}, batch["source"], batch["decoder_input"]
+    )
+  )
+  batch = memory.abstract_batch(
+    run.config, ROWS, LENGTH, sharding.batch_sharding(run.mesh, run.rules)
+  )
   assert not _constraints(step.lower(run.restore_target().params, batch).as_text())
 
 
-@pytest.mark.parametrize("model", [
+@pytest.mark.parametrize(
+  "model",
+  [
     dict(scan_layers=True, remat="full"),
     dict(num_layers=2, remat="dots"),
     dict(decoder_only=True, tie_embeddings=False),
-    dict(norm="pre", activation="swiglu", positional="rope", attention_kernel="xla",
-         scan_layers=True),
-], ids=["scan-remat", "loop-remat", "decoder_only-untied", "pre-swiglu-rope-xla"])
+    dict(
+      norm="pre", activation="swiglu", positional="rope", attention_kernel="xla", scan_layers=True
+    ),
+  ],
+  ids=["scan-remat", "loop-remat", "decoder_only-untied", "pre-swiglu-rope-xla"],
+)
 def test_every_variant_traces_under_the_rules(model):
   """Scanned or looped layers, remat, decoder-only, untied, pre-LN, SwiGLU, RoPE, fused
   attention: the constraints trace on a 2x2x2 mesh (lowering; compiling is slow)."""

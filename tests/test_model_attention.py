@@ -12,12 +12,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers.model_helpers import (
+  BATCH,
+  D_K,
+  D_MODEL,
+  D_V,
+  NUM_HEADS,
+  POSITION_VARIANTS,
+  SOURCE_LEN,
+  TARGET_LEN,
+  VOCAB,
+  example_inputs,
+  packed_batch,
+  param_shapes,
+  random_params,
+  run,
+  tiny_config,
+)
 from transformer.model import Transformer
 from transformer.model.attention import MultiHeadAttention, Projection, attention_scores
 from transformer.model.primitives import attention_mask
-from tests.helpers.model_helpers import (tiny_config, example_inputs, random_params, run, param_shapes,
-                                packed_batch, BATCH, SOURCE_LEN, TARGET_LEN, VOCAB, D_MODEL,
-                                NUM_HEADS, D_K, D_V, POSITION_VARIANTS)
 
 
 def _attention_inputs(self_attention):
@@ -25,25 +39,42 @@ def _attention_inputs(self_attention):
   cross-attention over a zero encoder output [B, S, D]."""
   queries_BxTxD = jnp.zeros((BATCH, TARGET_LEN, D_MODEL))
   kv_len = TARGET_LEN if self_attention else SOURCE_LEN
-  mask = attention_mask(jnp.ones((BATCH, TARGET_LEN), jnp.int32),
-                        jnp.ones((BATCH, kv_len), jnp.int32), causal=self_attention)
+  mask = attention_mask(
+    jnp.ones((BATCH, TARGET_LEN), jnp.int32),
+    jnp.ones((BATCH, kv_len), jnp.int32),
+    causal=self_attention,
+  )
   kwargs = {} if self_attention else {"memory_BxSxD": jnp.zeros((BATCH, SOURCE_LEN, D_MODEL))}
   return queries_BxTxD, mask, kwargs
 
 
-@pytest.mark.parametrize("self_attention, expected_params", [
-    (True, {"qkv/kernel": (D_MODEL, NUM_HEADS, 2 * D_K + D_V),
-            "out/kernel": (NUM_HEADS, D_V, D_MODEL)}),
-    (False, {"query/kernel": (D_MODEL, NUM_HEADS, D_K),
-             "kv/kernel": (D_MODEL, NUM_HEADS, D_K + D_V),
-             "out/kernel": (NUM_HEADS, D_V, D_MODEL)}),
-], ids=["self", "cross"])
+@pytest.mark.parametrize(
+  "self_attention, expected_params",
+  [
+    (
+      True,
+      {"qkv/kernel": (D_MODEL, NUM_HEADS, 2 * D_K + D_V), "out/kernel": (NUM_HEADS, D_V, D_MODEL)},
+    ),
+    (
+      False,
+      {
+        "query/kernel": (D_MODEL, NUM_HEADS, D_K),
+        "kv/kernel": (D_MODEL, NUM_HEADS, D_K + D_V),
+        "out/kernel": (NUM_HEADS, D_V, D_MODEL),
+      },
+    ),
+  ],
+  ids=["self", "cross"],
+)
 def test_attention_output_and_projection_shapes(self_attention, expected_params):
   cfg = tiny_config()
   queries_BxTxD, mask, kwargs = _attention_inputs(self_attention)
   out, variables = jax.eval_shape(
-      lambda key: MultiHeadAttention(cfg, self_attention=self_attention).init_with_output(
-          key, queries_BxTxD, mask, **kwargs), jax.random.key(0))
+    lambda key: MultiHeadAttention(cfg, self_attention=self_attention).init_with_output(
+      key, queries_BxTxD, mask, **kwargs
+    ),
+    jax.random.key(0),
+  )
   chex.assert_shape(out, (BATCH, TARGET_LEN, D_MODEL))
   assert param_shapes(variables) == expected_params
 
@@ -58,12 +89,26 @@ def test_cached_decoding_matches_full_forward_pass(positional, decoder_only):
   full_logits = run(cfg, params, source, decoder_input)
 
   encoded = None if decoder_only else run(cfg, params, source, method="encode")
-  _, state = run(cfg, params, encoded, source, jnp.zeros((BATCH, TARGET_LEN), jnp.int32),
-                 use_cache=True, mutable=["cache"], method="decode")
+  _, state = run(
+    cfg,
+    params,
+    encoded,
+    source,
+    jnp.zeros((BATCH, TARGET_LEN), jnp.int32),
+    use_cache=True,
+    mutable=["cache"],
+    method="decode",
+  )
   for t in range(TARGET_LEN):
     step_logits, state = Transformer(cfg).apply(
-        {"params": params, "cache": state["cache"]}, encoded, source, decoder_input[:, t:t + 1],
-        use_cache=True, mutable=["cache"], method="decode")
+      {"params": params, "cache": state["cache"]},
+      encoded,
+      source,
+      decoder_input[:, t : t + 1],
+      use_cache=True,
+      mutable=["cache"],
+      method="decode",
+    )
     assert step_logits.shape == (BATCH, 1, VOCAB)
     np.testing.assert_allclose(step_logits[:, 0], full_logits[:, t], atol=1e-5, rtol=1e-5)
 
@@ -78,11 +123,15 @@ def test_dot_product_attention_kernel_matches_einsum(decoder_only):
   def loss(cfg, p):
     return jnp.sum(run(cfg, p, **batch) ** 2)
 
-  np.testing.assert_allclose(run(fused, params, **batch), run(einsum, params, **batch),
-                             rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(jax.grad(functools.partial(loss, fused))(params),
-                              jax.grad(functools.partial(loss, einsum))(params),
-                              rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(
+    run(fused, params, **batch), run(einsum, params, **batch), rtol=1e-5, atol=1e-5
+  )
+  chex.assert_trees_all_close(
+    jax.grad(functools.partial(loss, fused))(params),
+    jax.grad(functools.partial(loss, einsum))(params),
+    rtol=1e-4,
+    atol=1e-4,
+  )
   # Asking for the weights falls back to einsum, which sows them.
   _, state = run(fused, params, **batch, mutable=["intermediates"])
   assert "attention_weights" in state["intermediates"]["decoder"]["layer_0"]["self_attention"]
@@ -94,15 +143,18 @@ def _bf16_rounded(x):
 
 def test_attention_scores_are_float32_products_of_bfloat16_inputs():
   rng = np.random.default_rng(0)
-  q_BxLxHxK = jnp.asarray(rng.normal(scale=2.0, size=(BATCH, TARGET_LEN, NUM_HEADS, 16)),
-                          jnp.bfloat16)
-  k_BxSxHxK = jnp.asarray(rng.normal(scale=2.0, size=(BATCH, SOURCE_LEN, NUM_HEADS, 16)),
-                          jnp.bfloat16)
+  q_BxLxHxK = jnp.asarray(
+    rng.normal(scale=2.0, size=(BATCH, TARGET_LEN, NUM_HEADS, 16)), jnp.bfloat16
+  )
+  k_BxSxHxK = jnp.asarray(
+    rng.normal(scale=2.0, size=(BATCH, SOURCE_LEN, NUM_HEADS, 16)), jnp.bfloat16
+  )
   scores_BxHxLxS = attention_scores(q_BxLxHxK, k_BxSxHxK)
   assert scores_BxHxLxS.dtype == jnp.float32
   # Products of bf16 numbers are exact in f64: the f32-accumulated reference.
-  exact = np.einsum("blhk,bshk->bhls", np.asarray(q_BxLxHxK, np.float64),
-                    np.asarray(k_BxSxHxK, np.float64))
+  exact = np.einsum(
+    "blhk,bshk->bhls", np.asarray(q_BxLxHxK, np.float64), np.asarray(k_BxSxHxK, np.float64)
+  )
   np.testing.assert_allclose(scores_BxHxLxS, exact, rtol=1e-6, atol=1e-5)
   # Scores of tens rounded to bf16 move by up to ~0.1: visibly not what came out.
   assert np.abs(_bf16_rounded(exact) - exact).max() > 1e-2
@@ -115,15 +167,15 @@ def test_attention_scores_gradients_match_autodiff(dtype):
   q = jnp.asarray(rng.normal(size=(BATCH, TARGET_LEN, NUM_HEADS, D_K)), dtype)
   k = jnp.asarray(rng.normal(size=(BATCH, SOURCE_LEN, NUM_HEADS, D_K)), dtype)
   weights = jnp.asarray(rng.normal(size=(BATCH, NUM_HEADS, TARGET_LEN, SOURCE_LEN)))
-  reference = lambda q, k: jnp.einsum("blhk,bshk->bhls", q, k,
-                                      preferred_element_type=jnp.float32)
+  reference = lambda q, k: jnp.einsum("blhk,bshk->bhls", q, k, preferred_element_type=jnp.float32)
   ours = jax.grad(lambda q, k: jnp.sum(attention_scores(q, k) * weights), argnums=(0, 1))(q, k)
   expected = jax.grad(lambda q, k: jnp.sum(reference(q, k) * weights), argnums=(0, 1))(q, k)
   tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
   for got, want in zip(ours, expected):
     assert got.dtype == dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tolerance, atol=tolerance
+    )
 
 
 def test_bfloat16_attention_softmax_sees_unrounded_scores():
@@ -132,15 +184,22 @@ def test_bfloat16_attention_softmax_sees_unrounded_scores():
   cfg = tiny_config(dtype="bfloat16")
   rng = np.random.default_rng(2)
   x_BxTxD = jnp.asarray(rng.normal(size=(BATCH, TARGET_LEN, D_MODEL)), jnp.float32)
-  mask = attention_mask(jnp.ones((BATCH, TARGET_LEN), jnp.int32),
-                        jnp.ones((BATCH, TARGET_LEN), jnp.int32), causal=False)
+  mask = attention_mask(
+    jnp.ones((BATCH, TARGET_LEN), jnp.int32), jnp.ones((BATCH, TARGET_LEN), jnp.int32), causal=False
+  )
   module = MultiHeadAttention(cfg)
   # Small enough weights that the softmax is not one-hot, so rounding the scores shows.
   shapes = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), x_BxTxD, mask))["params"]
   params = jax.tree.map(
-      lambda leaf: jnp.asarray(rng.normal(scale=0.5, size=leaf.shape), leaf.dtype), shapes)
-  _, state = module.apply({"params": params}, x_BxTxD, mask, mutable=["intermediates"],
-                          capture_intermediates=lambda m, _: isinstance(m, Projection))
+    lambda leaf: jnp.asarray(rng.normal(scale=0.5, size=leaf.shape), leaf.dtype), shapes
+  )
+  _, state = module.apply(
+    {"params": params},
+    x_BxTxD,
+    mask,
+    mutable=["intermediates"],
+    capture_intermediates=lambda m, _: isinstance(m, Projection),
+  )
   qkv_BxTxHx2KE = np.asarray(state["intermediates"]["qkv"]["__call__"][0], np.float64)
   (weights_BxHxTxT,) = state["intermediates"]["attention_weights"]
   assert weights_BxHxTxT.dtype == jnp.float32
@@ -149,7 +208,7 @@ def test_bfloat16_attention_softmax_sees_unrounded_scores():
     e = np.exp(scores - scores.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
 
-  q, k = qkv_BxTxHx2KE[..., :D_K], qkv_BxTxHx2KE[..., D_K:2 * D_K]
+  q, k = qkv_BxTxHx2KE[..., :D_K], qkv_BxTxHx2KE[..., D_K : 2 * D_K]
   exact = np.einsum("blhk,bshk->bhls", q, k)
   expected, rounded = softmax(exact / np.sqrt(D_K)), softmax(_bf16_rounded(exact) / np.sqrt(D_K))
   assert np.abs(rounded - expected).max() > 1e-3  # the case tells the two apart
@@ -161,7 +220,7 @@ def _all_equations(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
     for value in eqn.params.values():
-      for sub in (value if isinstance(value, (list, tuple)) else [value]):
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
           sub = sub.jaxpr
         if isinstance(sub, jax.extend.core.Jaxpr):
@@ -176,11 +235,17 @@ def test_bfloat16_forward_never_widens_bfloat16_scores(self_attention):
   variables = jax.eval_shape(module.init, jax.random.key(0), x_BxTxD, mask, **kwargs)
   jaxpr = jax.make_jaxpr(lambda v: module.apply(v, x_BxTxD, mask, **kwargs))(variables).jaxpr
   scores_shape = (BATCH, NUM_HEADS, TARGET_LEN, mask.shape[-1])
-  score_dots = [eqn for eqn in _all_equations(jaxpr) if eqn.primitive.name == "dot_general"
-                and eqn.outvars[0].aval.shape == scores_shape]
+  score_dots = [
+    eqn
+    for eqn in _all_equations(jaxpr)
+    if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape == scores_shape
+  ]
   assert score_dots and all(eqn.outvars[0].aval.dtype == jnp.float32 for eqn in score_dots)
-  widened = [eqn for eqn in _all_equations(jaxpr)
-             if eqn.primitive.name == "convert_element_type"
-             and eqn.invars[0].aval.shape == scores_shape
-             and eqn.invars[0].aval.dtype == jnp.bfloat16]
+  widened = [
+    eqn
+    for eqn in _all_equations(jaxpr)
+    if eqn.primitive.name == "convert_element_type"
+    and eqn.invars[0].aval.shape == scores_shape
+    and eqn.invars[0].aval.dtype == jnp.bfloat16
+  ]
   assert not widened

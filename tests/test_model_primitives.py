@@ -12,12 +12,24 @@ import numpy as np
 import pytest
 
 from tests.helpers import numpy_reference
+from tests.helpers.model_helpers import (
+  BATCH,
+  D_MODEL,
+  POSITION_VARIANTS,
+  POSITIONAL_KINDS,
+  SOURCE_LEN,
+  TARGET_LEN,
+  VOCAB,
+  example_inputs,
+  other_tokens,
+  packed_batch,
+  random_params,
+  run,
+  tiny_config,
+)
 from transformer.model.layers import InputEmbedding
 from transformer.model.primitives import sinusoidal_encoding
 from transformer.model.transformer import Encoder
-from tests.helpers.model_helpers import (tiny_config, other_tokens, example_inputs, random_params, run,
-                                packed_batch, BATCH, SOURCE_LEN, TARGET_LEN, VOCAB, D_MODEL,
-                                POSITIONAL_KINDS, POSITION_VARIANTS)
 
 
 @pytest.mark.parametrize("positional, decoder_only", POSITION_VARIANTS)
@@ -27,10 +39,10 @@ def test_later_target_tokens_leave_earlier_logits_unchanged(positional, decoder_
   source, decoder_input = example_inputs(cfg)
   logits = run(cfg, params, source, decoder_input)
   for t in (0, 3):  # every (t, t') pair is checked by the gradient test below
-    changed_input = decoder_input.at[:, t + 1:].set(other_tokens(decoder_input[:, t + 1:]))
+    changed_input = decoder_input.at[:, t + 1 :].set(other_tokens(decoder_input[:, t + 1 :]))
     changed_logits = run(cfg, params, source, changed_input)
-    np.testing.assert_array_equal(changed_logits[:, :t + 1], logits[:, :t + 1])
-    assert not np.allclose(changed_logits[:, t + 1:], logits[:, t + 1:])
+    np.testing.assert_array_equal(changed_logits[:, : t + 1], logits[:, : t + 1])
+    assert not np.allclose(changed_logits[:, t + 1 :], logits[:, t + 1 :])
 
 
 def logits_with_input_offsets(cfg, params, batch, source_offset_BxSxD, target_offset_BxTxD):
@@ -63,20 +75,24 @@ def test_logit_gradients_respect_causality_padding_and_segments():
     return logits @ vocab_weights_V
 
   jacobians = jax.jit(jax.jacrev(summed_logits_BxT, argnums=(0, 1)))(
-      jnp.zeros((BATCH, SOURCE_LEN, D_MODEL)), jnp.zeros((BATCH, TARGET_LEN, D_MODEL)))
+    jnp.zeros((BATCH, SOURCE_LEN, D_MODEL)), jnp.zeros((BATCH, TARGET_LEN, D_MODEL))
+  )
   on_source_BxTxBxS, on_target_BxTxBxT = (np.abs(np.asarray(j)).sum(-1) for j in jacobians)
 
   target_segments = np.asarray(batch["target_segment_ids"])
   same_row = np.eye(BATCH, dtype=bool)[:, None, :, None]
   causal = np.tril(np.ones((TARGET_LEN, TARGET_LEN), bool))[None, :, None, :]
-  same_target_segment = (target_segments[:, :, None, None] == target_segments[None, None])
+  same_target_segment = target_segments[:, :, None, None] == target_segments[None, None]
   may_see_target = same_row & causal & same_target_segment
   real_query = target_segments != 0  # padding queries are not scored, so not checked
   assert np.all(on_target_BxTxBxT[real_query][~may_see_target[real_query]] == 0)
   assert np.all(on_target_BxTxBxT[real_query][may_see_target[real_query]] > 0)
   source_segments = np.asarray(batch["source_segment_ids"])
-  may_see_source = (same_row & (target_segments[:, :, None, None] == source_segments[None, None])
-                    & (source_segments != 0)[None, None])
+  may_see_source = (
+    same_row
+    & (target_segments[:, :, None, None] == source_segments[None, None])
+    & (source_segments != 0)[None, None]
+  )
   assert np.all(on_source_BxTxBxS[real_query][~may_see_source[real_query]] == 0)
   assert np.all(on_source_BxTxBxS[real_query][may_see_source[real_query]] > 0)
 
@@ -95,11 +111,12 @@ def test_tokens_marked_as_source_padding_are_invisible(positional):
   encoded = run(cfg, params, source, source_segment_ids, method="encode")
   logits = run(cfg, params, source, decoder_input, source_segment_ids=source_segment_ids)
   np.testing.assert_array_equal(
-      run(cfg, params, other_source, source_segment_ids, method="encode")[is_real_BxS],
-      encoded[is_real_BxS])
+    run(cfg, params, other_source, source_segment_ids, method="encode")[is_real_BxS],
+    encoded[is_real_BxS],
+  )
   np.testing.assert_array_equal(
-      run(cfg, params, other_source, decoder_input, source_segment_ids=source_segment_ids),
-      logits)
+    run(cfg, params, other_source, decoder_input, source_segment_ids=source_segment_ids), logits
+  )
   # Pad ids (0) with default segment ids are the same thing as explicit padding.
   np.testing.assert_array_equal(run(cfg, params, zero_padded_source, decoder_input), logits)
   # The marked positions do matter once they are real.
@@ -116,11 +133,13 @@ def test_packed_segments_are_isolated_and_match_unpacked(positional, decoder_onl
   # Exact isolation: new tokens in segment 2 (both sides) leave segment 1 untouched.
   changed = dict(batch)
   in_second_target = batch["target_segment_ids"] == 2
-  changed["decoder_input"] = jnp.where(in_second_target, other_tokens(batch["decoder_input"]),
-                                       batch["decoder_input"])
+  changed["decoder_input"] = jnp.where(
+    in_second_target, other_tokens(batch["decoder_input"]), batch["decoder_input"]
+  )
   if not decoder_only:
-    changed["source"] = jnp.where(batch["source_segment_ids"] == 2,
-                                  other_tokens(batch["source"]), batch["source"])
+    changed["source"] = jnp.where(
+      batch["source_segment_ids"] == 2, other_tokens(batch["source"]), batch["source"]
+    )
   changed_logits = run(cfg, params, **changed)
   np.testing.assert_array_equal(changed_logits[0, :3], logits[0, :3])
   assert not np.allclose(changed_logits[0, 3:5], logits[0, 3:5])
@@ -131,13 +150,13 @@ def test_packed_segments_are_isolated_and_match_unpacked(positional, decoder_onl
   alone_target = np.zeros((2, TARGET_LEN), np.int32)
   for row, ((s0, s1), (t0, t1)) in enumerate(zip(source_spans, target_spans)):
     if not decoder_only:
-      alone_source[row, :s1 - s0] = batch["source"][0, s0:s1]
-    alone_target[row, :t1 - t0] = batch["decoder_input"][0, t0:t1]
-  alone_logits = run(cfg, params, None if decoder_only else jnp.asarray(alone_source),
-                     jnp.asarray(alone_target))
+      alone_source[row, : s1 - s0] = batch["source"][0, s0:s1]
+    alone_target[row, : t1 - t0] = batch["decoder_input"][0, t0:t1]
+  alone_logits = run(
+    cfg, params, None if decoder_only else jnp.asarray(alone_source), jnp.asarray(alone_target)
+  )
   for row, (t0, t1) in enumerate(target_spans):
-    np.testing.assert_allclose(logits[0, t0:t1], alone_logits[row, :t1 - t0], atol=1e-5,
-                               rtol=1e-5)
+    np.testing.assert_allclose(logits[0, t0:t1], alone_logits[row, : t1 - t0], atol=1e-5, rtol=1e-5)
 
 
 def test_sinusoidal_encoding_matches_formula():
@@ -148,7 +167,9 @@ def test_sinusoidal_encoding_matches_formula():
   np.testing.assert_allclose(table[1, :2], [math.sin(1.0), math.cos(1.0)], rtol=1e-6)
   # Entry 2i uses sin, entry 2i + 1 uses cos, both of pos / 10000^(2i / d_model).
   np.testing.assert_allclose(table[2, 2:4], [math.sin(5 / 10.0), math.cos(5 / 10.0)], rtol=1e-6)
-  np.testing.assert_allclose(table[3, 6:8], [math.sin(40 / 1000.0), math.cos(40 / 1000.0)],
-                             rtol=1e-6)
-  np.testing.assert_allclose(table, numpy_reference.sinusoidal_table(41, D_MODEL)[[0, 1, 5, 40]],
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    table[3, 6:8], [math.sin(40 / 1000.0), math.cos(40 / 1000.0)], rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    table, numpy_reference.sinusoidal_table(41, D_MODEL)[[0, 1, 5, 40]], atol=1e-5
+  )

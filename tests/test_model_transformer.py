@@ -14,12 +14,24 @@ import numpy as np
 import pytest
 
 from tests.helpers import numpy_reference
+from tests.helpers.model_helpers import (
+  BATCH,
+  D_MODEL,
+  SOURCE_LEN,
+  TARGET_LEN,
+  VOCAB,
+  abstract_variables,
+  boxed_params,
+  example_inputs,
+  param_shapes,
+  random_params,
+  random_tokens,
+  run,
+  tiny_config,
+)
 from transformer.model import Transformer, stack_layer_params
 from transformer.model.layers import Embed
 from transformer.model.transformer import Decoder, Encoder
-from tests.helpers.model_helpers import (tiny_config, random_tokens, example_inputs, abstract_variables,
-                                random_params, run, boxed_params, param_shapes, BATCH, SOURCE_LEN,
-                                TARGET_LEN, VOCAB, D_MODEL)
 
 
 @pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
@@ -28,7 +40,8 @@ def test_transformer_output_shapes(decoder_only):
   model = Transformer(cfg)
   source, decoder_input = example_inputs(cfg)
   logits, variables = jax.eval_shape(
-      lambda key: model.init_with_output(key, source, decoder_input), jax.random.key(0))
+    lambda key: model.init_with_output(key, source, decoder_input), jax.random.key(0)
+  )
   chex.assert_shape(logits, (BATCH, TARGET_LEN, VOCAB))
   chex.assert_type(logits, jnp.float32)
 
@@ -42,14 +55,17 @@ def test_transformer_output_shapes(decoder_only):
     encoded = jax.eval_shape(lambda v: model.apply(v, source, method="encode"), variables)
     chex.assert_shape(encoded, (BATCH, SOURCE_LEN, D_MODEL))
   decoded = jax.eval_shape(
-      lambda v, e: model.apply(v, e, source, decoder_input, method="decode"), variables, encoded)
+    lambda v, e: model.apply(v, e, source, decoder_input, method="decode"), variables, encoded
+  )
   chex.assert_shape(decoded, (BATCH, TARGET_LEN, VOCAB))
   chex.assert_type(decoded, jnp.float32)
 
 
-@pytest.mark.parametrize("cfg", [tiny_config(positional="learned"),
-                                 tiny_config(norm="pre", tie_embeddings=False)],
-                         ids=["tied-learned", "untied-pre"])
+@pytest.mark.parametrize(
+  "cfg",
+  [tiny_config(positional="learned"), tiny_config(norm="pre", tie_embeddings=False)],
+  ids=["tied-learned", "untied-pre"],
+)
 def test_every_parameter_names_its_logical_axes(cfg):
   boxes = boxed_params(abstract_variables(cfg))
   assert boxes and all(isinstance(box, nn.LogicallyPartitioned) for box in boxes)
@@ -64,15 +80,24 @@ def test_encoder_and_decoder_output_shapes():
   source_segment_ids = jnp.ones_like(source)
   source_positions = jnp.broadcast_to(jnp.arange(SOURCE_LEN), source.shape)
   encoded, _ = jax.eval_shape(
-      lambda key: Encoder(cfg, Embed(cfg)).init_with_output(
-          key, source, source_segment_ids, source_positions), jax.random.key(0))
+    lambda key: Encoder(cfg, Embed(cfg)).init_with_output(
+      key, source, source_segment_ids, source_positions
+    ),
+    jax.random.key(0),
+  )
   chex.assert_shape(encoded, (BATCH, SOURCE_LEN, D_MODEL))
 
   logits, _ = jax.eval_shape(
-      lambda key: Decoder(cfg, Embed(cfg)).init_with_output(
-          key, decoder_input, jnp.ones_like(decoder_input),
-          jnp.broadcast_to(jnp.arange(TARGET_LEN), decoder_input.shape),
-          jnp.zeros((BATCH, SOURCE_LEN, D_MODEL)), source_segment_ids), jax.random.key(0))
+    lambda key: Decoder(cfg, Embed(cfg)).init_with_output(
+      key,
+      decoder_input,
+      jnp.ones_like(decoder_input),
+      jnp.broadcast_to(jnp.arange(TARGET_LEN), decoder_input.shape),
+      jnp.zeros((BATCH, SOURCE_LEN, D_MODEL)),
+      source_segment_ids,
+    ),
+    jax.random.key(0),
+  )
   chex.assert_shape(logits, (BATCH, TARGET_LEN, VOCAB))
 
 
@@ -102,14 +127,19 @@ def test_decoder_matches_numpy_reference(norm):
   params = random_params(cfg)
   source = padded_source()
   _, decoder_input = example_inputs(cfg)
-  memory = jnp.asarray(np.random.default_rng(6).normal(size=(BATCH, SOURCE_LEN, D_MODEL)),
-                       jnp.float32)
+  memory = jnp.asarray(
+    np.random.default_rng(6).normal(size=(BATCH, SOURCE_LEN, D_MODEL)), jnp.float32
+  )
   logits = np.asarray(run(cfg, params, memory, source, decoder_input, method="decode"))
   reference_params = numpy_reference.to_float64(params)
   for row in range(BATCH):
-    expected = numpy_reference.decoder(reference_params, np.asarray(decoder_input[row]),
-                                       np.asarray(memory[row], np.float64),
-                                       np.asarray(source[row]), cfg)
+    expected = numpy_reference.decoder(
+      reference_params,
+      np.asarray(decoder_input[row]),
+      np.asarray(memory[row], np.float64),
+      np.asarray(source[row]),
+      cfg,
+    )
     np.testing.assert_allclose(logits[row], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -122,22 +152,25 @@ def test_transformer_matches_numpy_reference(norm):
   logits = np.asarray(run(cfg, params, source, decoder_input))
   reference_params = numpy_reference.to_float64(params)
   for row in range(BATCH):
-    expected = numpy_reference.transformer(reference_params, np.asarray(source[row]),
-                                           np.asarray(decoder_input[row]), cfg)
+    expected = numpy_reference.transformer(
+      reference_params, np.asarray(source[row]), np.asarray(decoder_input[row]), cfg
+    )
     np.testing.assert_allclose(logits[row], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
   mixed = tiny_config(dtype="bfloat16", param_dtype="float32")
-  param_dtypes = {leaf.dtype for leaf in jax.tree_util.tree_leaves(
-      nn.unbox(abstract_variables(mixed))["params"])}
+  param_dtypes = {
+    leaf.dtype for leaf in jax.tree_util.tree_leaves(nn.unbox(abstract_variables(mixed))["params"])
+  }
   assert param_dtypes == {jnp.dtype(jnp.float32)}
 
   params = random_params(tiny_config())
   source, decoder_input = example_inputs(mixed)
   # Compiled once: run op by op, every bfloat16 op would compile on its own.
-  encoded, mixed_logits = jax.jit(lambda p: (run(mixed, p, source, method="encode"),
-                                             run(mixed, p, source, decoder_input)))(params)
+  encoded, mixed_logits = jax.jit(
+    lambda p: (run(mixed, p, source, method="encode"), run(mixed, p, source, decoder_input))
+  )(params)
   assert encoded.dtype == jnp.bfloat16
   full_logits = run(tiny_config(), params, source, decoder_input)
   assert mixed_logits.dtype == jnp.float32
@@ -153,21 +186,26 @@ def test_scanned_layers_compute_the_same_function(decoder_only):
   params = random_params(looped)
   stacked = stack_layer_params(params, 3)
   scanned_variables = abstract_variables(scanned)
-  assert (jax.tree.structure(nn.unbox(scanned_variables)["params"]) ==
-          jax.tree.structure(stacked))
+  assert jax.tree.structure(nn.unbox(scanned_variables)["params"]) == jax.tree.structure(stacked)
   # The stacked axis is named, so the mesh rules can place it (replicated by default).
-  names = {"/".join(str(k.key) for k in path): leaf.names
-           for path, leaf in jax.tree_util.tree_leaves_with_path(
-               scanned_variables["params"],
-               is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))}
+  names = {
+    "/".join(str(k.key) for k in path): leaf.names
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+      scanned_variables["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )
+  }
   assert names["decoder/layers/ffn/wi/kernel"] == ("layers", "embed", "mlp")
   source, decoder_input = example_inputs(looped)
 
   def loss(cfg, p):
     return jnp.sum(run(cfg, p, source, decoder_input) ** 2)
 
-  np.testing.assert_allclose(run(scanned, stacked, source, decoder_input),
-                             run(looped, params, source, decoder_input), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    run(scanned, stacked, source, decoder_input),
+    run(looped, params, source, decoder_input),
+    rtol=1e-5,
+    atol=1e-5,
+  )
   looped_grads = stack_layer_params(jax.grad(functools.partial(loss, looped))(params), 3)
   scanned_grads = jax.grad(functools.partial(loss, scanned))(stacked)
   chex.assert_trees_all_close(scanned_grads, looped_grads, rtol=1e-4, atol=1e-4)
@@ -182,15 +220,19 @@ def test_remat_keeps_values_and_gradients(scan_layers, remat):
   source, decoder_input = example_inputs(plain)
 
   def loss(cfg, p):  # dropout on: remat must replay the same masks in the backward pass
-    logits = run(cfg, p, source, decoder_input, deterministic=False,
-                 rngs={"dropout": jax.random.key(3)})
-    return jnp.sum(logits ** 2)
+    logits = run(
+      cfg, p, source, decoder_input, deterministic=False, rngs={"dropout": jax.random.key(3)}
+    )
+    return jnp.sum(logits**2)
 
   plain_cfg = dataclasses.replace(plain, dropout_rate=0.2)
   rematted_cfg = dataclasses.replace(rematted, dropout_rate=0.2)
-  chex.assert_trees_all_close(jax.grad(functools.partial(loss, rematted_cfg))(params),
-                              jax.grad(functools.partial(loss, plain_cfg))(params),
-                              rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(
+    jax.grad(functools.partial(loss, rematted_cfg))(params),
+    jax.grad(functools.partial(loss, plain_cfg))(params),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_scanned_program_size_does_not_grow_with_depth():

@@ -24,7 +24,6 @@ import time
 import numpy as np
 
 from tests.helpers.processes import subprocess_env
-from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 from tests.helpers.tiny_run import OVERRIDES, REPO, free_port
 
 HEARTBEAT_TIMEOUT_S = 10
@@ -40,41 +39,65 @@ class Bucket:
   def __init__(self, fake, small_corpus, tmp_path):
     self.fake, self.url, self.tmp_path = fake, fake.url, tmp_path
     import tensorflow as tf
-    with open(small_corpus[0], "rb") as f, \
-        tf.io.gfile.GFile(f"{self.url}/corpus/small.tsv", "wb") as out:
+
+    with (
+      open(small_corpus[0], "rb") as f,
+      tf.io.gfile.GFile(f"{self.url}/corpus/small.tsv", "wb") as out,
+    ):
       out.write(f.read())
-    self.overrides = {**OVERRIDES, "dataset": f"tsv:{self.url}/corpus/small.tsv",
-                      "vocab_cache_dir": "", "checkpoint_every_steps": 2,
-                      "keep_checkpoints": 100}
+    self.overrides = {
+      **OVERRIDES,
+      "dataset": f"tsv:{self.url}/corpus/small.tsv",
+      "vocab_cache_dir": "",
+      "checkpoint_every_steps": 2,
+      "keep_checkpoints": 100,
+    }
     self.started = []  # every process, so that a failed test leaves none behind
 
-  def start(self, script, workdir, num_processes, devices, *extra, faults=None,
-            **overrides):
+  def start(self, script, workdir, num_processes, devices, *extra, faults=None, **overrides):
     """faults: tests/helpers/fault_injection.py's variables; the job then runs under it."""
     env = subprocess_env(devices, PYTHONUNBUFFERED="1", **(faults or {}))
-    env.update(self.fake.env,
-               # One matplotlib font cache for all hosts: in each fresh HOME it would
-               # be built again, by every process of every job.
-               MPLCONFIGDIR=str(self.tmp_path / "matplotlib"))
+    env.update(
+      self.fake.env,
+      # One matplotlib font cache for all hosts: in each fresh HOME it would
+      # be built again, by every process of every job.
+      MPLCONFIGDIR=str(self.tmp_path / "matplotlib"),
+    )
     flat = {**self.overrides, **overrides}
     entry = ["tests/helpers/fault_injection.py", script] if faults else [script]
     command = [sys.executable, *entry, "--workdir", f"{self.url}/{workdir}", *extra]
     if script == "train.py":
-      command += ["--config", "configs/default.py"] + [f"--config.{k}={v}"
-                                                       for k, v in flat.items()]
+      command += ["--config", "configs/default.py"] + [f"--config.{k}={v}" for k, v in flat.items()]
     port = free_port()
     job = len(list(self.tmp_path.glob("*.txt")))  # names this job's logs and HOMEs
     hosts = []
     for i in range(num_processes):
-      cluster = ([f"--coordinator_address=localhost:{port}", f"--num_processes={num_processes}",
-                  f"--process_id={i}", f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
-                 if num_processes > 1 else [])
-      log = open(self.tmp_path / f"{workdir}-{job}-{i}.txt", "w+")
+      cluster = (
+        [
+          f"--coordinator_address=localhost:{port}",
+          f"--num_processes={num_processes}",
+          f"--process_id={i}",
+          f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+        ]
+        if num_processes > 1
+        else []
+      )
+      log = open(self.tmp_path / f"{workdir}-{job}-{i}.txt", "w+")  # noqa: SIM115 (the host writes it)
       home = self.tmp_path / f"home-{workdir}-{job}-{i}"  # the host's own disk
       home.mkdir()
-      hosts.append((subprocess.Popen(command + cluster, cwd=REPO,
-                                     env={**env, "HOME": str(home)}, stdout=log,
-                                     stderr=subprocess.STDOUT, text=True), log))
+      hosts.append(
+        (
+          subprocess.Popen(
+            command + cluster,
+            cwd=REPO,
+            env={**env, "HOME": str(home)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+          ),
+          log,
+        )
+      )
     self.started += [process for process, _ in hosts]
     return hosts
 
@@ -107,8 +130,10 @@ class Bucket:
   def losses(self, workdir):
     """{step: loss} of the run's train records, as readers see them (each step once)."""
     from transformer.training import reporting
-    return {r["step"]: r["loss"] for r in reporting.read_metrics(f"{self.url}/{workdir}",
-                                                                 kind="train")}
+
+    return {
+      r["step"]: r["loss"] for r in reporting.read_metrics(f"{self.url}/{workdir}", kind="train")
+    }
 
   def logged_records(self, workdir):
     """Lines logged so far, read from the fake directly (no client cache in between)."""
@@ -117,14 +142,18 @@ class Bucket:
 
   def committed_steps(self, workdir):
     """Steps whose checkpoint is complete: on cloud storage, once commit_success.txt is."""
-    return sorted(int(n.split("/")[2]) for n in self.fake.list_objects(f"{workdir}/checkpoints/")
-                  if n.endswith("/commit_success.txt") and n.count("/") == 3)
+    return sorted(
+      int(n.split("/")[2])
+      for n in self.fake.list_objects(f"{workdir}/checkpoints/")
+      if n.endswith("/commit_success.txt") and n.count("/") == 3
+    )
 
   def writers(self, workdir, step):
     """Processes whose own array files are in checkpoint `step` (ocdbt.process_<i>/)."""
     names = self.fake.list_objects(f"{workdir}/checkpoints/{step}/state/")
-    return sorted({int(m.group(1)) for n in names
-                   for m in [re.search(r"/ocdbt\.process_(\d+)/", n)] if m})
+    return sorted(
+      {int(m.group(1)) for n in names for m in [re.search(r"/ocdbt\.process_(\d+)/", n)] if m}
+    )
 
 
 def wait_until(condition, hosts, what, timeout=600):
@@ -133,20 +162,26 @@ def wait_until(condition, hosts, what, timeout=600):
     for i, (process, log) in enumerate(hosts):
       if process.poll() is not None:
         log.seek(0)
-        raise AssertionError(f"host {i} exited ({process.returncode}) before {what}:\n"
-                             f"{log.read()[-3000:]}")
+        raise AssertionError(
+          f"host {i} exited ({process.returncode}) before {what}:\n{log.read()[-3000:]}"
+        )
     assert time.time() < deadline, f"timed out waiting for {what}"
     time.sleep(0.1)
 
 
 def send_sigterm(hosts, delays_s):
   """SIGTERM to hosts[i] delays_s[i] seconds from now (None: never); returns at once."""
+
   def send(process, delay):
     time.sleep(delay)
     if process.poll() is None:
       process.send_signal(signal.SIGTERM)
-  threads = [threading.Thread(target=send, args=(process, delay))
-             for (process, _), delay in zip(hosts, delays_s) if delay is not None]
+
+  threads = [
+    threading.Thread(target=send, args=(process, delay))
+    for (process, _), delay in zip(hosts, delays_s)
+    if delay is not None
+  ]
   for thread in threads:
     thread.start()
   return threads
@@ -163,8 +198,9 @@ def preempt(bucket, hosts, delays_s, when, what):
   codes, outputs = bucket.finish(hosts, timeout=EXIT_AFTER_NOTICE_S)
   for code, output in zip(codes, outputs):
     assert code == 0, f"{what}: {code}\n{output[-3000:]}"
-  saved = [re.findall(r"checkpoint at step (\d+) written after .*; exiting", out)
-           for out in outputs]
+  saved = [
+    re.findall(r"checkpoint at step (\d+) written after .*; exiting", out) for out in outputs
+  ]
   assert all(len(steps) == 1 for steps in saved), (what, saved)
   steps = {int(steps[0]) for steps in saved}
   assert len(steps) == 1, (what, saved)  # one step, agreed by every host
@@ -175,7 +211,8 @@ def preempt(bucket, hosts, delays_s, when, what):
 
 
 def test_pod_survives_a_dead_host_and_preemptions_resumes_exactly_and_moves_to_a_smaller_slice(
-    gcs, small_corpus, tmp_path):  # noqa: F811
+  gcs, small_corpus, tmp_path
+):  # noqa: F811
   bucket = Bucket(gcs, small_corpus, tmp_path)
   try:
     rehearse(bucket, tmp_path)
@@ -191,12 +228,23 @@ def rehearse(bucket, tmp_path):
   every = 4
   in_flight = every
   marker = tmp_path / "save-stalled"
-  hosts = bucket.start("train.py", "pod", 4, 2, **POD_MESH, num_train_steps=10_000,
-                       checkpoint_every_steps=every,
-                       faults={"FAULT_SLOW_SAVE_STEP": str(in_flight), "FAULT_SLOW_SAVE_S": "6",
-                               "FAULT_SLOW_SAVE_MARKER": str(marker)})
-  step, new, outputs = preempt(bucket, hosts, [3, 0, 1, 3], marker.exists,
-                               "staggered notices during an asynchronous save")
+  hosts = bucket.start(
+    "train.py",
+    "pod",
+    4,
+    2,
+    **POD_MESH,
+    num_train_steps=10_000,
+    checkpoint_every_steps=every,
+    faults={
+      "FAULT_SLOW_SAVE_STEP": str(in_flight),
+      "FAULT_SLOW_SAVE_S": "6",
+      "FAULT_SLOW_SAVE_MARKER": str(marker),
+    },
+  )
+  step, new, outputs = preempt(
+    bucket, hosts, [3, 0, 1, 3], marker.exists, "staggered notices during an asynchronous save"
+  )
   # The stalled save, any periodic ones the hosts reached while the notices arrived (on
   # a loaded machine training goes on for seconds), and the preemption's.
   assert step > in_flight, (step, in_flight)
@@ -207,12 +255,21 @@ def rehearse(bucket, tmp_path):
   # every host saves at that step.
   evaluated = (resume_from // every + 1) * every
   marker = tmp_path / "validating"
-  hosts = bucket.start("train.py", "pod", 4, 2, **NO_PERIODIC_SAVES, **POD_MESH,
-                       eval_every_steps=every, eval_bleu_sentences=0, num_eval_batches=1,
-                       faults={"FAULT_SLOW_VALIDATION_S": "6",
-                               "FAULT_SLOW_VALIDATION_MARKER": str(marker)})
-  step, new, outputs = preempt(bucket, hosts, [None, None, 0, None], marker.exists,
-                               "a notice to one host during validation")
+  hosts = bucket.start(
+    "train.py",
+    "pod",
+    4,
+    2,
+    **NO_PERIODIC_SAVES,
+    **POD_MESH,
+    eval_every_steps=every,
+    eval_bleu_sentences=0,
+    num_eval_batches=1,
+    faults={"FAULT_SLOW_VALIDATION_S": "6", "FAULT_SLOW_VALIDATION_MARKER": str(marker)},
+  )
+  step, new, outputs = preempt(
+    bucket, hosts, [None, None, 0, None], marker.exists, "a notice to one host during validation"
+  )
   # The step validated, unless validation outlasted the hosts' agreement (a loaded machine).
   assert new == [step] and step in (evaluated, evaluated + 1), (new, evaluated)
   assert f"validation at step {evaluated}" in outputs[0]
@@ -240,8 +297,15 @@ def rehearse(bucket, tmp_path):
   pod_steps = max(pod)
   assert sorted(pod) == list(range(1, pod_steps + 1))
   slice_steps = pod_steps + 3
-  bucket.run("train.py", "reference", 4, 2, num_train_steps=slice_steps,
-             checkpoint_every_steps=10_000, **POD_MESH)
+  bucket.run(
+    "train.py",
+    "reference",
+    4,
+    2,
+    num_train_steps=slice_steps,
+    checkpoint_every_steps=10_000,
+    **POD_MESH,
+  )
   reference = bucket.losses("reference")
   assert sorted(reference) == list(range(1, slice_steps + 1))
   assert [pod[s] for s in sorted(pod)] == [reference[s] for s in sorted(pod)]
@@ -253,8 +317,9 @@ def rehearse(bucket, tmp_path):
   assert f"resumed from step {resume_from}" in outputs[0]
   continued = bucket.losses("pod")
   later = list(range(resume_from + 1, slice_steps + 1))
-  np.testing.assert_allclose([continued[s] for s in later], [reference[s] for s in later],
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    [continued[s] for s in later], [reference[s] for s in later], rtol=1e-5
+  )
 
   # Only process 0 of each job ever read or wrote the vocabulary cache on its own disk;
   # the other hosts got the vocabulary from it (or from the workdir's copy).

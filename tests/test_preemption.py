@@ -48,18 +48,35 @@ def _start(workdir, corpus, tmp_path, faults=None, every=EVERY):
   port = free_port()
   env = subprocess_env(1, PYTHONUNBUFFERED="1", **(faults or {}))
   entry = ["tests/helpers/fault_injection.py", "train.py"] if faults else ["train.py"]
-  command = [sys.executable, *entry, "--config", "configs/default.py", "--workdir",
-             str(workdir), *flag_overrides(corpus, num_train_steps=TOTAL,
-                                           checkpoint_every_steps=every,
-                                           keep_checkpoints=100)]
+  command = [
+    sys.executable,
+    *entry,
+    "--config",
+    "configs/default.py",
+    "--workdir",
+    str(workdir),
+    *flag_overrides(
+      corpus, num_train_steps=TOTAL, checkpoint_every_steps=every, keep_checkpoints=100
+    ),
+  ]
   job = len(list(tmp_path.glob("*-process0.txt")))
   hosts = []
   for i in range(2):
-    log = open(tmp_path / f"job{job}-process{i}.txt", "w+")
-    cluster = [f"--coordinator_address=localhost:{port}", "--num_processes=2",
-               f"--process_id={i}", "--heartbeat_timeout_s=30"]
-    hosts.append((subprocess.Popen(command + cluster, cwd=REPO, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, text=True), log))
+    log = open(tmp_path / f"job{job}-process{i}.txt", "w+")  # noqa: SIM115 (the process writes it)
+    cluster = [
+      f"--coordinator_address=localhost:{port}",
+      "--num_processes=2",
+      f"--process_id={i}",
+      "--heartbeat_timeout_s=30",
+    ]
+    hosts.append(
+      (
+        subprocess.Popen(
+          command + cluster, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+        ),
+        log,
+      )
+    )
   return hosts
 
 
@@ -94,11 +111,18 @@ def _preempted(workdir, corpus, tmp_path, what, faults, marker):
   """Runs a job with `faults`; every host must exit 0 once the notice is sent, all having
   saved at one step. Returns (that step, the checkpoints the job committed, outputs)."""
   before = set(checkpoints.steps_on_disk(str(workdir)))
-  hosts = _start(workdir, corpus, tmp_path, {**faults, "FAULT_NOTICE_PROCESS": "1",
-                                             "FAULT_NOTICE_MARKER": str(marker)})
+  hosts = _start(
+    workdir,
+    corpus,
+    tmp_path,
+    {**faults, "FAULT_NOTICE_PROCESS": "1", "FAULT_NOTICE_MARKER": str(marker)},
+  )
   deadline = time.time() + 300  # start-up and compile
-  while not marker.exists() and time.time() < deadline and \
-      all(process.poll() is None for process, _ in hosts):
+  while (
+    not marker.exists()
+    and time.time() < deadline
+    and all(process.poll() is None for process, _ in hosts)
+  ):
     time.sleep(0.1)
   outputs = _finish(hosts, EXIT_AFTER_NOTICE_S, what)
   assert marker.exists(), f"{what}: no notice was sent\n{outputs[1][-3000:]}"
@@ -140,9 +164,17 @@ def test_a_notice_on_a_resumed_run_is_agreed_at_once_in_every_window(small_corpu
   # start, so the step agreed is the next one.
   in_flight = (start // EVERY + 1) * EVERY
   step, new, outputs = _preempted(
-      workdir, small_corpus, tmp_path, "a notice during an asynchronous save",
-      {"FAULT_NOTICE_IN_SAVE": str(in_flight), "FAULT_SLOW_SAVE_STEP": str(in_flight),
-       "FAULT_SLOW_SAVE_S": "3"}, tmp_path / "notice-1")
+    workdir,
+    small_corpus,
+    tmp_path,
+    "a notice during an asynchronous save",
+    {
+      "FAULT_NOTICE_IN_SAVE": str(in_flight),
+      "FAULT_SLOW_SAVE_STEP": str(in_flight),
+      "FAULT_SLOW_SAVE_S": "3",
+    },
+    tmp_path / "notice-1",
+  )
   assert f"resumed from step {start}" in outputs[0]
   assert step == in_flight + 1 and new == [in_flight, step], (step, new)
   start = step
@@ -150,10 +182,16 @@ def test_a_notice_on_a_resumed_run_is_agreed_at_once_in_every_window(small_corpu
   # 2. Just after a save commits: once the step after it is logged and its folder exists.
   committed = (start // EVERY + 1) * EVERY
   step, new, outputs = _preempted(
-      workdir, small_corpus, tmp_path, "a notice just after a save commits",
-      {"FAULT_NOTICE_AFTER_STEP": str(committed + 1),
-       "FAULT_NOTICE_WAIT_FOR": str(workdir / "checkpoints" / str(committed))},
-      tmp_path / "notice-2")
+    workdir,
+    small_corpus,
+    tmp_path,
+    "a notice just after a save commits",
+    {
+      "FAULT_NOTICE_AFTER_STEP": str(committed + 1),
+      "FAULT_NOTICE_WAIT_FOR": str(workdir / "checkpoints" / str(committed)),
+    },
+    tmp_path / "notice-2",
+  )
   assert f"resumed from step {start}" in outputs[0]
   assert step in (committed + 1, committed + 2) and new == expect_new(start, step), (step, new)
   start = step
@@ -161,11 +199,16 @@ def test_a_notice_on_a_resumed_run_is_agreed_at_once_in_every_window(small_corpu
   # 3. While the first step compiles (no host has counted yet), and 4. once the first
   # step after the restore is logged: the first or second step of the job.
   for n, what, faults in [
-      (3, "a notice during compilation", lambda start: {"FAULT_NOTICE_AT_COMPILE": "1"}),
-      (4, "a notice in the first steps after a restore",
-       lambda start: {"FAULT_NOTICE_AFTER_STEP": str(start + 1)})]:
-    step, new, outputs = _preempted(workdir, small_corpus, tmp_path, what, faults(start),
-                                    tmp_path / f"notice-{n}")
+    (3, "a notice during compilation", lambda start: {"FAULT_NOTICE_AT_COMPILE": "1"}),
+    (
+      4,
+      "a notice in the first steps after a restore",
+      lambda start: {"FAULT_NOTICE_AFTER_STEP": str(start + 1)},
+    ),
+  ]:
+    step, new, outputs = _preempted(
+      workdir, small_corpus, tmp_path, what, faults(start), tmp_path / f"notice-{n}"
+    )
     assert f"resumed from step {start}" in outputs[0]
     assert step in (start + 1, start + 2) and new == expect_new(start, step), (what, step, new)
     start = step
@@ -175,18 +218,22 @@ def test_a_notice_on_a_resumed_run_is_agreed_at_once_in_every_window(small_corpu
   # jobs committed is the uninterrupted run's (window 4's too), arrays and data position.
   logged = _train_records(workdir)
   assert [r["step"] for r in logged] == list(range(START + 1, start + 1))
-  assert {r["step"]: r["loss"] for r in logged} == {s: straight[s] for s in range(START + 1,
-                                                                                  start + 1)}
+  assert {r["step"]: r["loss"] for r in logged} == {
+    s: straight[s] for s in range(START + 1, start + 1)
+  }
   setup = state.setup(make_config(small_corpus))
   for step in checkpoints.steps_on_disk(str(workdir)):
     (ours, our_position), (theirs, their_position) = (
-        _checkpoint(workdir, step, setup), _checkpoint(reference, step, setup))
+      _checkpoint(workdir, step, setup),
+      _checkpoint(reference, step, setup),
+    )
     assert our_position == their_position, step
     jax.tree.map(np.testing.assert_array_equal, ours, theirs)
 
 
 def test_a_restore_stalled_on_one_host_ends_every_host_with_the_checkpoint_intact(
-    trained_run, small_corpus, tmp_path):
+  trained_run, small_corpus, tmp_path
+):
   """Process 1's checkpoint reads hang (each for 600 s) with storage_timeout_s=3, on a
   copy of the shared run: process 1 exits 1 with the one line naming the checkpoints and
   the wait, process 0 (whose reads went through) does not wait for it forever but exits
@@ -197,22 +244,41 @@ def test_a_restore_stalled_on_one_host_ends_every_host_with_the_checkpoint_intac
   saved = checkpoints.steps_on_disk(str(workdir))
   first, last = saved[0], saved[-1]
   before = workdir / "checkpoints" / str(last)
-  files_before = sorted((p.relative_to(before), p.stat().st_size)
-                        for p in before.rglob("*") if p.is_file())
+  files_before = sorted(
+    (p.relative_to(before), p.stat().st_size) for p in before.rglob("*") if p.is_file()
+  )
   port = free_port()
-  command = [sys.executable, "tests/helpers/fault_injection.py", "train.py", "--config",
-             "configs/default.py", "--workdir", str(workdir),
-             *flag_overrides(small_corpus, num_train_steps=last + 4,
-                             checkpoint_every_steps=first, max_decode_extra_len=5),
-             "--config.storage_timeout_s=3", f"--coordinator_address=localhost:{port}",
-             "--num_processes=2", "--heartbeat_timeout_s=30"]
+  command = [
+    sys.executable,
+    "tests/helpers/fault_injection.py",
+    "train.py",
+    "--config",
+    "configs/default.py",
+    "--workdir",
+    str(workdir),
+    *flag_overrides(
+      small_corpus, num_train_steps=last + 4, checkpoint_every_steps=first, max_decode_extra_len=5
+    ),
+    "--config.storage_timeout_s=3",
+    f"--coordinator_address=localhost:{port}",
+    "--num_processes=2",
+    "--heartbeat_timeout_s=30",
+  ]
   hosts = []
   for i in range(2):
-    env = subprocess_env(1, PYTHONUNBUFFERED="1",
-                         **({"FAULT_SLOW_RESTORE_S": "600"} if i == 1 else {}))
-    hosts.append(subprocess.Popen(command + [f"--process_id={i}"], cwd=REPO, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True))
+    env = subprocess_env(
+      1, PYTHONUNBUFFERED="1", **({"FAULT_SLOW_RESTORE_S": "600"} if i == 1 else {})
+    )
+    hosts.append(
+      subprocess.Popen(
+        command + [f"--process_id={i}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+    )
   outputs, codes = [], []
   try:
     for process in hosts:
@@ -227,13 +293,21 @@ def test_a_restore_stalled_on_one_host_ends_every_host_with_the_checkpoint_intac
         process.kill()
         process.wait()
   assert codes[1] == 1, outputs[1][-3000:]
-  assert outputs[1].strip().splitlines()[-1].startswith(
+  assert (
+    outputs[1]
+    .strip()
+    .splitlines()[-1]
+    .startswith(
       f"error: reading the checkpoints in {checkpoints.checkpoint_dir(str(workdir))} did "
-      "not finish within 3 s (config.storage_timeout_s)"), outputs[1][-3000:]
+      "not finish within 3 s (config.storage_timeout_s)"
+    )
+  ), outputs[1][-3000:]
   # Process 0 waited for process 1 in Orbax's start (a barrier): it ends in one line too.
   assert codes[0] == 1, outputs[0][-3000:]
   assert outputs[0].strip().splitlines()[-1].startswith("error: "), outputs[0][-3000:]
   assert "Traceback" not in outputs[0] + outputs[1]
   assert checkpoints.steps_on_disk(str(workdir)) == saved
-  assert sorted((p.relative_to(before), p.stat().st_size)
-                for p in before.rglob("*") if p.is_file()) == files_before
+  assert (
+    sorted((p.relative_to(before), p.stat().st_size) for p in before.rglob("*") if p.is_file())
+    == files_before
+  )

@@ -9,8 +9,12 @@ import pytest
 
 from docs.render import doc_views, record_sources, render_docs
 
-PROVENANCE = {"machine": "a test machine", "date": "2026-12-01", "commit": "abc1234",
-              "command": "python -m transformer.tools.bench --json"}
+PROVENANCE = {
+  "machine": "a test machine",
+  "date": "2026-12-01",
+  "commit": "abc1234",
+  "command": "python -m transformer.tools.bench --json",
+}
 
 
 def test_every_region_in_the_repository_matches_its_records():
@@ -32,8 +36,9 @@ def _repo(tmp_path, records, page="Results:\n\n<!-- results:steps -->\nold\n<!--
   (tmp_path / "README.md").write_text(page)
 
   def steps():
-    newest = doc_views.latest(doc_views.read_records("steps", str(results)),
-                              key=lambda r: r["label"])
+    newest = doc_views.latest(
+      doc_views.read_records("steps", str(results)), key=lambda r: r["label"]
+    )
     return doc_views.table(("label", "ms"), [(r["label"], r["ms"]) for r in newest])
 
   return {"steps": steps}
@@ -52,14 +57,16 @@ def test_a_new_record_makes_its_region_stale_until_rendered(tmp_path):
   text = (tmp_path / "README.md").read_text()
   assert "| base | 9 |" in text and "| base | 10 |" not in text  # the newer record wins
   assert text.startswith("Results:\n\n<!-- results:steps -->\n") and text.endswith(
-      "<!-- /results -->\n")
+    "<!-- /results -->\n"
+  )
 
 
 def test_a_region_in_an_indented_docstring_keeps_its_indent():
   text = '  """Doc.\n\n  <!-- results:one -->\n  <!-- /results -->\n  """\n'
   rendered = render_docs.render_text(text, {"one": lambda: "line 1\n\nline 2"})
-  assert rendered == ('  """Doc.\n\n  <!-- results:one -->\n  line 1\n\n  line 2\n'
-                      '  <!-- /results -->\n  """\n')
+  assert rendered == (
+    '  """Doc.\n\n  <!-- results:one -->\n  line 1\n\n  line 2\n  <!-- /results -->\n  """\n'
+  )
 
 
 def test_an_unknown_view_is_named():
@@ -77,13 +84,27 @@ def test_a_record_without_provenance_is_named_with_its_line(tmp_path):
 
 def test_record_appends_what_a_command_prints_with_its_provenance(tmp_path):
   out = tmp_path / "new.jsonl"
-  program = "print('compiling...'); print('{\"name\": \"train_step\", \"step_time_s\": 0.5}')"
+  program = 'print(\'compiling...\'); print(\'{"name": "train_step", "step_time_s": 0.5}\')'
   result = subprocess.run(
-      [sys.executable, "-m", "docs.render.render_docs", "--record", str(out),
-       "--machine", "a test machine", "--", sys.executable, "-c", program],
-      capture_output=True, text=True, cwd=render_docs.REPO_ROOT)
+    [
+      sys.executable,
+      "-m",
+      "docs.render.render_docs",
+      "--record",
+      str(out),
+      "--machine",
+      "a test machine",
+      "--",
+      sys.executable,
+      "-c",
+      program,
+    ],
+    capture_output=True,
+    text=True,
+    cwd=render_docs.REPO_ROOT,
+  )
   assert result.returncode == 0, result.stderr
-  record, = [json.loads(line) for line in out.read_text().splitlines()]
+  (record,) = [json.loads(line) for line in out.read_text().splitlines()]
   assert record["name"] == "train_step" and record["step_time_s"] == 0.5
   assert record["machine"] == "a test machine"
   assert record["command"] == f"{sys.executable} -c {program}"
@@ -94,8 +115,21 @@ def test_record_from_json_lines_a_script_wrote(tmp_path):
   written = tmp_path / "cpu.jsonl"
   written.write_text('{"name": "peak"}\n{"name": "train_step", "label": "base"}\n')
   out = tmp_path / "records.jsonl"
-  assert render_docs.main(["--record", str(out), "--from_json", str(written),
-                           "--command", "bash bench/cpu.sh", "--machine", "m"]) == 0
+  assert (
+    render_docs.main(
+      [
+        "--record",
+        str(out),
+        "--from_json",
+        str(written),
+        "--command",
+        "bash bench/cpu.sh",
+        "--machine",
+        "m",
+      ]
+    )
+    == 0
+  )
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["name"] for r in records] == ["peak", "train_step"]
   assert {r["command"] for r in records} == {"bash bench/cpu.sh"}
@@ -104,26 +138,67 @@ def test_record_from_json_lines_a_script_wrote(tmp_path):
 def test_a_make_train_workdir_becomes_the_record_readme_renders(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   (workdir / "eval").mkdir(parents=True)
-  window = {"kind": "train", "steps_per_sec": 2.0, "mfu": 0.5, "hfu": 0.55,
-            "padding_efficiency": 0.9}
-  (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
-      {**window, "step": 1, "tokens_per_sec": 1000.0, "elapsed_s": 30.0},
-      {**window, "step": 2, "tokens_per_sec": 3000.0, "elapsed_s": 61.0},
-      {"kind": "validation", "step": 2, "ppl": 12.5})))
-  (workdir / "eval" / "test-2.json").write_text(json.dumps(
-      {"split": "test", "step": 2, "num_sentences": 40, "beam_size": 4, "alpha": 0.6,
-       "bleu": 12.3, "bleu_tok": 12.9, "chrf": 40.0, "bleu_signature": "nrefs:1|tok:13a",
-       "sentences_per_sec": 8.0, "ppl": 13.0}))
+  window = {
+    "kind": "train",
+    "steps_per_sec": 2.0,
+    "mfu": 0.5,
+    "hfu": 0.55,
+    "padding_efficiency": 0.9,
+  }
+  (workdir / "metrics.jsonl").write_text(
+    "".join(
+      json.dumps(r) + "\n"
+      for r in (
+        {**window, "step": 1, "tokens_per_sec": 1000.0, "elapsed_s": 30.0},
+        {**window, "step": 2, "tokens_per_sec": 3000.0, "elapsed_s": 61.0},
+        {"kind": "validation", "step": 2, "ppl": 12.5},
+      )
+    )
+  )
+  (workdir / "eval" / "test-2.json").write_text(
+    json.dumps(
+      {
+        "split": "test",
+        "step": 2,
+        "num_sentences": 40,
+        "beam_size": 4,
+        "alpha": 0.6,
+        "bleu": 12.3,
+        "bleu_tok": 12.9,
+        "chrf": 40.0,
+        "bleu_signature": "nrefs:1|tok:13a",
+        "sentences_per_sec": 8.0,
+        "ppl": 13.0,
+      }
+    )
+  )
   monkeypatch.setattr(doc_views, "RESULTS_DIR", str(tmp_path))
-  assert render_docs.main(["--record", str(tmp_path / "make_train.jsonl"), "--from_workdir",
-                           str(workdir), "--wall_time_s", "100", "--command", "make train"]) == 0
+  assert (
+    render_docs.main(
+      [
+        "--record",
+        str(tmp_path / "make_train.jsonl"),
+        "--from_workdir",
+        str(workdir),
+        "--wall_time_s",
+        "100",
+        "--command",
+        "make train",
+      ]
+    )
+    == 0
+  )
   text = doc_views.make_train()
-  for expected in ("1m40s, of which training 1m01s (2 steps of about 1,000 real",
-                   "2,000 target tokens/s (1,000 to 3,000), MFU 50.0%",
-                   "| test split perplexity (unsmoothed) | 13.00 |",
-                   "| validation perplexity, last step (unsmoothed) | 12.50 |",
-                   "**sacreBLEU 12.30**, tokenized BLEU 12.90",
-                   "8.0 sentences/s", "`sacreBLEU 12.30  nrefs:1|tok:13a`", "`make train`"):
+  for expected in (
+    "1m40s, of which training 1m01s (2 steps of about 1,000 real",
+    "2,000 target tokens/s (1,000 to 3,000), MFU 50.0%",
+    "| test split perplexity (unsmoothed) | 13.00 |",
+    "| validation perplexity, last step (unsmoothed) | 12.50 |",
+    "**sacreBLEU 12.30**, tokenized BLEU 12.90",
+    "8.0 sentences/s",
+    "`sacreBLEU 12.30  nrefs:1|tok:13a`",
+    "`make train`",
+  ):
     assert expected in text
 
 
@@ -136,11 +211,18 @@ def test_the_acceptance_rate_a_speed_up_needs_inverts_the_tokens_per_round(a):
 
 
 def test_every_record_file_has_its_producing_paths_and_they_exist():
-  files = {os.path.basename(p)[:-len(".jsonl")] for p in os.listdir(doc_views.RESULTS_DIR)
-           if p.endswith(".jsonl")}
+  files = {
+    os.path.basename(p)[: -len(".jsonl")]
+    for p in os.listdir(doc_views.RESULTS_DIR)
+    if p.endswith(".jsonl")
+  }
   assert set(record_sources.PRODUCERS) == files
-  missing = [path for paths in record_sources.PRODUCERS.values() for path in paths
-             if not os.path.exists(os.path.join(render_docs.REPO_ROOT, path))]
+  missing = [
+    path
+    for paths in record_sources.PRODUCERS.values()
+    for path in paths
+    if not os.path.exists(os.path.join(render_docs.REPO_ROOT, path))
+  ]
   assert missing == []
 
 
@@ -165,12 +247,18 @@ def test_only_executable_code_counts_as_a_change():
 
 
 def test_a_record_older_than_a_code_change_is_named_with_the_commit(tmp_path):
-  env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-         "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+  env = {
+    **os.environ,
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@t",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@t",
+  }
 
   def git(*args):
-    return subprocess.run(["git", *args], cwd=tmp_path, env=env, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+      ["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
   def commit(text, message):
     (tmp_path / "tool.py").write_text(text)
@@ -189,19 +277,24 @@ def test_a_record_older_than_a_code_change_is_named_with_the_commit(tmp_path):
   changed = commit('"""The tool, reworded."""\n\nSTEPS = 20\n', "fewer steps")
   commit('"""The tool once more."""\n\nSTEPS = 20\n', "docstring again")
   assert record_sources.stale(shown, producers, str(tmp_path)) == [
-      f"docs/results/steps.jsonl line(s) 1: commit {measured} predates {changed}, which "
-      "changed tool.py: rerun and append"]
+    f"docs/results/steps.jsonl line(s) 1: commit {measured} predates {changed}, which "
+    "changed tool.py: rerun and append"
+  ]
 
 
 def test_the_rendered_records_are_those_a_view_shows(tmp_path):
   """The newest record per label (what the view's Records line names), not the one it
   replaced; a view without a Records line shows the newest record of its file."""
-  records = [{"label": "base", "ms": 10, **PROVENANCE}, {"label": "base", "ms": 9, **PROVENANCE},
-             {"label": "big", "ms": 30, **PROVENANCE}]
+  records = [
+    {"label": "base", "ms": 10, **PROVENANCE},
+    {"label": "base", "ms": 9, **PROVENANCE},
+    {"label": "big", "ms": 30, **PROVENANCE},
+  ]
   views = _repo(tmp_path, records)
   results = str(tmp_path / "docs" / "results")
-  views["steps"] = lambda: doc_views.source("steps", doc_views.latest(
-      doc_views.read_records("steps", results), key=lambda r: r["label"]))
+  views["steps"] = lambda: doc_views.source(
+    "steps", doc_views.latest(doc_views.read_records("steps", results), key=lambda r: r["label"])
+  )
   views["newest"] = lambda: str(doc_views.read_records("steps", results)[-1]["ms"])
   assert record_sources.rendered_records(views) == {"steps": records[1:]}
   del views["steps"]

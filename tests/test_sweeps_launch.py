@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import shlex
 import socket
 import stat
@@ -24,8 +25,9 @@ from transformer.sweeps import launch, spec
 @pytest.fixture(scope="module")
 def table3():
   """(sweep, rows E and big, their configs)."""
-  sweep = dataclasses.replace(spec.load_sweep(TABLE3),
-                              command_line_overrides={"data_dir": "gs://b/tfds"})
+  sweep = dataclasses.replace(
+    spec.load_sweep(TABLE3), command_line_overrides={"data_dir": "gs://b/tfds"}
+  )
   rows = spec.select_rows(sweep, "E,big")
   return sweep, rows, {row.name: spec.row_config(sweep, row) for row in rows}
 
@@ -34,12 +36,20 @@ def test_slurm_script_carries_every_option(tmp_path, table3):
   """Nodes, one task per GPU, time, extra #SBATCH line, job name, log path, repo and python
   command all land in the script, and the whole script is the expected text."""
   sweep, rows, configs = table3
-  options = launch.LaunchOptions(script_dir=str(tmp_path), repo_dir="/srv/transformer",
-                                 python="python3", slurm_nodes=4, slurm_gpus_per_node=2,
-                                 slurm_time="1:00:00", slurm_extra="--partition=gpu")
+  options = launch.LaunchOptions(
+    script_dir=str(tmp_path),
+    repo_dir="/srv/transformer",
+    python="python3",
+    slurm_nodes=4,
+    slurm_gpus_per_node=2,
+    slurm_time="1:00:00",
+    slurm_extra="--partition=gpu",
+  )
   path = launch.write_scripts("slurm", sweep, rows[:1], configs, "/data/t3", options)[0]
   overrides = "--config.model.positional=learned --config.data_dir=gs://b/tfds"
-  assert open(path).read() == f"""#!/bin/bash
+  assert (
+    pathlib.Path(path).read_text()
+    == f"""#!/bin/bash
 # Row E of sweep table3. Submit with: sbatch {tmp_path}/E.sbatch
 #SBATCH --job-name=table3-E
 #SBATCH --nodes=4 --ntasks-per-node=2 --gpus-per-node=2
@@ -65,19 +75,21 @@ fi
 # Beam search is one process's job: the final checkpoint on the whole validation split.
 srun --nodes=1 --ntasks=1 python3 eval.py --workdir /data/t3/E --split validation --step 100000
 """
+  )
 
 
 def test_slurm_script_without_extra_options_has_no_empty_sbatch_line(tmp_path, table3):
   sweep, rows, configs = table3
   options = launch.LaunchOptions(script_dir=str(tmp_path))
   path = launch.write_scripts("slurm", sweep, rows[:1], configs, "/data/t3", options)[0]
-  lines = open(path).read().splitlines()
+  lines = pathlib.Path(path).read_text().splitlines()
   assert [line for line in lines if line.startswith("#SBATCH")] == [
-      "#SBATCH --job-name=table3-E",
-      "#SBATCH --nodes=1 --ntasks-per-node=8 --gpus-per-node=8",
-      "#SBATCH --time=24:00:00",
-      f"#SBATCH --output={tmp_path}/E-%j.out",
-      "#SBATCH --signal=TERM@120 --requeue --open-mode=append"]
+    "#SBATCH --job-name=table3-E",
+    "#SBATCH --nodes=1 --ntasks-per-node=8 --gpus-per-node=8",
+    "#SBATCH --time=24:00:00",
+    f"#SBATCH --output={tmp_path}/E-%j.out",
+    "#SBATCH --signal=TERM@120 --requeue --open-mode=append",
+  ]
 
 
 def test_scripts_are_executable_and_default_to_workdir_launch(tmp_path, table3):
@@ -103,14 +115,24 @@ def test_row_commands_quote_values_and_name_the_config_relative_to_the_repo():
   one whatever the sweep wrote; a trailing slash on the workdir is not doubled."""
   sweep = spec.Sweep("s", "configs/wmt14.py:big", {}, [])
   row = spec.Row("r", {"dataset": "tsv:/data/my corpus.tsv"})
-  commands = launch.row_commands(sweep, row, types.SimpleNamespace(num_train_steps=9), "/w/",
-                                 "py")
+  commands = launch.row_commands(sweep, row, types.SimpleNamespace(num_train_steps=9), "/w/", "py")
   assert shlex.split(commands.train) == [
-      "py", "train.py", "--config", "configs/wmt14.py:big", "--workdir", "/w/r",
-      "--config.dataset=tsv:/data/my corpus.tsv"]
+    "py",
+    "train.py",
+    "--config",
+    "configs/wmt14.py:big",
+    "--workdir",
+    "/w/r",
+    "--config.dataset=tsv:/data/my corpus.tsv",
+  ]
   assert shlex.split(commands.prepare) == [
-      "py", "-m", "transformer.tools.prepare_data", "--config", "configs/wmt14.py:big",
-      "--config.dataset=tsv:/data/my corpus.tsv"]
+    "py",
+    "-m",
+    "transformer.tools.prepare_data",
+    "--config",
+    "configs/wmt14.py:big",
+    "--config.dataset=tsv:/data/my corpus.tsv",
+  ]
   assert commands.evaluate == "py eval.py --workdir /w/r --split validation --step 9"
   assert commands.print_step == "py train.py --workdir /w/r --print_step"
 
@@ -119,9 +141,25 @@ def test_launch_from_the_command_line_uses_the_flags(tmp_path):
   """`--launch slurm` with cluster flags writes scripts that carry them and prints the
   paths it wrote."""
   result = run_sweep_command(
-      "--sweep", TABLE3, "--workdir", "/data/t3", "--only", "E", "--launch", "slurm",
-      "--script_dir", str(tmp_path), "--slurm_nodes", "3", "--slurm_extra=--partition=p100",
-      "--python", "python3.11", "--repo_dir", "/srv/t", timeout=60)
+    "--sweep",
+    TABLE3,
+    "--workdir",
+    "/data/t3",
+    "--only",
+    "E",
+    "--launch",
+    "slurm",
+    "--script_dir",
+    str(tmp_path),
+    "--slurm_nodes",
+    "3",
+    "--slurm_extra=--partition=p100",
+    "--python",
+    "python3.11",
+    "--repo_dir",
+    "/srv/t",
+    timeout=60,
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split() == [str(tmp_path / "E.sbatch"), str(tmp_path / "slurm_all.sh")]
   script = (tmp_path / "E.sbatch").read_text()
@@ -139,8 +177,11 @@ def test_tpu_scripts_need_a_shared_data_dir_for_a_tfds_dataset(tmp_path):
   rows = spec.select_rows(sweep, "E")
   configs = {"E": spec.row_config(sweep, rows[0])}
   options = launch.LaunchOptions(script_dir=str(tmp_path))
-  with pytest.raises(spec.SweepError, match=r"^row E: --launch tpu needs a data_dir .* "
-                     r"pass --config.data_dir=gs://BUCKET/tfds$"):
+  with pytest.raises(
+    spec.SweepError,
+    match=r"^row E: --launch tpu needs a data_dir .* "
+    r"pass --config.data_dir=gs://BUCKET/tfds$",
+  ):
     launch.write_scripts("tpu", sweep, rows, configs, "gs://b/t3", options)
 
 
@@ -169,17 +210,26 @@ def _fakes(tmp_path, last_step):
   """(environment with the fakes first on PATH, the python fake, the calls file)."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
-  for name, text in [("python", _FAKE_PYTHON), ("gcloud", _FAKE_GCLOUD),
-                     ("srun", _FAKE_RECORDER), ("scontrol", _FAKE_RECORDER),
-                     ("sbatch", _FAKE_RECORDER)]:
+  for name, text in [
+    ("python", _FAKE_PYTHON),
+    ("gcloud", _FAKE_GCLOUD),
+    ("srun", _FAKE_RECORDER),
+    ("scontrol", _FAKE_RECORDER),
+    ("sbatch", _FAKE_RECORDER),
+  ]:
     (bin_dir / name).write_text(text)
     (bin_dir / name).chmod(0o755)
   calls = tmp_path / "calls"
   calls.write_text("")
   (tmp_path / "step").write_text(str(last_step))
-  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(calls),
-             STEP_FILE=str(tmp_path / "step"), SLOW_TRAINING=str(tmp_path / "slow"),
-             SLURM_JOB_ID="77")
+  env = dict(
+    os.environ,
+    PATH=f"{bin_dir}:{os.environ['PATH']}",
+    CALLS=str(calls),
+    STEP_FILE=str(tmp_path / "step"),
+    SLOW_TRAINING=str(tmp_path / "slow"),
+    SLURM_JOB_ID="77",
+  )
   return env, str(bin_dir / "python"), calls
 
 
@@ -188,14 +238,18 @@ def _calls(calls, python):
 
 
 def _tiny_sweep():
-  sweep = dataclasses.replace(spec.load_sweep(TABLE3), command_line_overrides={
-      "data_dir": "gs://b/tfds", "num_train_steps": "30"})
+  sweep = dataclasses.replace(
+    spec.load_sweep(TABLE3),
+    command_line_overrides={"data_dir": "gs://b/tfds", "num_train_steps": "30"},
+  )
   rows = spec.select_rows(sweep, "E")
   return sweep, rows, {"E": spec.row_config(sweep, rows[0])}
 
 
-_CONFIG = ("--config configs/wmt14.py:base --config.model.positional=learned "
-           "--config.data_dir=gs://b/tfds --config.num_train_steps=30")
+_CONFIG = (
+  "--config configs/wmt14.py:base --config.model.positional=learned "
+  "--config.data_dir=gs://b/tfds --config.num_train_steps=30"
+)
 
 
 def test_slurm_job_requeues_itself_when_stopped_early_and_evaluates_when_finished(tmp_path):
@@ -211,12 +265,16 @@ def test_slurm_job_requeues_itself_when_stopped_early_and_evaluates_when_finishe
     written = launch.write_scripts("slurm", sweep, rows, configs, "/runs", options)
     subprocess.run(["bash", written[0]], env=env, check=True, timeout=60)
     assert _calls(calls, python) == [
-        f"python -m transformer.tools.prepare_data {_CONFIG}",
-        f"srun python train.py {_CONFIG.replace(' --config.', ' --workdir /runs/E --config.', 1)}",
-        "python train.py --workdir /runs/E --print_step",
-    ] + (["scontrol requeue 77"] if stopped_at == 20 else [
-        "srun --nodes=1 --ntasks=1 python eval.py --workdir /runs/E --split validation "
-        "--step 30"])
+      f"python -m transformer.tools.prepare_data {_CONFIG}",
+      f"srun python train.py {_CONFIG.replace(' --config.', ' --workdir /runs/E --config.', 1)}",
+      "python train.py --workdir /runs/E --print_step",
+    ] + (
+      ["scontrol requeue 77"]
+      if stopped_at == 20
+      else [
+        "srun --nodes=1 --ntasks=1 python eval.py --workdir /runs/E --split validation --step 30"
+      ]
+    )
     subprocess.run(["bash", written[-1]], env=env, check=True, timeout=60)
     assert _calls(calls, python)[-1] == f"sbatch {written[0]}"
 
@@ -231,8 +289,9 @@ def _wait_for(condition, timeout_s=60.0):
 def _tpu_script(tmp_path, last_step):
   sweep, rows, configs = _tiny_sweep()
   env, python, calls = _fakes(tmp_path, last_step)
-  options = launch.LaunchOptions(script_dir=str(tmp_path), repo_dir=str(tmp_path),
-                                 python=python, tpu_name="pod", tpu_zone="us-z")
+  options = launch.LaunchOptions(
+    script_dir=str(tmp_path), repo_dir=str(tmp_path), python=python, tpu_name="pod", tpu_zone="us-z"
+  )
   written = launch.write_scripts("tpu", sweep, rows, configs, "gs://b/t3", options)
   return written, env, python, calls
 
@@ -242,26 +301,31 @@ def test_tpu_script_prepares_once_then_trains_detached_and_evaluates_at_the_end(
   # `start` returns while the job goes on, detached, its output in logs/; when it has
   # ended, each worker's log goes to the row's workdir too.
   subprocess.run(["bash", script], env=env, check=True, timeout=60)
-  keep_log = (f"gcloud storage cp logs/table3-E.log gs://b/t3/E/logs/{socket.gethostname()}"
-              ".log")
+  keep_log = f"gcloud storage cp logs/table3-E.log gs://b/t3/E/logs/{socket.gethostname()}.log"
   _wait_for(lambda: keep_log in _calls(calls, python))
   done = _calls(calls, python)
   ssh = "gcloud compute tpus tpu-vm ssh pod --zone us-z"
   assert [c.split(" --command=")[0] for c in done if c.startswith("gcloud")] == [
-      f"{ssh} --worker=0", f"{ssh} --worker=all", keep_log]
+    f"{ssh} --worker=0",
+    f"{ssh} --worker=all",
+    keep_log,
+  ]
   evaluate = "python eval.py --workdir gs://b/t3/E --split validation --step 30"
   assert [c for c in done if not c.startswith("gcloud")] == [
-      f"python -m transformer.tools.prepare_data {_CONFIG}",
-      f"python train.py {_CONFIG.replace(' --config.', ' --workdir gs://b/t3/E --config.', 1)}",
-      "python train.py --workdir gs://b/t3/E --print_step", evaluate]
+    f"python -m transformer.tools.prepare_data {_CONFIG}",
+    f"python train.py {_CONFIG.replace(' --config.', ' --workdir gs://b/t3/E --config.', 1)}",
+    "python train.py --workdir gs://b/t3/E --print_step",
+    evaluate,
+  ]
   assert (tmp_path / "logs" / "table3-E.log").exists()
   # `wait` finds the job ended at its last step; `watch` follows worker 0's log.
   subprocess.run(["bash", script, "wait"], env=env, check=True, timeout=60)
-  subprocess.run(["bash", script, "watch"], env=dict(env, RECORD_ONLY="1"), check=True,
-                 timeout=60)
+  subprocess.run(["bash", script, "watch"], env=dict(env, RECORD_ONLY="1"), check=True, timeout=60)
   assert _calls(calls, python)[-1] == (
-      f"{ssh} --worker=0 --command=tail -n 100 -F {tmp_path}/logs/table3-E.log")
-  assert open(starter).read().splitlines()[2:] == [f"bash {script} start", f"bash {script} wait"]
+    f"{ssh} --worker=0 --command=tail -n 100 -F {tmp_path}/logs/table3-E.log"
+  )
+  starts = pathlib.Path(starter).read_text().splitlines()[2:]
+  assert starts == [f"bash {script} start", f"bash {script} wait"]
 
 
 def test_tpu_stop_sigterms_the_jobs_training_which_then_does_not_evaluate(tmp_path):
@@ -271,12 +335,18 @@ def test_tpu_stop_sigterms_the_jobs_training_which_then_does_not_evaluate(tmp_pa
   (tmp_path / "slow").write_text("")  # training runs until stopped
   subprocess.run(["bash", script, "start"], env=env, check=True, timeout=60)
   pid_file = tmp_path / "logs" / "table3-E.pid"
-  _wait_for(lambda: pid_file.exists() and any(
-      c.startswith("python train.py --config") for c in _calls(calls, python)))
+  _wait_for(
+    lambda: (
+      pid_file.exists()
+      and any(c.startswith("python train.py --config") for c in _calls(calls, python))
+    )
+  )
   job = int(pid_file.read_text())
   subprocess.run(["bash", script, "stop"], env=env, check=True, timeout=60)
-  assert ("gcloud compute tpus tpu-vm ssh pod --zone us-z --worker=all "
-          f"--command=pkill -TERM -P $(cat {tmp_path}/logs/table3-E.pid)") in _calls(calls, python)
+  assert (
+    "gcloud compute tpus tpu-vm ssh pod --zone us-z --worker=all "
+    f"--command=pkill -TERM -P $(cat {tmp_path}/logs/table3-E.pid)"
+  ) in _calls(calls, python)
 
   def ended():
     try:
@@ -284,6 +354,7 @@ def test_tpu_stop_sigterms_the_jobs_training_which_then_does_not_evaluate(tmp_pa
       return False
     except ProcessLookupError:
       return True
+
   _wait_for(ended, timeout_s=30)
   done = _calls(calls, python)
   assert not any(c.startswith("python eval.py") for c in done)
@@ -297,9 +368,21 @@ def test_print_step_is_the_newest_checkpoint_even_inside_a_slurm_job(trained_run
   of many tasks, it answers alone, without starting jax.distributed."""
   from tests.helpers.processes import subprocess_env
   from tests.helpers.tiny_run import REPO
-  env = subprocess_env(SLURM_JOB_ID="5", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="16",
-                       SLURM_PROCID="0", SLURM_LOCALID="0")
+
+  env = subprocess_env(
+    SLURM_JOB_ID="5",
+    SLURM_STEP_NODELIST="localhost",
+    SLURM_NTASKS="16",
+    SLURM_PROCID="0",
+    SLURM_LOCALID="0",
+  )
   for workdir, step in ((trained_run[1], "30"), (str(tmp_path), "0")):
-    result = subprocess.run([sys.executable, "train.py", "--workdir", workdir, "--print_step"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+      [sys.executable, "train.py", "--workdir", workdir, "--print_step"],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
     assert (result.returncode, result.stdout) == (0, step + "\n"), result.stderr[-2000:]

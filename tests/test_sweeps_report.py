@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import pathlib
 
 import pytest
 
@@ -44,40 +45,66 @@ def test_dry_run_table_layout():
   paper gives a size."""
   sweep = spec.Sweep("s", "configs/x.py:base", {}, [])
   described = [
-      {"name": "base", "overrides": {}, "num_params": 50_500_000, "flops_per_token": 3.0e8,
-       "paper_params_m": 50},
-      {"name": "wide", "overrides": {"model.d_ff": 4096, "seed": 2}, "num_params": 2_000_000,
-       "flops_per_token": 1.23456e7, "paper_params_m": None}]
+    {
+      "name": "base",
+      "overrides": {},
+      "num_params": 50_500_000,
+      "flops_per_token": 3.0e8,
+      "paper_params_m": 50,
+    },
+    {
+      "name": "wide",
+      "overrides": {"model.d_ff": 4096, "seed": 2},
+      "num_params": 2_000_000,
+      "flops_per_token": 1.23456e7,
+      "paper_params_m": None,
+    },
+  ]
   assert report.dry_run_table(sweep, described).splitlines() == [
-      "sweep s on configs/x.py:base",
-      "row   overrides         params  FLOPs/token  paper params  diff",
-      "base  (base)            50.5M   3e+08        50M           +1.0%",
-      "wide  d_ff=4096 seed=2  2.0M    1.23e+07"]
+    "sweep s on configs/x.py:base",
+    "row   overrides         params  FLOPs/token  paper params  diff",
+    "base  (base)            50.5M   3e+08        50M           +1.0%",
+    "wide  d_ff=4096 seed=2  2.0M    1.23e+07",
+  ]
 
 
 def test_changed_values_use_table3_names():
   """Overrides read as Table 3's column names, in the row's order; other keys as they are."""
   assert report.changed_values(spec.Row("b", {})) == "(base)"
-  row = spec.Row("x", {"model.num_heads": 1, "model.d_k": 512, "model.dropout_rate": 0.0,
-                       "label_smoothing": 0.2, "model.positional": "learned",
-                       "num_train_steps": 300_000, "model.num_layers": 2, "seed": 3,
-                       "model.norm": "pre"})
+  row = spec.Row(
+    "x",
+    {
+      "model.num_heads": 1,
+      "model.d_k": 512,
+      "model.dropout_rate": 0.0,
+      "label_smoothing": 0.2,
+      "model.positional": "learned",
+      "num_train_steps": 300_000,
+      "model.num_layers": 2,
+      "seed": 3,
+      "model.norm": "pre",
+    },
+  )
   assert report.changed_values(row) == (
-      "h=1 d_k=512 P_drop=0.0 eps_ls=0.2 positional=learned steps=300000 N=2 seed=3 "
-      "model.norm=pre")
+    "h=1 d_k=512 P_drop=0.0 eps_ls=0.2 positional=learned steps=300000 N=2 seed=3 model.norm=pre"
+  )
 
 
 def test_markdown_table_formats_numbers_and_leaves_missing_cells_blank():
   """Header and separator have one cell per column; params 1 decimal, ppl and BLEU 2,
   the paper's BLEU 1, its params as written; None is an empty cell."""
-  table = report.markdown_table([
-      _collected("base", ppl=4.9349, BLEU=25.456, tok_BLEU=26.0, paper_ppl=4.92,
-                 paper_BLEU=25.8),
-      _collected("big", **{"params (M)": 213.04, "paper params (M)": 213})])
+  table = report.markdown_table(
+    [
+      _collected("base", ppl=4.9349, BLEU=25.456, tok_BLEU=26.0, paper_ppl=4.92, paper_BLEU=25.8),
+      _collected("big", **{"params (M)": 213.04, "paper params (M)": 213}),
+    ]
+  )
   lines = table.splitlines()
   assert table.endswith("\n") and len(lines) == 4
-  assert lines[0] == ("| row | changed values | params (M) | ppl | BLEU | tok BLEU | paper ppl "
-                      "| paper BLEU | paper params (M) |")
+  assert lines[0] == (
+    "| row | changed values | params (M) | ppl | BLEU | tok BLEU | paper ppl "
+    "| paper BLEU | paper params (M) |"
+  )
   assert lines[1] == "|" + "---|" * 9
   assert lines[2] == "| base | (base) |  | 4.93 | 25.46 | 26.00 | 4.92 | 25.8 |  |"
   assert lines[3] == "| big | (base) | 213.0 |  |  |  |  |  | 213 |"
@@ -89,8 +116,7 @@ def test_markdown_table_keeps_the_papers_fractional_params():
 
 
 def test_relative_change_is_against_the_base_row():
-  assert report._relative_to_base([5.0, 5.5, None], 5.0) == [0.0, pytest.approx(10.0),
-                                                                   None]
+  assert report._relative_to_base([5.0, 5.5, None], 5.0) == [0.0, pytest.approx(10.0), None]
   assert report._relative_to_base([1.0], None) == [None]
   assert report._relative_to_base([1.0, 0.0], 0.0) == [None, None]  # no change from 0
 
@@ -120,15 +146,19 @@ def test_collect_writes_table_csv_and_plot(tmp_path):
   written = report.collect(sweep, rows, configs, workdir, out)
   assert [os.path.basename(p) for p in written] == ["table3.md", "table3.csv", "table3.png"]
 
-  markdown = open(written[0]).read()
-  assert ("| row | changed values | params (M) | ppl | BLEU | tok BLEU | paper ppl | paper BLEU "
-          "| paper params (M) |") in markdown
+  markdown = pathlib.Path(written[0]).read_text()
+  assert (
+    "| row | changed values | params (M) | ppl | BLEU | tok BLEU | paper ppl | paper BLEU "
+    "| paper params (M) |"
+  ) in markdown
   assert "| A1 | h=1 d_k=512 d_v=512 | 63.0 | 5.50 | 24.00 | 24.50 | 5.29 | 24.9 |  |" in markdown
   assert "| C1 | N=2 | 33.6 | 6.25 | 20.00 |  | 6.11 | 23.7 | 36 |" in markdown
   assert "Not finished yet (blank): E." in markdown
-  assert ("BLEU of base, A1 is computed on the whole validation split (3000 sentences, "
-          "eval.py). BLEU of C1 is computed on the first 500 validation sentences (the "
-          "training run's last evaluation).") in markdown
+  assert (
+    "BLEU of base, A1 is computed on the whole validation split (3000 sentences, "
+    "eval.py). BLEU of C1 is computed on the first 500 validation sentences (the "
+    "training run's last evaluation)."
+  ) in markdown
   with open(written[1]) as f:
     table = list(csv.DictReader(f))
   assert [r["row"] for r in table] == ["base", "A1", "C1", "E"]
@@ -151,9 +181,14 @@ def test_collect_rows_group_rows_by_where_bleu_came_from(tmp_path):
   sources = {}
   collected = report.collect_rows(sweep, rows, configs, workdir + "/", sources)
   assert sources == {
-      "the whole validation split (3000 sentences, eval.py)": ["base", "A1"], None: ["E"]}
+    "the whole validation split (3000 sentences, eval.py)": ["base", "A1"],
+    None: ["E"],
+  }
   assert [(r["row"], r["ppl"], r["BLEU"], r["tok BLEU"]) for r in collected] == [
-      ("base", 5.0, 25.0, 25.5), ("A1", 5.5, 24.0, 24.5), ("E", None, None, None)]
+    ("base", 5.0, 25.0, 25.5),
+    ("A1", 5.5, 24.0, 24.5),
+    ("E", None, None, None),
+  ]
   assert collected[0]["params (M)"] == pytest.approx(63.1, abs=0.1)
   assert (collected[0]["paper ppl"], collected[0]["paper BLEU"]) == (4.92, 25.8)
 
@@ -168,8 +203,7 @@ def test_collect_with_one_bleu_source_and_every_row_finished(tmp_path):
   fake_finished_row(workdir, "base", 100_000, ppl=5.0, bleu=25.0)
   fake_finished_row(workdir, "C1", 100_000, ppl=6.0, bleu=21.0)
   written = report.collect(sweep, rows, configs, workdir, str(tmp_path / "a" / "b"))
-  markdown = open(written[0]).read()
-  assert (" BLEU is computed on the whole validation split (3000 sentences, eval.py).\n"
-          in markdown)
+  markdown = pathlib.Path(written[0]).read_text()
+  assert " BLEU is computed on the whole validation split (3000 sentences, eval.py).\n" in markdown
   assert "BLEU of base" not in markdown and "Not finished" not in markdown
   assert markdown.endswith("| C1 | N=2 | 33.6 | 6.00 | 21.00 | 21.50 | 6.11 | 23.7 | 36 |\n")

@@ -66,6 +66,7 @@ def fake_python(tmp_path):
   def calls():
     log = directory / "calls.jsonl"
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
   return types.SimpleNamespace(path=str(path), behave=behave, calls=calls, dir=directory)
 
 
@@ -95,8 +96,10 @@ def test_final_results_none_without_a_final_validation(tmp_path):
   an earlier step (and eval.py's report for another step) is not a result."""
   row_dir = str(tmp_path / "r")
   assert runner.final_results(row_dir, 6) is None
-  _write_metrics(row_dir, [{"step": 4, "kind": "validation", "ppl": 9.0},
-                           {"step": 6, "kind": "train", "ppl": 8.0}])
+  _write_metrics(
+    row_dir,
+    [{"step": 4, "kind": "validation", "ppl": 9.0}, {"step": 6, "kind": "train", "ppl": 8.0}],
+  )
   os.makedirs(os.path.join(row_dir, "eval"))
   with open(os.path.join(row_dir, "eval", "validation-4.json"), "w") as f:
     json.dump({"ppl": 1.0, "bleu": 1.0}, f)
@@ -108,8 +111,12 @@ def test_final_results_from_metrics_take_the_last_validation_record(tmp_path):
   step counts (BLEU only if it has one); no tokenized BLEU, no sentence count."""
   row_dir = fake_finished_row(str(tmp_path), "r", 6, ppl=5.0, bleu=20.0, from_eval_py=False)
   assert runner.final_results(row_dir, 6) == {
-      "ppl": 5.0, "bleu": 20.0, "bleu_tok": None, "bleu_sentences": None,
-      "source": "metrics.jsonl"}
+    "ppl": 5.0,
+    "bleu": 20.0,
+    "bleu_tok": None,
+    "bleu_sentences": None,
+    "source": "metrics.jsonl",
+  }
   _write_metrics(row_dir, [{"step": 6, "kind": "validation", "ppl": 7.0}])
   assert runner.final_results(row_dir, 6)["bleu"] is None
 
@@ -119,12 +126,22 @@ def test_final_results_prefer_eval_py_over_metrics(tmp_path):
   row_dir = fake_finished_row(str(tmp_path), "r", 6, ppl=5.0, bleu=25.0)
   _write_metrics(row_dir, [{"step": 6, "kind": "validation", "ppl": 9.0, "bleu": 1.0}])
   assert runner.final_results(row_dir, 6) == {
-      "ppl": 5.0, "bleu": 25.0, "bleu_tok": 25.5, "bleu_sentences": 3000, "source": "eval.py"}
+    "ppl": 5.0,
+    "bleu": 25.0,
+    "bleu_tok": 25.5,
+    "bleu_sentences": 3000,
+    "source": "eval.py",
+  }
   # A report without the optional fields still reads.
   with open(os.path.join(row_dir, "eval", "validation-6.json"), "w") as f:
     json.dump({"ppl": 4.0, "bleu": 24.0}, f)
   assert runner.final_results(row_dir, 6) == {
-      "ppl": 4.0, "bleu": 24.0, "bleu_tok": None, "bleu_sentences": None, "source": "eval.py"}
+    "ppl": 4.0,
+    "bleu": 24.0,
+    "bleu_tok": None,
+    "bleu_sentences": None,
+    "source": "eval.py",
+  }
 
 
 def test_row_state_from_checkpoints_and_results(tmp_path):
@@ -154,8 +171,7 @@ def test_row_state_from_checkpoints_and_results(tmp_path):
 # run_local with a fake interpreter.
 
 
-def test_run_local_trains_then_evaluates_with_absolute_workdirs(tmp_path, monkeypatch,
-                                                                fake_python):
+def test_run_local_trains_then_evaluates_with_absolute_workdirs(tmp_path, monkeypatch, fake_python):
   """A new row runs train.py then eval.py from the repo root, each with the row's
   absolute workdir (the sweep's workdir may be relative), and logs both; a rerun skips it."""
   sweep, configs = _sweep("r", base_overrides={"seed": 3})
@@ -163,14 +179,25 @@ def test_run_local_trains_then_evaluates_with_absolute_workdirs(tmp_path, monkey
   done = runner.run_local(sweep, sweep.rows, configs, "runs", python=fake_python.path)
   row_dir = str(tmp_path / "runs" / "r")
   assert fake_python.calls() == [
-      ["train.py", REPO, ["--config", os.path.join(REPO, "configs", "default.py"),
-                          "--workdir", row_dir, "--config.seed=3",
-                          "--config.model.d_model=16"]],
-      ["eval.py", REPO, ["--workdir", row_dir, "--split", "validation", "--step", "6"]]]
+    [
+      "train.py",
+      REPO,
+      [
+        "--config",
+        os.path.join(REPO, "configs", "default.py"),
+        "--workdir",
+        row_dir,
+        "--config.seed=3",
+        "--config.model.d_model=16",
+      ],
+    ],
+    ["eval.py", REPO, ["--workdir", row_dir, "--split", "validation", "--step", "6"]],
+  ]
   assert [(d["row"], d["phase"], d["returncode"], d["resumed"]) for d in done] == [
-      ("r", "train", 0, False), ("r", "eval", 0, False)]
-  assert [(e["phase"], e["returncode"]) for e in _read_log("runs")] == [("train", 0),
-                                                                         ("eval", 0)]
+    ("r", "train", 0, False),
+    ("r", "eval", 0, False),
+  ]
+  assert [(e["phase"], e["returncode"]) for e in _read_log("runs")] == [("train", 0), ("eval", 0)]
   assert _read_log("runs")[0]["versions"] == versions.library_versions()
   assert runner.row_state(row_dir, 6, final_eval=True) == "finished"
 
@@ -189,15 +216,15 @@ def test_run_local_only_evaluates_a_trained_row(tmp_path, fake_python):
   assert [call[0] for call in fake_python.calls()] == ["eval.py"]
 
 
-def test_run_local_without_final_eval_and_without_validation_says_so(tmp_path, capsys,
-                                                                     fake_python):
+def test_run_local_without_final_eval_and_without_validation_says_so(tmp_path, capsys, fake_python):
   """--nofinal_eval on a trained row with no final validation record runs nothing and
   says what is missing, rather than retraining."""
   sweep, configs = _sweep("r")
   workdir = str(tmp_path / "runs")
   os.makedirs(os.path.join(workdir, "r", "checkpoints", "6"))
-  done = runner.run_local(sweep, sweep.rows, configs, workdir, final_eval=False,
-                          python=fake_python.path)
+  done = runner.run_local(
+    sweep, sweep.rows, configs, workdir, final_eval=False, python=fake_python.path
+  )
   assert done == [] and fake_python.calls() == []
   assert "no final validation to record" in capsys.readouterr().out
   assert not os.path.exists(os.path.join(workdir, "sweep_log.jsonl"))
@@ -210,11 +237,13 @@ def test_run_local_stops_at_a_failed_phase(tmp_path, fake_python):
   fake_python.behave(**{"train.py": {"rc": 3}})
   with pytest.raises(spec.SweepError) as error:
     runner.run_local(sweep, sweep.rows, configs, workdir, python=fake_python.path)
-  assert str(error.value) == ("row first: train exited with code 3; rerun the same command "
-                              "to resume")
+  assert str(error.value) == (
+    "row first: train exited with code 3; rerun the same command to resume"
+  )
   assert [call[0] for call in fake_python.calls()] == ["train.py"]
   assert [(e["row"], e["phase"], e["returncode"]) for e in _read_log(workdir)] == [
-      ("first", "train", 3)]
+    ("first", "train", 3)
+  ]
 
 
 def test_run_local_stops_when_training_ends_short_of_the_last_step(tmp_path, fake_python):
@@ -244,8 +273,7 @@ def test_sigterm_is_passed_to_the_child_and_stops_the_sweep(tmp_path, fake_pytho
   ours = signal.getsignal(signal.SIGTERM)
   try:
     with pytest.raises(spec.SweepError, match="^stopped by SIGTERM; rerun the same command"):
-      runner.run_local(sweep, sweep.rows, configs, str(tmp_path / "runs"),
-                       python=fake_python.path)
+      runner.run_local(sweep, sweep.rows, configs, str(tmp_path / "runs"), python=fake_python.path)
     assert signal.getsignal(signal.SIGTERM) is ours
   finally:
     signal.signal(signal.SIGTERM, before)
@@ -258,8 +286,7 @@ def test_sigterm_is_passed_to_the_child_and_stops_the_sweep(tmp_path, fake_pytho
 # A real row: train.py resumes it.
 
 
-def test_local_runner_resumes_an_interrupted_row_and_skips_a_finished_one(
-    tmp_path, small_corpus):
+def test_local_runner_resumes_an_interrupted_row_and_skips_a_finished_one(tmp_path, small_corpus):
   sweep = spec.load_sweep(write_sweep(tmp_path, small_corpus, '[Row("r", {})]'))
   configs = {"r": spec.row_config(sweep, sweep.rows[0])}
   workdir = str(tmp_path / "runs")

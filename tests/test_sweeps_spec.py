@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from absl import flags
 from ml_collections import config_flags
-import pytest
 
 from tests.helpers.sweep_helpers import PAPER_ROWS, REPO, TABLE3, TABLE3_SMALL, write_sweep
 from transformer import config as config_lib
@@ -41,8 +41,10 @@ def test_table3_small_scales_every_row_and_keeps_the_papers_numbers():
   small, paper = spec.load_sweep(TABLE3_SMALL), spec.load_sweep(TABLE3)
   assert [row.name for row in small.rows] == PAPER_ROWS
   for small_row, paper_row in zip(small.rows, paper.rows):
-    assert (small_row.paper_ppl, small_row.paper_bleu) == (paper_row.paper_ppl,
-                                                           paper_row.paper_bleu)
+    assert (small_row.paper_ppl, small_row.paper_bleu) == (
+      paper_row.paper_ppl,
+      paper_row.paper_bleu,
+    )
     config = spec.row_config(small, small_row)
     assert config.dataset == "tatoeba_en_es"
     # (A) keeps h * d_k = d_model, as in the paper.
@@ -61,25 +63,39 @@ def test_row_names_must_be_unique(tmp_path, small_corpus):
 
 def test_load_sweep_names_the_sweep_by_its_file_and_defaults_base_overrides(tmp_path):
   """The sweep's name is the file's stem; BASE_OVERRIDES may be left out."""
-  path = _sweep_file(tmp_path, "BASE_CONFIG = 'configs/default.py'\n"
-                               "def get_sweep():\n  return [Row('x', {'seed': 1})]\n",
-                     name="my_sweep.py")
+  path = _sweep_file(
+    tmp_path,
+    "BASE_CONFIG = 'configs/default.py'\ndef get_sweep():\n  return [Row('x', {'seed': 1})]\n",
+    name="my_sweep.py",
+  )
   sweep = spec.load_sweep(path)
   assert (sweep.name, sweep.base_config, sweep.base_overrides) == (
-      "my_sweep", "configs/default.py", {})
+    "my_sweep",
+    "configs/default.py",
+    {},
+  )
   assert sweep.rows == [spec.Row("x", {"seed": 1})]
 
 
-@pytest.mark.parametrize("body,message", [
+@pytest.mark.parametrize(
+  "body,message",
+  [
     ("def get_sweep():\n  return [Row('a', {})]\n", r"BASE_CONFIG = 'FILE\[:ARG\]' is missing"),
-    ("BASE_CONFIG = ''\ndef get_sweep():\n  return [Row('a', {})]\n",
-     r"BASE_CONFIG = 'FILE\[:ARG\]' is missing"),
+    (
+      "BASE_CONFIG = ''\ndef get_sweep():\n  return [Row('a', {})]\n",
+      r"BASE_CONFIG = 'FILE\[:ARG\]' is missing",
+    ),
     ("BASE_CONFIG = 'configs/default.py'\n", r"get_sweep\(\) returning a list of Row is missing"),
-    ("BASE_CONFIG = 'configs/default.py'\ndef get_sweep():\n  return []\n",
-     r"get_sweep\(\) returned no rows"),
-    ("BASE_CONFIG = 'configs/default.py'\ndef get_sweep():\n  return [('a', {})]\n",
-     r"get_sweep\(\) must return Row objects, got \('a', \{\}\)"),
-])
+    (
+      "BASE_CONFIG = 'configs/default.py'\ndef get_sweep():\n  return []\n",
+      r"get_sweep\(\) returned no rows",
+    ),
+    (
+      "BASE_CONFIG = 'configs/default.py'\ndef get_sweep():\n  return [('a', {})]\n",
+      r"get_sweep\(\) must return Row objects, got \('a', \{\}\)",
+    ),
+  ],
+)
 def test_malformed_sweep_file_is_a_one_line_error_naming_the_file(tmp_path, body, message):
   """Each way a sweep file can be malformed fails naming the file and what is wrong."""
   path = _sweep_file(tmp_path, body)
@@ -103,13 +119,26 @@ def test_shipped_sweep_files_load_from_any_directory(tmp_path, monkeypatch):
   assert spec.row_config(sweep, sweep.rows[0]).model.d_model == 512
 
 
-@pytest.mark.parametrize("name,ok", [
-    ("A1", True), ("big.v2", True), ("x_y-z", True), ("", False), (".hidden", False),
-    ("-x", False), ("a/b", False), ("a b", False), ("..", False)])
+@pytest.mark.parametrize(
+  "name,ok",
+  [
+    ("A1", True),
+    ("big.v2", True),
+    ("x_y-z", True),
+    ("", False),
+    (".hidden", False),
+    ("-x", False),
+    ("a/b", False),
+    ("a b", False),
+    ("..", False),
+  ],
+)
 def test_row_names_must_be_directory_names(tmp_path, name, ok):
   """A row name is its workdir's directory name: no separators, no leading dot or dash."""
-  path = _sweep_file(tmp_path, "BASE_CONFIG = 'configs/default.py'\n"
-                               f"def get_sweep():\n  return [Row({name!r}, {{}})]\n")
+  path = _sweep_file(
+    tmp_path,
+    f"BASE_CONFIG = 'configs/default.py'\ndef get_sweep():\n  return [Row({name!r}, {{}})]\n",
+  )
   if ok:
     assert [row.name for row in spec.load_sweep(path).rows] == [name]
   else:
@@ -117,12 +146,18 @@ def test_row_names_must_be_directory_names(tmp_path, name, ok):
       spec.load_sweep(path)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"model.d_fff": 1}, r"row r: config\.model\.d_fff: unknown key \(did you mean "
-                         r"config\.model\.d_ff\?\)"),
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    (
+      {"model.d_fff": 1},
+      r"row r: config\.model\.d_fff: unknown key \(did you mean "
+      r"config\.model\.d_ff\?\)",
+    ),
     ({"model.num_heads": "eight"}, r"row r: config\.model\.num_heads"),
     ({"model.dropout_rate": 1.5}, r"row r: config\.model\.dropout_rate: must be in \[0, 1\)"),
-])
+  ],
+)
 def test_bad_override_is_a_one_line_error(overrides, message):
   sweep = spec.Sweep("s", "configs/default.py", {}, [])
   with pytest.raises(spec.SweepError, match=message):
@@ -132,16 +167,17 @@ def test_bad_override_is_a_one_line_error(overrides, message):
 def test_bad_base_override_names_the_sweeps_base_overrides():
   """A typo in BASE_OVERRIDES is blamed on BASE_OVERRIDES, not on the row it surfaced in."""
   sweep = spec.Sweep("s", "configs/default.py", {"label_smoothin": 0.2}, [])
-  with pytest.raises(spec.SweepError,
-                     match=r"^s BASE_OVERRIDES: config\.label_smoothin: unknown key "
-                           r"\(did you mean config\.label_smoothing\?\)$"):
+  with pytest.raises(
+    spec.SweepError,
+    match=r"^s BASE_OVERRIDES: config\.label_smoothin: unknown key "
+    r"\(did you mean config\.label_smoothing\?\)$",
+  ):
     spec.row_config(sweep, spec.Row("r", {}))
 
 
 def test_row_overrides_apply_after_base_overrides_and_arg_is_passed():
   """BASE_OVERRIDES reach every row, a row's own value wins, FILE:ARG picks the variant."""
-  sweep = spec.Sweep("s", "configs/wmt14.py:big",
-                     {"label_smoothing": 0.2, "seed": 7}, [])
+  sweep = spec.Sweep("s", "configs/wmt14.py:big", {"label_smoothing": 0.2, "seed": 7}, [])
   plain = spec.row_config(sweep, spec.Row("plain", {}))
   own = spec.row_config(sweep, spec.Row("own", {"label_smoothing": 0.0}))
   assert plain.model.d_model == own.model.d_model == 1024  # :big
@@ -152,8 +188,9 @@ def test_row_overrides_apply_after_base_overrides_and_arg_is_passed():
 def test_only_picks_rows_and_rejects_unknown_names():
   sweep = spec.load_sweep(TABLE3)
   assert [r.name for r in spec.select_rows(sweep, "C3, A1")] == ["A1", "C3"]
-  with pytest.raises(spec.SweepError,
-                     match=r"no row 'bse' in sweep table3 \(did you mean base\?\)"):
+  with pytest.raises(
+    spec.SweepError, match=r"no row 'bse' in sweep table3 \(did you mean base\?\)"
+  ):
     spec.select_rows(sweep, "A1,bse")
 
 
@@ -199,7 +236,12 @@ def test_missing_base_config_is_a_one_line_sweep_error(tmp_path, monkeypatch):
 def test_flag_value_writes_strings_bare_and_other_values_as_repr():
   assert spec.flag_value("learned") == "learned"
   assert [spec.flag_value(v) for v in (0.3, 0.0, 300_000, True, None)] == [
-      "0.3", "0.0", "300000", "True", "None"]
+    "0.3",
+    "0.0",
+    "300000",
+    "True",
+    "None",
+  ]
 
 
 def test_train_and_eval_args():
@@ -208,13 +250,22 @@ def test_train_and_eval_args():
   sweep = spec.Sweep("s", "configs/wmt14.py:base", {"seed": 1, "label_smoothing": 0.0}, [])
   row = spec.Row("r", {"label_smoothing": 0.2, "model.positional": "learned"})
   assert spec.train_args(sweep, row, "W/r", "/abs/wmt14.py") == [
-      "--config", "/abs/wmt14.py:base", "--workdir", "W/r", "--config.seed=1",
-      "--config.label_smoothing=0.2", "--config.model.positional=learned"]
+    "--config",
+    "/abs/wmt14.py:base",
+    "--workdir",
+    "W/r",
+    "--config.seed=1",
+    "--config.label_smoothing=0.2",
+    "--config.model.positional=learned",
+  ]
   no_arg = spec.Sweep("s", "configs/default.py", {}, [])
   assert spec.train_args(no_arg, spec.Row("r", {}), "W/r", "/abs/default.py") == [
-      "--config", "/abs/default.py", "--workdir", "W/r"]
-  assert spec.eval_args("W/r", 6) == ["--workdir", "W/r", "--split", "validation",
-                                      "--step", "6"]
+    "--config",
+    "/abs/default.py",
+    "--workdir",
+    "W/r",
+  ]
+  assert spec.eval_args("W/r", 6) == ["--workdir", "W/r", "--split", "validation", "--step", "6"]
 
 
 def test_train_args_parse_back_to_the_row_config():
@@ -235,18 +286,30 @@ def test_command_line_overrides_change_every_row_over_its_own_values():
   """`--config.num_train_steps=20` shortens every row of a sweep, the one that sets its
   own steps too, and its train.py command carries it last (so it wins there as well)."""
   argv, overrides = spec.split_config_overrides(
-      ["sweeps", "--sweep", "s.py", "--config.num_train_steps=20",
-       "--config.model.scan_layers=false", "--config.data_dir=gs://b/tfds"])
+    [
+      "sweeps",
+      "--sweep",
+      "s.py",
+      "--config.num_train_steps=20",
+      "--config.model.scan_layers=false",
+      "--config.data_dir=gs://b/tfds",
+    ]
+  )
   assert argv == ["sweeps", "--sweep", "s.py"]
   sweep = spec.load_sweep(TABLE3)
   sweep = spec.Sweep(sweep.name, sweep.base_config, sweep.base_overrides, sweep.rows, overrides)
   for row in spec.select_rows(sweep, "base,big"):
     config = spec.row_config(sweep, row)
     assert (config.num_train_steps, config.model.scan_layers, config.data_dir) == (
-        20, False, "gs://b/tfds")
+      20,
+      False,
+      "gs://b/tfds",
+    )
     assert spec.train_args(sweep, row, "W", "c.py")[-3:] == [
-        "--config.num_train_steps=20", "--config.model.scan_layers=false",
-        "--config.data_dir=gs://b/tfds"]
+      "--config.num_train_steps=20",
+      "--config.model.scan_layers=false",
+      "--config.data_dir=gs://b/tfds",
+    ]
   with pytest.raises(spec.SweepError, match="^--config.seed: write --config.KEY=VALUE"):
     spec.split_config_overrides(["--config.seed", "3"])
   bad = spec.Sweep(sweep.name, sweep.base_config, {}, sweep.rows, {"num_train_step": "2"})

@@ -18,8 +18,7 @@ from transformer.training import checkpoints, state
 
 
 def _params(workdir, config, **kwargs):
-  params, step = checkpoints.restore_params(workdir, state.setup(config),
-                                            **kwargs)
+  params, step = checkpoints.restore_params(workdir, state.setup(config), **kwargs)
   return jax.device_get(params), step
 
 
@@ -31,8 +30,9 @@ def test_averaging_gives_the_mean(trained_run, tmp_path):
   assert step == last
   averaged, step = _params(workdir, config, average_last=2)
   assert step == last
-  jax.tree.map(lambda a, x, y: np.testing.assert_allclose(a, (x + y) / 2, rtol=1e-6),
-               averaged, p_first, p_last)
+  jax.tree.map(
+    lambda a, x, y: np.testing.assert_allclose(a, (x + y) / 2, rtol=1e-6), averaged, p_first, p_last
+  )
   same, _ = _params(workdir, config, average_last=1)
   jax.tree.map(np.testing.assert_array_equal, same, p_last)
   with pytest.raises(ConfigError, match="only 2 checkpoints"):
@@ -79,23 +79,30 @@ def test_averaged_run_is_a_complete_workdir(trained_run, tmp_path):
   result.close()
   assert written_iterator == original_iterator
   assert int(written.step) == int(original.step)
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(written.opt_state),
-               jax.device_get(original.opt_state))
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(written.params),
-               jax.device_get(original.params))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.device_get(written.opt_state),
+    jax.device_get(original.opt_state),
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal, jax.device_get(written.params), jax.device_get(original.params)
+  )
 
 
-@pytest.mark.parametrize("same", [
-    lambda w: w, lambda w: w + "/", lambda w: f"{w}/../{os.path.basename(w)}"],
-    ids=["as_is", "trailing_slash", "dot_dot"])
+@pytest.mark.parametrize(
+  "same",
+  [lambda w: w, lambda w: w + "/", lambda w: f"{w}/../{os.path.basename(w)}"],
+  ids=["as_is", "trailing_slash", "dot_dot"],
+)
 def test_output_equal_to_the_run_is_a_one_line_error(trained_run, same):
   """The run's own directory, however spelled, is refused before anything is written."""
   _, workdir = trained_run
   before = checkpoints.steps_on_disk(workdir)
   with pytest.raises(ConfigError) as error:
     average_checkpoints.average_into(workdir, same(workdir), 2)
-  assert str(error.value) == ("--output_workdir must differ from --workdir (a run's own "
-                              "checkpoints are never overwritten)")
+  assert str(error.value) == (
+    "--output_workdir must differ from --workdir (a run's own checkpoints are never overwritten)"
+  )
   assert checkpoints.steps_on_disk(workdir) == before
 
 
@@ -111,13 +118,17 @@ def test_output_that_holds_checkpoints_is_a_one_line_error(trained_run, tmp_path
   _, workdir = trained_run
   out = str(tmp_path / "avg")
   assert average_checkpoints.average_into(workdir, out, 2) == TRAINED_RUN_STEPS[-1]
-  before = {p: os.path.getmtime(os.path.join(out, "checkpoints", p))
-            for p in os.listdir(os.path.join(out, "checkpoints"))}
+  before = {
+    p: os.path.getmtime(os.path.join(out, "checkpoints", p))
+    for p in os.listdir(os.path.join(out, "checkpoints"))
+  }
   with pytest.raises(ConfigError) as error:
     average_checkpoints.average_into(workdir, out, 1)
   assert str(error.value) == f"{out} already holds checkpoints"
-  assert {p: os.path.getmtime(os.path.join(out, "checkpoints", p))
-          for p in os.listdir(os.path.join(out, "checkpoints"))} == before
+  assert {
+    p: os.path.getmtime(os.path.join(out, "checkpoints", p))
+    for p in os.listdir(os.path.join(out, "checkpoints"))
+  } == before
 
 
 def test_an_empty_checkpoint_folder_from_a_failed_try_is_reused(trained_run, tmp_path):
@@ -131,8 +142,14 @@ def test_an_empty_checkpoint_folder_from_a_failed_try_is_reused(trained_run, tmp
 
 def _average_checkpoints(*args):
   env = subprocess_env(devices=1)
-  return subprocess.run([sys.executable, "-m", "transformer.tools.average_checkpoints", *args],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, "-m", "transformer.tools.average_checkpoints", *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
 
 
 def test_command_line_errors_are_one_line(tmp_path):
@@ -141,12 +158,17 @@ def test_command_line_errors_are_one_line(tmp_path):
   run, out = tmp_path / "run", tmp_path / "out"
   (out / "checkpoints" / "3").mkdir(parents=True)
   for args, message in [
-      (["--workdir", str(run)], "error: --workdir and --output_workdir are required"),
-      (["--workdir", str(run), "--output_workdir", f"{run}/"],
-       "error: --output_workdir must differ from --workdir (a run's own checkpoints are "
-       "never overwritten)"),
-      (["--workdir", str(run), "--output_workdir", str(out)],
-       f"error: {out} already holds checkpoints")]:
+    (["--workdir", str(run)], "error: --workdir and --output_workdir are required"),
+    (
+      ["--workdir", str(run), "--output_workdir", f"{run}/"],
+      "error: --output_workdir must differ from --workdir (a run's own checkpoints are "
+      "never overwritten)",
+    ),
+    (
+      ["--workdir", str(run), "--output_workdir", str(out)],
+      f"error: {out} already holds checkpoints",
+    ),
+  ]:
     result = _average_checkpoints(*args)
     assert result.returncode == 1, (args, result.stdout[-2000:])
     assert result.stderr.strip().splitlines()[-1] == message

@@ -13,39 +13,47 @@ def test_count_unpacked_batch():
   """Pairs are rows with any decoder token; tokens are non-pad source and decoder-input
   tokens (the target repeats them, shifted); all-pad fill rows count nothing."""
   batch = {
-      "source": np.array([[5, 6, 1, 0], [7, 1, 0, 0], [0, 0, 0, 0]], np.int32),
-      "target": np.array([[8, 1, 0], [9, 9, 1], [0, 0, 0]], np.int32),
-      "decoder_input": np.array([[2, 8, 0], [2, 9, 9], [0, 0, 0]], np.int32),
+    "source": np.array([[5, 6, 1, 0], [7, 1, 0, 0], [0, 0, 0, 0]], np.int32),
+    "target": np.array([[8, 1, 0], [9, 9, 1], [0, 0, 0]], np.int32),
+    "decoder_input": np.array([[2, 8, 0], [2, 9, 9], [0, 0, 0]], np.int32),
   }
-  assert input_speed.count(batch) == {"pairs": 2, "source_tokens": 3 + 2, "source_slots": 12,
-                                     "target_tokens": 2 + 3, "target_slots": 9}
+  assert input_speed.count(batch) == {
+    "pairs": 2,
+    "source_tokens": 3 + 2,
+    "source_slots": 12,
+    "target_tokens": 2 + 3,
+    "target_slots": 9,
+  }
 
 
 def test_count_packed_batch():
   """Packed rows hold several pairs: one per target segment (segments count from 1);
   segment ids and positions are not tokens."""
   batch = {
-      "source": np.array([[5, 1, 6, 7, 1, 0], [4, 4, 4, 1, 0, 0], [0] * 6], np.int32),
-      "source_segment_ids": np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0], [0] * 6],
-                                     np.int32),
-      "source_positions": np.array([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0], [0] * 6],
-                                   np.int32),
-      "target": np.array([[8, 1, 9, 1, 0, 0], [5, 1, 0, 0, 0, 0], [0] * 6], np.int32),
-      "target_segment_ids": np.array([[1, 1, 2, 2, 0, 0], [1, 1, 0, 0, 0, 0], [0] * 6],
-                                     np.int32),
-      "target_positions": np.array([[0, 1, 0, 1, 0, 0], [0, 1, 0, 0, 0, 0], [0] * 6],
-                                   np.int32),
-      "decoder_input": np.array([[2, 8, 2, 9, 0, 0], [2, 5, 0, 0, 0, 0], [0] * 6], np.int32),
+    "source": np.array([[5, 1, 6, 7, 1, 0], [4, 4, 4, 1, 0, 0], [0] * 6], np.int32),
+    "source_segment_ids": np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0], [0] * 6], np.int32),
+    "source_positions": np.array([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0], [0] * 6], np.int32),
+    "target": np.array([[8, 1, 9, 1, 0, 0], [5, 1, 0, 0, 0, 0], [0] * 6], np.int32),
+    "target_segment_ids": np.array([[1, 1, 2, 2, 0, 0], [1, 1, 0, 0, 0, 0], [0] * 6], np.int32),
+    "target_positions": np.array([[0, 1, 0, 1, 0, 0], [0, 1, 0, 0, 0, 0], [0] * 6], np.int32),
+    "decoder_input": np.array([[2, 8, 2, 9, 0, 0], [2, 5, 0, 0, 0, 0], [0] * 6], np.int32),
   }
-  assert input_speed.count(batch) == {"pairs": 3, "source_tokens": 5 + 4, "source_slots": 18,
-                                     "target_tokens": 4 + 2, "target_slots": 18}
+  assert input_speed.count(batch) == {
+    "pairs": 3,
+    "source_tokens": 5 + 4,
+    "source_slots": 18,
+    "target_tokens": 4 + 2,
+    "target_slots": 18,
+  }
 
 
 def test_count_decoder_only_batch():
   """A decoder-only batch has no source; every token of its sequences counts, the prompt
   too, though the target (the loss) is zero there."""
-  batch = {"target": np.array([[0, 0, 7, 1], [0, 5, 1, 0]], np.int32),
-           "decoder_input": np.array([[2, 4, 1, 7], [2, 3, 1, 5]], np.int32)}
+  batch = {
+    "target": np.array([[0, 0, 7, 1], [0, 5, 1, 0]], np.int32),
+    "decoder_input": np.array([[2, 4, 1, 7], [2, 3, 1, 5]], np.int32),
+  }
   assert input_speed.count(batch) == {"pairs": 2, "target_tokens": 8, "target_slots": 8}
 
 
@@ -78,6 +86,7 @@ def recorded(monkeypatch):
   def make(*args, **kwargs):
     made.append(_Recording(real(*args, **kwargs)))
     return made[-1]
+
   monkeypatch.setattr(pipeline, "make_train_iterator", make)
   return made
 
@@ -95,10 +104,12 @@ def test_measure_times_the_asked_batches_after_one_warm_up(small_corpus, recorde
   counts = [input_speed.count(b) for b in iterator.batches[1:]]
   assert r["examples_per_sec"] * r["seconds"] == pytest.approx(sum(c["pairs"] for c in counts))
   assert r["tokens_per_sec"] * r["seconds"] == pytest.approx(
-      sum(c["source_tokens"] + c["target_tokens"] for c in counts))
+    sum(c["source_tokens"] + c["target_tokens"] for c in counts)
+  )
   for side in ("source", "target"):
     assert r[f"{side}_padding_efficiency"] == pytest.approx(
-        sum(c[f"{side}_tokens"] for c in counts) / sum(c[f"{side}_slots"] for c in counts))
+      sum(c[f"{side}_tokens"] for c in counts) / sum(c[f"{side}_slots"] for c in counts)
+    )
   shapes = {b["decoder_input"].shape for b in iterator.batches[1:]}
   assert r["shapes"] == len(shapes) <= r["planned_shapes"] <= 8
   if batching == "packed":
@@ -108,6 +119,7 @@ def test_measure_times_the_asked_batches_after_one_warm_up(small_corpus, recorde
 def test_measure_closes_the_stream_when_counting_fails(small_corpus, recorded, monkeypatch):
   def broken(batch):
     raise RuntimeError("broken count")
+
   monkeypatch.setattr(input_speed, "count", broken)
   with pytest.raises(RuntimeError, match="broken count"):
     input_speed.measure(make_config(small_corpus), 2)

@@ -16,10 +16,23 @@ from transformer.training import checkpoints, sharding, state
 
 def tiny_config(**overrides):
   config = config_lib.base_config()
-  config_lib.apply_overrides(config, {
-      "vocab_size": 16, "max_len": 8, "model.num_layers": 1, "model.d_model": 8,
-      "model.d_ff": 16, "model.num_heads": 2, "model.d_k": 4, "model.d_v": 4,
-      "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, **overrides})
+  config_lib.apply_overrides(
+    config,
+    {
+      "vocab_size": 16,
+      "max_len": 8,
+      "model.num_layers": 1,
+      "model.d_model": 8,
+      "model.d_ff": 16,
+      "model.num_heads": 2,
+      "model.d_k": 4,
+      "model.d_v": 4,
+      "mesh.data": 2,
+      "mesh.fsdp": 2,
+      "mesh.tensor": 2,
+      **overrides,
+    },
+  )
   return config
 
 
@@ -35,10 +48,13 @@ def with_params(run, train_state, step, seed):
   """The train state at `step` with parameters drawn from `seed`, placed as setup says."""
   rng = np.random.default_rng(seed)
   params = jax.tree.map(
-      lambda x, s: jax.device_put(rng.normal(size=x.shape).astype(x.dtype), s),
-      train_state.params, run.state_shardings.params)
-  return train_state.replace(step=jax.device_put(np.int32(step), run.state_shardings.step),
-                             params=params)
+    lambda x, s: jax.device_put(rng.normal(size=x.shape).astype(x.dtype), s),
+    train_state.params,
+    run.state_shardings.params,
+  )
+  return train_state.replace(
+    step=jax.device_put(np.int32(step), run.state_shardings.step), params=params
+  )
 
 
 def save_all(workdir, run, states, keep=10, iterator_state=None):
@@ -55,8 +71,16 @@ def save_all(workdir, run, states, keep=10, iterator_state=None):
 def test_steps_on_disk_lists_complete_steps_in_numeric_order(tmp_path):
   """Torn saves (`<step>.orbax-checkpoint-tmp...`) and other names are not steps."""
   directory = tmp_path / "checkpoints"
-  for name in ("10", "3", "200", "7.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp-1712",
-               "latest", "1e3", "-4"):
+  for name in (
+    "10",
+    "3",
+    "200",
+    "7.orbax-checkpoint-tmp",
+    "8.orbax-checkpoint-tmp-1712",
+    "latest",
+    "1e3",
+    "-4",
+  ):
     (directory / name).mkdir(parents=True)
   (directory / "5").write_text("")  # a file, not a checkpoint folder
   assert checkpoints.steps_on_disk(str(tmp_path)) == [3, 10, 200]
@@ -84,8 +108,9 @@ def test_save_and_restore_round_trip_the_state_and_iterator(tmp_path, tiny):
   assert restored_iterator == iterator_state
   assert int(restored.step) == 7
   assert jax.tree.structure(restored) == jax.tree.structure(saved)
-  for got, want, s in zip(jax.tree.leaves(restored), jax.tree.leaves(saved),
-                          jax.tree.leaves(run.state_shardings)):
+  for got, want, s in zip(
+    jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(run.state_shardings)
+  ):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert got.sharding == s  # placed as the restore target says
   saved_config = checkpointer.saved_config(7)
@@ -105,8 +130,10 @@ def test_restore_into_another_model_is_a_checkpoint_error_naming_the_step(tmp_pa
     checkpointer.restore(3, other.restore_target())
   checkpointer.close()
   message = str(info.value)
-  assert message.startswith(f"checkpoint 3 in {checkpoints.checkpoint_dir(str(tmp_path))} "
-                            "cannot be loaded (a model other than this config's")
+  assert message.startswith(
+    f"checkpoint 3 in {checkpoints.checkpoint_dir(str(tmp_path))} "
+    "cannot be loaded (a model other than this config's"
+  )
   assert "\n" not in message
 
 
@@ -114,6 +141,7 @@ def test_a_stalled_read_is_a_timeout_naming_what_was_read(tmp_path, tiny):
   """Each read is bounded by timeout_s: the manager's start (it reads every checkpoint's
   metadata) and, once started, a checkpoint's config, data state and arrays."""
   from tests.helpers import fault_injection
+
   run, train_state = tiny
   save_all(str(tmp_path), run, [with_params(run, train_state, step=3, seed=0)])
   directory = checkpoints.checkpoint_dir(str(tmp_path))
@@ -122,16 +150,21 @@ def test_a_stalled_read_is_a_timeout_naming_what_was_read(tmp_path, tiny):
     with pytest.raises(checkpoints.CheckpointTimeout) as info:
       checkpoints.Checkpointer(str(tmp_path), keep=10, timeout_s=1)
     assert str(info.value).startswith(
-        f"reading the checkpoints in {directory} did not finish within 1 s"), info.value
+      f"reading the checkpoints in {directory} did not finish within 1 s"
+    ), info.value
     fault_injection.disarm()
     checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=10, timeout_s=1)
     fault_injection.arm(slow_restore_s=3)
-    for read in (checkpointer.saved_config, checkpointer.saved_iterator_state,
-                 lambda step: checkpointer.restore(step, run.restore_target())):
+    for read in (
+      checkpointer.saved_config,
+      checkpointer.saved_iterator_state,
+      lambda step: checkpointer.restore(step, run.restore_target()),
+    ):
       with pytest.raises(checkpoints.CheckpointTimeout) as info:
         read(3)
       assert str(info.value).startswith(
-          f"reading checkpoint 3 in {directory} did not finish within 1 s"), info.value
+        f"reading checkpoint 3 in {directory} did not finish within 1 s"
+      ), info.value
   finally:
     fault_injection.disarm()
   assert checkpoints.steps_on_disk(str(tmp_path)) == [3]
@@ -161,8 +194,9 @@ def test_only_the_loop_gives_the_preemption_sync_a_count(tmp_path, tiny, monkeyp
     counts.append(count)
     return False
 
-  monkeypatch.setattr(jax.experimental.multihost_utils, "reached_preemption_sync_point",
-                      reached_preemption_sync_point)
+  monkeypatch.setattr(
+    jax.experimental.multihost_utils, "reached_preemption_sync_point", reached_preemption_sync_point
+  )
   checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=10)
   assert not checkpointer.reached_preemption(3)
   checkpointer.save(1000, with_params(run, train_state, step=1000, seed=0), {}, run.config)
@@ -177,9 +211,17 @@ def test_only_the_loop_gives_the_preemption_sync_a_count(tmp_path, tiny, monkeyp
 # check_compatible and load_run_config
 
 
-@pytest.mark.parametrize("key,value", [
-    ("model.d_model", 16), ("model.num_layers", 2), ("model.decoder_only", True),
-    ("model.positional", "rope"), ("model.tie_embeddings", False), ("vocab_size", 32)])
+@pytest.mark.parametrize(
+  "key,value",
+  [
+    ("model.d_model", 16),
+    ("model.num_layers", 2),
+    ("model.decoder_only", True),
+    ("model.positional", "rope"),
+    ("model.tie_embeddings", False),
+    ("vocab_size", 32),
+  ],
+)
 def test_check_compatible_names_the_architecture_key_that_differs(key, value):
   saved = json.loads(tiny_config().to_json())
   config = tiny_config(**{key: value})
@@ -194,8 +236,12 @@ def test_check_compatible_accepts_other_training_settings_and_missing_keys():
   """Learning rate, dropout or dtype do not change the parameter tree; a key an older
   checkpoint did not save is not compared."""
   saved = json.loads(tiny_config().to_json())
-  checkpoints.check_compatible(saved, tiny_config(**{
-      "learning_rate_scale": 2.0, "model.dropout_rate": 0.3, "model.dtype": "bfloat16"}))
+  checkpoints.check_compatible(
+    saved,
+    tiny_config(
+      **{"learning_rate_scale": 2.0, "model.dropout_rate": 0.3, "model.dtype": "bfloat16"}
+    ),
+  )
   del saved["model"]["norm"]
   checkpoints.check_compatible(saved, tiny_config(**{"model.norm": "pre"}))
   checkpoints.check_compatible({}, tiny_config())
@@ -248,8 +294,11 @@ def test_restore_params_averages_the_newest_k(three_checkpoints, tiny):
   averaged, step = checkpoints.restore_params(workdir, run, average_last=2)
   assert step == 30
   expected = jax.tree.map(lambda a, b: np.mean([a, b], axis=0), saved[20], saved[30])
-  jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
-               jax.device_get(averaged), expected)
+  jax.tree.map(
+    lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
+    jax.device_get(averaged),
+    expected,
+  )
   for got, s in zip(jax.tree.leaves(averaged), jax.tree.leaves(run.state_shardings.params)):
     assert got.sharding == s and got.dtype == np.float32
 
@@ -260,12 +309,18 @@ def test_restore_params_averages_up_to_a_chosen_step(three_checkpoints, tiny):
   averaged, step = checkpoints.restore_params(workdir, run, step=20, average_last=2)
   assert step == 20
   expected = jax.tree.map(lambda a, b: np.mean([a, b], axis=0), saved[10], saved[20])
-  jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
-               jax.device_get(averaged), expected)
+  jax.tree.map(
+    lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
+    jax.device_get(averaged),
+    expected,
+  )
   everything, _ = checkpoints.restore_params(workdir, run, average_last=3)
   expected = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *saved.values())
-  jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
-               jax.device_get(everything), expected)
+  jax.tree.map(
+    lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
+    jax.device_get(everything),
+    expected,
+  )
 
 
 def test_restore_params_of_one_checkpoint_is_exact(three_checkpoints, tiny):
@@ -290,6 +345,9 @@ def test_restore_params_errors(three_checkpoints, tiny, tmp_path):
     checkpoints.restore_params(str(tmp_path), run)
   other_config = tiny_config(**{"model.d_ff": 32})
   other = state.setup(other_config, sharding.create_mesh(other_config))
-  with pytest.raises(ConfigError, match=r"config\.model\.d_ff: the checkpoint was trained "
-                                        r"with 16, the config says 32"):
+  with pytest.raises(
+    ConfigError,
+    match=r"config\.model\.d_ff: the checkpoint was trained "
+    r"with 16, the config says 32",
+  ):
     checkpoints.restore_params(workdir, other)

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from tests.helpers.processes import subprocess_env
 from transformer.config import load_config
 from transformer.training import describe
-from tests.helpers.processes import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,11 +31,15 @@ def test_tied_embedding_counted_once():
 
 def test_dry_run_prints_one_json_line():
   result = subprocess.run(
-      [sys.executable, "train.py", "--config", "configs/wmt14.py:big", "--dry_run"],
-      cwd=REPO, capture_output=True, text=True, timeout=120,
-      env=subprocess_env(devices=1))
+    [sys.executable, "train.py", "--config", "configs/wmt14.py:big", "--dry_run"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=subprocess_env(devices=1),
+  )
   assert result.returncode == 0, result.stderr[-2000:]
-  lines = [l for l in result.stdout.splitlines() if l.strip()]
+  lines = [line for line in result.stdout.splitlines() if line.strip()]
   assert len(lines) == 1
   info = json.loads(lines[0])
   assert abs(info["num_params"] / 213e6 - 1) < 0.04

@@ -19,15 +19,22 @@ REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
 def slurm_environ(local_id: int, tasks_per_node: str, gpus: str, node_id: int = 0) -> dict:
   """What srun sets for one task (plus the GPUs that --gpus-per-node gives the node)."""
   return {
-    "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
-    "SLURM_PROCID": str(local_id), "SLURM_LOCALID": str(local_id), "SLURM_NODEID": str(node_id),
-    "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "CUDA_VISIBLE_DEVICES": gpus,
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "localhost",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": str(local_id),
+    "SLURM_LOCALID": str(local_id),
+    "SLURM_NODEID": str(node_id),
+    "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+    "CUDA_VISIBLE_DEVICES": gpus,
   }
 
 
 def test_each_task_drives_the_gpu_of_its_local_id():
-  ids = [distributed.slurm_local_device_ids(slurm_environ(i, "8(x4)", "0,1,2,3,4,5,6,7"))
-         for i in range(8)]
+  ids = [
+    distributed.slurm_local_device_ids(slurm_environ(i, "8(x4)", "0,1,2,3,4,5,6,7"))
+    for i in range(8)
+  ]
   assert ids == [[i] for i in range(8)]
   # Tasks bound to one GPU each see it as GPU 0.
   assert distributed.slurm_local_device_ids(slurm_environ(5, "8(x4)", "5")) == [0]
@@ -68,13 +75,15 @@ def test_faked_slurm_job_step_drives_every_gpu_of_the_node():
   port = str(tiny_run.free_port())
   processes = [
     subprocess.Popen(
-      [sys.executable, "-c", _START], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+      [sys.executable, "-c", _START],
+      cwd=REPO_ROOT,
+      stdout=subprocess.PIPE,
+      text=True,
       env=subprocess_env(devices=2, JAX_COORDINATOR_PORT=port, **slurm_environ(i, "2", "0,1")),
     )
     for i in range(2)
   ]
-  reports = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1])
-             for p in processes]
+  reports = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in processes]
   assert [p.returncode for p in processes] == [0, 0]
   assert sorted(r["gpus"] for r in reports) == ["0", "1"]
   assert all(r["processes"] == 2 and r["devices"] == 2 * r["local"] == 4 for r in reports)

@@ -23,8 +23,9 @@ S, T = 7, 9  # source and target lengths
 
 
 def tiny(**overrides) -> ModelConfig:
-  fields = dict(vocab_size=V, max_position=16, num_layers=N, d_model=D, d_ff=F, num_heads=H,
-                d_k=K, d_v=E)
+  fields = dict(
+    vocab_size=V, max_position=16, num_layers=N, d_model=D, d_ff=F, num_heads=H, d_k=K, d_v=E
+  )
   return ModelConfig(**{**fields, **overrides})
 
 
@@ -35,18 +36,27 @@ def matmul(m, n, k):
 
 def hand_count(decoder_only=False, ffn_matrices=2):
   """The forward pass of one sentence pair, matmul by matmul, as the paper describes it."""
+
   def self_attention(length):
-    return (matmul(length, H * K, D) * 2 + matmul(length, H * E, D)  # W_Q, W_K, W_V
-            + H * matmul(length, length, K)  # Q K^T per head
-            + H * matmul(length, E, length)  # softmax(.) V per head
-            + matmul(length, D, H * E))  # W_O
+    return (
+      matmul(length, H * K, D) * 2
+      + matmul(length, H * E, D)  # W_Q, W_K, W_V
+      + H * matmul(length, length, K)  # Q K^T per head
+      + H * matmul(length, E, length)  # softmax(.) V per head
+      + matmul(length, D, H * E)
+    )  # W_O
 
   def ffn(length):
     return ffn_matrices * matmul(length, F, D)  # W_1 (and the SwiGLU gate), W_2 alike
 
-  cross_attention = (matmul(T, H * K, D)  # queries from the decoder
-                     + matmul(S, H * K, D) + matmul(S, H * E, D)  # keys, values: encoder output
-                     + H * matmul(T, S, K) + H * matmul(T, E, S) + matmul(T, D, H * E))
+  cross_attention = (
+    matmul(T, H * K, D)  # queries from the decoder
+    + matmul(S, H * K, D)
+    + matmul(S, H * E, D)  # keys, values: encoder output
+    + H * matmul(T, S, K)
+    + H * matmul(T, E, S)
+    + matmul(T, D, H * E)
+  )
   encoder_layer = self_attention(S) + ffn(S)
   decoder_layer = self_attention(T) + ffn(T) + (0 if decoder_only else cross_attention)
   output_projection = matmul(T, V, D)
@@ -69,8 +79,9 @@ def _count_dots(jaxpr) -> int:
     if eqn.primitive.name == "dot_general":
       (lhs_contract, _), _ = eqn.params["dimension_numbers"]
       lhs_shape = eqn.invars[0].aval.shape
-      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
-          lhs_shape[i] for i in lhs_contract)
+      total += (
+        2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs_shape[i] for i in lhs_contract)
+      )
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
@@ -84,10 +95,18 @@ def test_forward_flops_equal_the_hand_count():
   assert flops.forward_flops(tiny(), S, T) == hand_count()
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"decoder_only": True}, {"activation": "swiglu"}, {"tie_embeddings": False},
-    {"positional": "rope", "norm": "pre"}, {"num_layers": 1, "d_k": 6, "d_v": 2}],
-    ids=["paper", "decoder_only", "swiglu", "untied", "rope-pre", "one-layer"])
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {},
+    {"decoder_only": True},
+    {"activation": "swiglu"},
+    {"tie_embeddings": False},
+    {"positional": "rope", "norm": "pre"},
+    {"num_layers": 1, "d_k": 6, "d_v": 2},
+  ],
+  ids=["paper", "decoder_only", "swiglu", "untied", "rope-pre", "one-layer"],
+)
 def test_forward_flops_equal_the_matmuls_of_the_traced_model(overrides):
   """Every dot_general XLA is given, counted from the program itself."""
   cfg = tiny(**overrides)
@@ -98,12 +117,19 @@ def test_decoder_only_drops_the_encoder_and_cross_attention():
   full, decoder_only = tiny(), tiny(decoder_only=True)
   assert flops.forward_flops(decoder_only, S, T) == hand_count(decoder_only=True)
   # What goes: N encoder layers over S tokens, and N cross-attentions.
-  encoder = N * (4 * S * D * H * K + 2 * S * D * H * E + 2 * S * S * H * (K + E)
-                 + 2 * S * H * E * D + 4 * S * D * F)
-  cross = N * (2 * T * D * H * K + 2 * S * D * H * (K + E) + 2 * T * S * H * (K + E)
-               + 2 * T * H * E * D)
+  encoder = N * (
+    4 * S * D * H * K
+    + 2 * S * D * H * E
+    + 2 * S * S * H * (K + E)
+    + 2 * S * H * E * D
+    + 4 * S * D * F
+  )
+  cross = N * (
+    2 * T * D * H * K + 2 * S * D * H * (K + E) + 2 * T * S * H * (K + E) + 2 * T * H * E * D
+  )
   assert flops.forward_flops(full, S, T) - flops.forward_flops(decoder_only, S, T) == (
-      encoder + cross)
+    encoder + cross
+  )
   # The source length no longer matters.
   assert flops.forward_flops(decoder_only, 1, T) == flops.forward_flops(decoder_only, 50, T)
 
@@ -113,7 +139,8 @@ def test_swiglu_has_three_ffn_matrices():
   assert flops.forward_flops(swiglu, S, T) == hand_count(ffn_matrices=3)
   # One more D x F matrix per FFN: in N encoder layers over S and N decoder layers over T.
   assert flops.forward_flops(swiglu, S, T) - flops.forward_flops(relu, S, T) == (
-      N * (S + T) * 2 * D * F)
+    N * (S + T) * 2 * D * F
+  )
   assert flops.forward_flops(tiny(activation="gelu"), S, T) == flops.forward_flops(relu, S, T)
 
 
@@ -181,9 +208,10 @@ def test_device_peak_on_cpu_is_measured_once_and_positive():
   assert flops.total_peak_flops() == peak
 
 
-@pytest.mark.parametrize("hostnames,machines", [(["a", "b", "c", "d"], 4),
-                                                (["a", "a", "b", "b"], 2),
-                                                (["a", "a", "a", "a"], 1)])
+@pytest.mark.parametrize(
+  "hostnames,machines",
+  [(["a", "b", "c", "d"], 4), (["a", "a", "b", "b"], 2), (["a", "a", "a", "a"], 1)],
+)
 def test_cpu_peak_counts_every_machine_of_the_job(monkeypatch, hostnames, machines):
   """Processes on separate machines each have their own cores; on one machine they share
   them. The FLOPs counted are the whole job's, so the peak is per machine times machines."""
@@ -195,6 +223,7 @@ def test_cpu_peak_counts_every_machine_of_the_job(monkeypatch, hostnames, machin
   def allgather(local):  # what every process would contribute: its host name's hash
     gathered.append(int(local))
     return np.array([zlib.crc32(name.encode()) for name in hostnames], np.int64)
+
   monkeypatch.setattr(flops.multihost_utils, "process_allgather", allgather)
   assert flops.total_peak_flops() == 3.0 * machines
   assert flops.total_peak_flops() == 3.0 * machines  # gathered once, then kept
@@ -219,26 +248,43 @@ def test_remeasuring_the_cpu_peak_keeps_the_higher_reading(monkeypatch):
   assert flops.total_peak_flops(remeasure=True) == 9.0 and flops.device_peak_flops() == 9.0
 
 
-@pytest.mark.parametrize("kind,peak", [
-    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12), ("TPU v6 lite", 918e12),
-    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),
-    ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA A100-SXM4-80GB", 312e12)])
+@pytest.mark.parametrize(
+  "kind,peak",
+  [
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v6 lite", 918e12),
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+  ],
+)
 def test_accelerator_peaks_come_from_the_table(kind, peak):
   device = types.SimpleNamespace(device_kind=kind, platform="tpu" if "TPU" in kind else "gpu")
   assert flops.device_peak_flops(device) == peak
 
 
-@pytest.mark.parametrize("kind,peak", [
-    ("NVIDIA L4", 121e12), ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12),
-    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12)])
+@pytest.mark.parametrize(
+  "kind,peak",
+  [
+    ("NVIDIA L4", 121e12),
+    ("NVIDIA L40", 181e12),
+    ("NVIDIA L40S", 362e12),
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 PCIe", 756e12),
+  ],
+)
 def test_peaks_match_the_whole_device_kind(kind, peak):
   """Substrings once judged an L40S as an L4 (3x the MFU) and a PCIe H100 as an SXM one."""
   device = types.SimpleNamespace(device_kind=kind, platform="gpu")
   assert flops.device_peak_flops(device) == peak
 
 
-@pytest.mark.parametrize("kind", ["Mystery Accelerator 9000", "NVIDIA L4 Super", "nvidia l4",
-                                  "NVIDIA H100"])
+@pytest.mark.parametrize(
+  "kind", ["Mystery Accelerator 9000", "NVIDIA L4 Super", "nvidia l4", "NVIDIA H100"]
+)
 def test_unknown_device_kind_has_no_peak_and_says_so_once(kind, monkeypatch):
   notes = []
   monkeypatch.setattr(flops.logging, "warning", lambda *args: notes.append(args[0] % args[1:]))
@@ -275,6 +321,7 @@ def test_unknown_device_has_no_total_peak_and_no_utilisation(monkeypatch):
 
 # --- Real tokens (MFU) against padded shapes (HFU).
 
+
 def padded(lengths, width):
   """Rows of real tokens (ids >= 4) then padding, one row per length."""
   rows = np.zeros((len(lengths), width), np.int32)
@@ -286,24 +333,38 @@ def padded(lengths, width):
 def test_count_tokens_of_length_bucketed_rows():
   """One sentence pair per row: its real tokens, whatever the padded width."""
   src, tgt = [7, 3, 1], [4, 9, 2]
-  counts = jax.device_get(flops.count_tokens({"source": padded(src, 8),
-                                              "target": padded(tgt, 10)}))
-  assert counts == {"source_tokens": 11, "target_tokens": 15, "source_sq": 49 + 9 + 1,
-                    "target_sq": 16 + 81 + 4, "source_target": 28 + 27 + 2,
-                    "source_slots": 24, "target_slots": 30}
+  counts = jax.device_get(flops.count_tokens({"source": padded(src, 8), "target": padded(tgt, 10)}))
+  assert counts == {
+    "source_tokens": 11,
+    "target_tokens": 15,
+    "source_sq": 49 + 9 + 1,
+    "target_sq": 16 + 81 + 4,
+    "source_target": 28 + 27 + 2,
+    "source_slots": 24,
+    "target_slots": 30,
+  }
 
 
 def test_count_tokens_of_packed_rows_pairs_segments_by_id():
   """Row 0 packs pairs (s, t) = (2, 3) and (3, 1); row 1 holds (1, 2) and padding."""
   source_segments = np.array([[1, 1, 2, 2, 2, 0], [1, 0, 0, 0, 0, 0]], np.int32)
   target_segments = np.array([[1, 1, 1, 2, 0], [1, 1, 0, 0, 0]], np.int32)
-  batch = {"source": np.where(source_segments > 0, 9, 0).astype(np.int32),
-           "target": np.where(target_segments > 0, 9, 0).astype(np.int32),
-           "source_segment_ids": source_segments, "target_segment_ids": target_segments}
+  batch = {
+    "source": np.where(source_segments > 0, 9, 0).astype(np.int32),
+    "target": np.where(target_segments > 0, 9, 0).astype(np.int32),
+    "source_segment_ids": source_segments,
+    "target_segment_ids": target_segments,
+  }
   counts = jax.device_get(jax.jit(flops.count_tokens)(batch))
-  assert counts == {"source_tokens": 6, "target_tokens": 6, "source_sq": 4 + 9 + 1,
-                    "target_sq": 9 + 1 + 4, "source_target": 6 + 3 + 2,
-                    "source_slots": 12, "target_slots": 10}
+  assert counts == {
+    "source_tokens": 6,
+    "target_tokens": 6,
+    "source_sq": 4 + 9 + 1,
+    "target_sq": 9 + 1 + 4,
+    "source_target": 6 + 3 + 2,
+    "source_slots": 12,
+    "target_slots": 10,
+  }
 
 
 def test_a_decoder_only_row_counts_its_prompt_as_decoder_tokens():
@@ -333,6 +394,7 @@ def test_real_flops_are_the_sum_over_sentence_pairs(decoder_only):
 def test_full_rows_need_what_the_padded_shape_computes():
   """No padding: MFU and HFU count the same FLOPs (the benchmark's case)."""
   cfg = tiny()
-  counts = jax.device_get(flops.count_tokens({"source": padded([S] * 4, S),
-                                              "target": padded([T] * 4, T)}))
+  counts = jax.device_get(
+    flops.count_tokens({"source": padded([S] * 4, S), "target": padded([T] * 4, T)})
+  )
   assert flops.real_training_flops(cfg, counts) == flops.training_flops(cfg, 4, S, T)

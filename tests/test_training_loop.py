@@ -5,6 +5,7 @@ seconds. Runs that must really die or span processes go through `train.py`.
 """
 
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -16,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.model import ModelConfig
-from transformer.training import checkpoints, flops, loop, reporting, sharding, state
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config, read_metrics
+from transformer.model import ModelConfig
+from transformer.training import checkpoints, flops, loop, reporting, state
 
 
 def restored_params(workdir, config, step):
@@ -40,14 +41,17 @@ def test_stop_and_resume_equals_straight_run(small_corpus, tmp_path):
   assert sorted(resumed_losses) == [1, 2, 3, 4, 5, 6]
   assert resumed_losses == losses  # bitwise: same batches, same dropout, same math
   config = make_config(small_corpus)
-  jax.tree.map(np.testing.assert_array_equal, restored_params(straight, config, 6),
-               restored_params(resumed, config, 6))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    restored_params(straight, config, 6),
+    restored_params(resumed, config, 6),
+  )
 
 
 def half_padded_batch(rows=4, length=8):
   """Every row half real: a source and a target sentence of length / 2 tokens."""
   half = np.zeros((rows, length), np.int32)
-  half[:, :length // 2] = 9
+  half[:, : length // 2] = 9
   return {"source": half, "target": half.copy()}
 
 
@@ -57,21 +61,31 @@ WINDOW_S = 1000.0
 def progress_record(peak, cfg, batch, steps=2, remeasure_peak=None):
   """Progress over `steps` steps of `batch` (padded FLOPs as the loop charges them), in a
   window of 1000 s (give or take the milliseconds this takes)."""
-  progress = loop.Progress(peak_flops=peak, total_steps=10, model_config=cfg,
-                           remeasure_peak=remeasure_peak)
+  progress = loop.Progress(
+    peak_flops=peak, total_steps=10, model_config=cfg, remeasure_peak=remeasure_peak
+  )
   rows, length = batch["target"].shape
   for step in range(1, steps + 1):
-    metrics = {"loss": jnp.float32(2.0), "loss_sum": 8.0, "ce_sum": 8.0, "correct_sum": 1.0,
-               "num_tokens": 4.0, "lr": 1e-3, "grad_norm": 1.0}
-    progress.add(step, metrics, flops.training_flops(cfg, rows, length, length),
-                 flops.count_tokens(batch))
+    metrics = {
+      "loss": jnp.float32(2.0),
+      "loss_sum": 8.0,
+      "ce_sum": 8.0,
+      "correct_sum": 1.0,
+      "num_tokens": 4.0,
+      "lr": 1e-3,
+      "grad_norm": 1.0,
+    }
+    progress.add(
+      step, metrics, flops.training_flops(cfg, rows, length, length), flops.count_tokens(batch)
+    )
   progress._window_start = time.time() - WINDOW_S
   return progress.record(steps)
 
 
 def test_mfu_counts_real_tokens_and_hfu_the_padded_shape():
-  cfg = ModelConfig(vocab_size=40, max_position=16, num_layers=2, d_model=12, d_ff=20,
-                    num_heads=3, d_k=4, d_v=5)
+  cfg = ModelConfig(
+    vocab_size=40, max_position=16, num_layers=2, d_model=12, d_ff=20, num_heads=3, d_k=4, d_v=5
+  )
   peak = 1e6
   record = progress_record(peak, cfg, half_padded_batch())
   # Computed here from the shapes: 2 steps of 4 rows, 8 slots padded, 4 tokens real.
@@ -88,8 +102,9 @@ def test_mfu_counts_real_tokens_and_hfu_the_padded_shape():
 
 
 def test_a_window_faster_than_the_peak_has_the_peak_measured_again():
-  cfg = ModelConfig(vocab_size=40, max_position=16, num_layers=2, d_model=12, d_ff=20,
-                    num_heads=3, d_k=4, d_v=5)
+  cfg = ModelConfig(
+    vocab_size=40, max_position=16, num_layers=2, d_model=12, d_ff=20, num_heads=3, d_k=4, d_v=5
+  )
   padded_per_s = 2 * 4 * flops.training_flops(cfg, 1, 8, 8) / WINDOW_S
   readings = []
 
@@ -107,8 +122,9 @@ def test_a_window_faster_than_the_peak_has_the_peak_measured_again():
 
 
 def test_unknown_peak_reports_padding_but_no_utilisation():
-  cfg = ModelConfig(vocab_size=40, max_position=16, num_layers=1, d_model=8, d_ff=16,
-                    num_heads=2, d_k=4, d_v=4)
+  cfg = ModelConfig(
+    vocab_size=40, max_position=16, num_layers=1, d_model=8, d_ff=16, num_heads=2, d_k=4, d_v=4
+  )
   record = progress_record(None, cfg, half_padded_batch())
   assert "mfu" not in record and "hfu" not in record
   assert record["padding_efficiency"] == 0.5
@@ -148,14 +164,14 @@ def _env(devices):
 def test_sigterm_saves_the_current_step_and_exits_zero(small_corpus, tmp_path):
   workdir = str(tmp_path / "preempted")
   base = [sys.executable, "train.py", "--config", "configs/default.py", "--workdir", workdir]
-  command = base + flag_overrides(small_corpus, num_train_steps=10_000,
-                                  checkpoint_every_steps=1000)
-  process = subprocess.Popen(command, cwd=REPO, env=_env(1), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+  command = base + flag_overrides(small_corpus, num_train_steps=10_000, checkpoint_every_steps=1000)
+  process = subprocess.Popen(
+    command, cwd=REPO, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.time() + 240
   while time.time() < deadline and process.poll() is None:
-    if os.path.exists(metrics) and len(open(metrics).readlines()) >= 3:
+    if os.path.exists(metrics) and len(pathlib.Path(metrics).read_text().splitlines()) >= 3:
       break
     time.sleep(0.5)
   assert process.poll() is None, process.stdout.read()[-3000:]
@@ -167,9 +183,14 @@ def test_sigterm_saves_the_current_step_and_exits_zero(small_corpus, tmp_path):
   assert len(steps) == 1 and steps[0] >= 3 and steps[0] >= last_logged
 
   # The same command resumes from that step.
-  rerun = subprocess.run(base + flag_overrides(
-      small_corpus, num_train_steps=steps[0] + 2, checkpoint_every_steps=1000),
-      cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=240)
+  rerun = subprocess.run(
+    base + flag_overrides(small_corpus, num_train_steps=steps[0] + 2, checkpoint_every_steps=1000),
+    cwd=REPO,
+    env=_env(1),
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert f"resumed from step {steps[0]}" in rerun.stderr
   assert read_metrics(workdir)[-1]["step"] == steps[0] + 2
@@ -202,8 +223,13 @@ def test_on_several_processes_sigterm_is_left_to_jax_and_ctrl_c_becomes_it():
 
 def test_time_based_checkpoints(small_corpus, tmp_path):
   workdir = str(tmp_path / "timed")
-  config = make_config(small_corpus, num_train_steps=4, log_every_steps=2,
-                       checkpoint_every_steps=0, checkpoint_every_minutes=1e-6)
+  config = make_config(
+    small_corpus,
+    num_train_steps=4,
+    log_every_steps=2,
+    checkpoint_every_steps=0,
+    checkpoint_every_minutes=1e-6,
+  )
   loop.train_and_evaluate(config, workdir)
   # Time is checked at log steps (where hosts can agree on it), and the last step saves.
   assert checkpoints.Checkpointer(workdir, keep=5).all_steps() == [2, 4]
@@ -211,8 +237,13 @@ def test_time_based_checkpoints(small_corpus, tmp_path):
 
 def test_decoder_only_language_model_trains_on_the_same_pairs(small_corpus, tmp_path):
   workdir = str(tmp_path / "lm")
-  config = make_config(small_corpus, num_train_steps=4, eval_every_steps=4,
-                       eval_bleu_sentences=0, **{"model.decoder_only": True})
+  config = make_config(
+    small_corpus,
+    num_train_steps=4,
+    eval_every_steps=4,
+    eval_bleu_sentences=0,
+    **{"model.decoder_only": True},
+  )
   result = loop.train_and_evaluate(config, workdir)
   assert np.isfinite(result["ppl"]) and result["ppl"] > 1
   params = restored_params(workdir, config, 4)
@@ -225,8 +256,9 @@ def test_time_based_checkpoints_follow_process_0_on_every_host(small_corpus, mon
   own clock says no save is due (a host that skipped it would hang the others), and
   saves exactly when process 0 says so."""
   run = object.__new__(loop.TrainingRun)
-  run.config = make_config(small_corpus, checkpoint_every_steps=0, log_every_steps=2,
-                           checkpoint_every_minutes=1.0)
+  run.config = make_config(
+    small_corpus, checkpoint_every_steps=0, log_every_steps=2, checkpoint_every_minutes=1.0
+  )
   run.last_save_time = time.time()  # this host's clock: nothing is due
   broadcasts = []
 
@@ -235,8 +267,7 @@ def test_time_based_checkpoints_follow_process_0_on_every_host(small_corpus, mon
     return True
 
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(jax.experimental.multihost_utils, "broadcast_one_to_all",
-                      process_0_says_due)
+  monkeypatch.setattr(jax.experimental.multihost_utils, "broadcast_one_to_all", process_0_says_due)
   assert run._checkpoint_due(3) is False and broadcasts == []  # not a log step
   assert run._checkpoint_due(4) is True and broadcasts == [False]
   monkeypatch.setattr(jax, "process_count", lambda: 1)
@@ -245,8 +276,15 @@ def test_time_based_checkpoints_follow_process_0_on_every_host(small_corpus, mon
 
 def test_validation_and_saves_are_left_out_of_the_throughput_window():
   progress = loop.Progress(peak_flops=None, total_steps=10)
-  metrics = {"loss": jnp.float32(2.0), "loss_sum": 8.0, "ce_sum": 8.0, "correct_sum": 1.0,
-             "num_tokens": 400.0, "lr": 1e-3, "grad_norm": 1.0}
+  metrics = {
+    "loss": jnp.float32(2.0),
+    "loss_sum": 8.0,
+    "ce_sum": 8.0,
+    "correct_sum": 1.0,
+    "num_tokens": 400.0,
+    "lr": 1e-3,
+    "grad_norm": 1.0,
+  }
   progress.add(1, metrics, 0)
   progress._window_start = time.time() - 2.0  # two seconds of training so far
   with progress.paused():
@@ -258,7 +296,8 @@ def test_validation_and_saves_are_left_out_of_the_throughput_window():
 
 @pytest.mark.slow
 def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
-    trained_run, tmp_path, monkeypatch):
+  trained_run, tmp_path, monkeypatch
+):
   """A read that hangs (storage_timeout_s=3; each stall lasts 5 s, so that its thread
   ends soon after), in a copy of the shared run resumed from its last checkpoint: the
   corpus's next chunk in the middle of an epoch, then the checkpoints' first read on the
@@ -266,6 +305,7 @@ def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
   from tests.helpers import fault_injection
   from transformer import storage
   from transformer.data import pipeline
+
   trained_config, trained_workdir = trained_run
   workdir = str(tmp_path / "run")
   shutil.copytree(trained_workdir, workdir)
@@ -278,18 +318,21 @@ def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
   # is a few steps past it.
   monkeypatch.setattr(pipeline, "TOKENIZE_CHUNK", 64)
   tokenized_chunks = pipeline.tokenized_chunks
+
   def stalling(*args, **kwargs):
     for index, chunk in enumerate(tokenized_chunks(*args, **kwargs)):
       if index == 20:
         time.sleep(5)
       yield chunk
+
   monkeypatch.setattr(pipeline, "tokenized_chunks", stalling)
   with pytest.raises(storage.StorageTimeout) as error:
     loop.train_and_evaluate(config, workdir)
   message = str(error.value)
   assert "\n" not in message and message.startswith(
-      f"reading the training data of {config.dataset} did not finish within 3 s "
-      "(config.storage_timeout_s)"), message
+    f"reading the training data of {config.dataset} did not finish within 3 s "
+    "(config.storage_timeout_s)"
+  ), message
   logged = max(r["step"] for r in read_metrics(workdir))
   assert saved[-1] < logged < 100  # it trained past the checkpoint, into the epoch
   assert checkpoints.steps_on_disk(workdir) == saved
@@ -303,8 +346,9 @@ def test_a_stalled_read_ends_the_run_in_one_line_with_the_checkpoint_intact(
     fault_injection.disarm()
   # The first read is the checkpoint manager's, of every checkpoint's metadata.
   assert str(error.value).startswith(
-      f"reading the checkpoints in {checkpoints.checkpoint_dir(workdir)} did not "
-      "finish within 3 s (config.storage_timeout_s): the storage stalled; rerun"), error.value
+    f"reading the checkpoints in {checkpoints.checkpoint_dir(workdir)} did not "
+    "finish within 3 s (config.storage_timeout_s): the storage stalled; rerun"
+  ), error.value
   assert checkpoints.steps_on_disk(workdir) == saved
   params = restored_params(workdir, config, saved[-1])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))

@@ -14,9 +14,11 @@ VOCAB, ROWS, LENGTH = 24, 4, 6
 
 
 def test_sum_metrics_adds_key_by_key_into_floats():
-  pending = [{"ce_sum": jnp.float32(1.5), "num_tokens": jnp.float32(3.0)},
-             {"ce_sum": jnp.float32(2.25), "num_tokens": jnp.float32(4.0)},
-             {"ce_sum": np.float32(0.25), "num_tokens": 1.0}]
+  pending = [
+    {"ce_sum": jnp.float32(1.5), "num_tokens": jnp.float32(3.0)},
+    {"ce_sum": jnp.float32(2.25), "num_tokens": jnp.float32(4.0)},
+    {"ce_sum": np.float32(0.25), "num_tokens": 1.0},
+  ]
   summed = metrics.sum_metrics(pending)
   assert summed == {"ce_sum": 4.0, "num_tokens": 8.0}
   assert all(type(v) is float for v in summed.values())
@@ -56,10 +58,22 @@ def test_zero_tokens_give_zeros_not_a_division_error():
 def tiny_run():
   """(setup, params, jitted eval step) of a one-layer model on the 8 fake devices."""
   config = config_lib.base_config()
-  config_lib.apply_overrides(config, {
-      "vocab_size": VOCAB, "max_len": 8, "model.num_layers": 1, "model.d_model": 16,
-      "model.d_ff": 32, "model.num_heads": 2, "model.d_k": 8, "model.d_v": 8,
-      "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+  config_lib.apply_overrides(
+    config,
+    {
+      "vocab_size": VOCAB,
+      "max_len": 8,
+      "model.num_layers": 1,
+      "model.d_model": 16,
+      "model.d_ff": 32,
+      "model.num_heads": 2,
+      "model.d_k": 8,
+      "model.d_v": 8,
+      "mesh.data": 2,
+      "mesh.fsdp": 2,
+      "mesh.tensor": 2,
+    },
+  )
   run = state.setup(config, sharding.create_mesh(config))
   params = run.init_state(jax.random.key(0)).params
   return run, params, steps.jit_eval_step(run)
@@ -74,12 +88,19 @@ def make_batches(count, seed=0):
     lengths = rng.integers(2, LENGTH + 1, ROWS)
     target[np.arange(LENGTH)[None, :] >= lengths[:, None]] = config_lib.PAD_ID
     decoder_input = np.concatenate(
-        [np.full((ROWS, 1), config_lib.BOS_ID, np.int32), target[:, :-1]], 1)
+      [np.full((ROWS, 1), config_lib.BOS_ID, np.int32), target[:, :-1]], 1
+    )
     decoder_input[target == config_lib.PAD_ID] = config_lib.PAD_ID
     source = rng.integers(4, VOCAB, (ROWS, LENGTH)).astype(np.int32)
     source[:, -1] = config_lib.PAD_ID
-    batches.append({"source": source, "decoder_input": decoder_input, "target": target,
-                    "index": np.arange(i * ROWS, (i + 1) * ROWS)})
+    batches.append(
+      {
+        "source": source,
+        "decoder_input": decoder_input,
+        "target": target,
+        "index": np.arange(i * ROWS, (i + 1) * ROWS),
+      }
+    )
   return batches
 
 
@@ -89,11 +110,19 @@ def concatenate(batches):
 
 def numpy_cross_entropy(run, params, batch):
   """Unsmoothed CE per real token and accuracy, from the model's logits in NumPy."""
-  logits = np.asarray(run.model.apply({"params": params}, source=jnp.asarray(batch["source"]),
-                                      decoder_input=jnp.asarray(batch["decoder_input"])),
-                      np.float64)
-  log_probs = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
-                                     keepdims=True)) - logits.max(-1, keepdims=True)
+  logits = np.asarray(
+    run.model.apply(
+      {"params": params},
+      source=jnp.asarray(batch["source"]),
+      decoder_input=jnp.asarray(batch["decoder_input"]),
+    ),
+    np.float64,
+  )
+  log_probs = (
+    logits
+    - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
   target = batch["target"]
   real = target != config_lib.PAD_ID
   ce = -np.take_along_axis(log_probs, target[..., None], -1)[..., 0]
@@ -107,8 +136,9 @@ def test_evaluate_loss_equals_one_step_on_the_concatenated_batches(tiny_run):
   batches = make_batches(3)
   got = metrics.evaluate_loss(eval_step, params, iter(batches), run.mesh, run.rules)
   together = concatenate(batches)
-  once = metrics.token_averages(metrics.sum_metrics(
-      [eval_step(params, sharding.global_batch(together, run.mesh, run.rules))]))
+  once = metrics.token_averages(
+    metrics.sum_metrics([eval_step(params, sharding.global_batch(together, run.mesh, run.rules))])
+  )
   assert set(got) == {"loss", "ce", "ppl", "accuracy", "num_tokens"}
   for key in got:
     assert got[key] == pytest.approx(once[key], rel=1e-5), key

@@ -108,15 +108,18 @@ def test_decay_with_zero_gradients_moves_only_decayed_parameters(scan_layers):
   updates, _ = run.optimizer.update(zero_grads, train_state.opt_state, train_state.params)
   lr = float(optimizer_lib.learning_rate_schedule(config)(0))
   moved = []
-  for (path, update), param in zip(jax.tree_util.tree_leaves_with_path(updates),
-                                   jax.tree.leaves(train_state.params)):
+  for (path, update), param in zip(
+    jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(train_state.params)
+  ):
     if path[-1].key in ("kernel", "embedding"):
-      np.testing.assert_allclose(update, -lr * 0.1 * np.asarray(param), rtol=1e-5,
-                                 err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_allclose(
+        update, -lr * 0.1 * np.asarray(param), rtol=1e-5, err_msg=jax.tree_util.keystr(path)
+      )
       moved.append(path)
     else:
-      np.testing.assert_array_equal(update, np.zeros_like(update),
-                                    err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_array_equal(
+        update, np.zeros_like(update), err_msg=jax.tree_util.keystr(path)
+      )
   assert moved
 
 
@@ -133,5 +136,6 @@ def test_gradient_clipping_clips_before_adam():
     got, state_clipped = clipped_adam.update(g, state_clipped, params)
     norm = float(optax.tree_utils.tree_norm(g))
     expected, state_plain = plain_adam.update(
-        jax.tree.map(lambda x: x * min(1.0, 1.0 / norm), g), state_plain, params)
+      jax.tree.map(lambda x, norm=norm: x * min(1.0, 1.0 / norm), g), state_plain, params
+    )
     np.testing.assert_allclose(got["w"], expected["w"], rtol=1e-5)

@@ -107,6 +107,7 @@ class SlowIterator(CountingIterator):
 
 def test_a_stalled_input_is_a_timeout_naming_it_and_a_slow_one_is_not():
   from transformer import storage
+
   stalled = SlowIterator(item_s=30, read_every_s=0)
   batches = prefetch.Prefetcher(stalled, lambda x: x, timeout_s=0.3, what="the corpus X")
   try:
@@ -116,7 +117,8 @@ def test_a_stalled_input_is_a_timeout_naming_it_and_a_slow_one_is_not():
       next(batches)
     assert time.monotonic() - started < 10  # not the 30 s the read would have taken
     assert str(error.value).startswith(
-        "reading the corpus X did not finish within 0.3 s (config.storage_timeout_s)")
+      "reading the corpus X did not finish within 0.3 s (config.storage_timeout_s)"
+    )
   finally:
     stalled.release.set()
     batches.close()

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.gcs_fake import gcs, gcs_server  # noqa: F401  (fixtures)
 from transformer import storage
 from transformer.training import reporting
 
@@ -26,8 +25,9 @@ def test_writer_appends_one_json_line_per_write(tmp_path):
   writer.write(20, {"ce": 1.75, "bleu": 12.5}, kind="eval")
   writer.close()
   assert read_lines(str(tmp_path)) == [
-      {"step": 10, "kind": "train", "loss": 2.5, "lr": 0.25, "rows": 3},
-      {"step": 20, "kind": "eval", "ce": 1.75, "bleu": 12.5}]
+    {"step": 10, "kind": "train", "loss": 2.5, "lr": 0.25, "rows": 3},
+    {"step": 20, "kind": "eval", "ce": 1.75, "bleu": 12.5},
+  ]
 
 
 def test_writer_keeps_the_lines_of_an_earlier_run(tmp_path):
@@ -59,6 +59,7 @@ def blocked_flush(monkeypatch):
   def flush(self):
     release.wait()
     original(self)
+
   monkeypatch.setattr(storage.AppendLog, "flush", flush)
   yield release
   release.set()
@@ -80,8 +81,9 @@ def test_a_stalled_write_is_an_error_naming_the_object(tmp_path, blocked_flush):
   with pytest.raises(storage.StorageTimeout) as raised:
     writer.flush()
   message = str(raised.value)
-  assert message.startswith(f"writing {tmp_path / 'metrics.jsonl'} did not finish within "
-                            "0.3 s (config.storage_timeout_s)"), message
+  assert message.startswith(
+    f"writing {tmp_path / 'metrics.jsonl'} did not finish within 0.3 s (config.storage_timeout_s)"
+  ), message
   with pytest.raises(storage.StorageTimeout):
     writer.write(2, {"loss": 1.0})  # every later write says so too
   writer.close()  # returns: the stalled write is not waited for
@@ -94,8 +96,9 @@ def test_a_failed_write_is_raised_on_the_next_write_in_one_line(tmp_path):
   with pytest.raises(reporting.MetricsError) as raised:
     writer.flush()
   message = str(raised.value)
-  assert message.startswith(f"cannot write {tmp_path / 'metrics.jsonl'}: ") and \
-      "\n" not in message, message
+  assert (
+    message.startswith(f"cannot write {tmp_path / 'metrics.jsonl'}: ") and "\n" not in message
+  ), message
   with pytest.raises(reporting.MetricsError):
     writer.write(2, {"loss": 1.0})
   with pytest.raises(reporting.MetricsError):
@@ -107,10 +110,23 @@ def test_readers_see_each_step_once_after_a_resume(tmp_path, monkeypatch):
   checkpoint was at step 3 (with a goodput record), so the rerun logged 4 and 5 again,
   then 6, and was killed too. Goodput records are per start, all kept."""
   path = str(tmp_path / "metrics.jsonl")
-  first = [(1, "train"), (2, "train"), (3, "train"), (3, "goodput"), (4, "train"),
-           (4, "validation"), (5, "train")]
-  rerun = [(4, "train"), (4, "validation"), (5, "train"), (6, "train"), (6, "goodput"),
-           (6, "validation")]
+  first = [
+    (1, "train"),
+    (2, "train"),
+    (3, "train"),
+    (3, "goodput"),
+    (4, "train"),
+    (4, "validation"),
+    (5, "train"),
+  ]
+  rerun = [
+    (4, "train"),
+    (4, "validation"),
+    (5, "train"),
+    (6, "train"),
+    (6, "goodput"),
+    (6, "validation"),
+  ]
   for run, records in ((1, first), (2, rerun)):
     log = storage.AppendLog(path)  # opened again, as a rerun does
     for step, kind in records:
@@ -121,13 +137,21 @@ def test_readers_see_each_step_once_after_a_resume(tmp_path, monkeypatch):
   monkeypatch.setattr(reporting.logging, "warning", lambda *a: warnings.append(a[0] % a[1:]))
   records = reporting.read_metrics(str(tmp_path))
   assert warnings == [f"{path}: 2 torn line(s) skipped (a run killed while writing)"]
-  assert [(r["step"], r["run"]) for r in reporting.read_metrics(str(tmp_path), "goodput")] == \
-      [(3, 1), (6, 2)]
+  assert [(r["step"], r["run"]) for r in reporting.read_metrics(str(tmp_path), "goodput")] == [
+    (3, 1),
+    (6, 2),
+  ]
   assert [(r["step"], r["kind"], r["run"]) for r in records] == [
-      (1, "train", 1), (2, "train", 1), (3, "train", 1), (4, "train", 2),
-      (4, "validation", 2), (5, "train", 2), (6, "train", 2), (6, "validation", 2)]
-  assert [r["step"] for r in reporting.read_metrics(str(tmp_path), kind="validation")] == \
-      [4, 6]
+    (1, "train", 1),
+    (2, "train", 1),
+    (3, "train", 1),
+    (4, "train", 2),
+    (4, "validation", 2),
+    (5, "train", 2),
+    (6, "train", 2),
+    (6, "validation", 2),
+  ]
+  assert [r["step"] for r in reporting.read_metrics(str(tmp_path), kind="validation")] == [4, 6]
 
 
 def test_values_json_cannot_hold_become_strings(tmp_path):
@@ -146,6 +170,7 @@ def test_values_json_cannot_hold_become_strings(tmp_path):
 
 def test_tensorboard_summaries_hold_each_scalar(tmp_path):
   import tensorflow as tf
+
   writer = reporting.MetricsWriter(str(tmp_path))
   writer.write(1, {"loss": 2.0, "name": "not a scalar"})
   writer.write(2, {"ce": 1.5}, kind="eval")
@@ -170,24 +195,37 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 
 def metrics(**overrides):
-  m = {"loss": 4.11349, "ppl": 45.2049, "accuracy": 0.30951, "lr": 3.1234e-4,
-       "tokens_per_sec": 2950.4, "mfu": 0.38, "hfu": 0.4132, "padding_efficiency": 0.9215,
-       "eta_s": 552.0}
+  m = {
+    "loss": 4.11349,
+    "ppl": 45.2049,
+    "accuracy": 0.30951,
+    "lr": 3.1234e-4,
+    "tokens_per_sec": 2950.4,
+    "mfu": 0.38,
+    "hfu": 0.4132,
+    "padding_efficiency": 0.9215,
+    "eta_s": 552.0,
+  }
   return {**m, **overrides}
 
 
 def test_progress_line_shows_every_number(monkeypatch):
   monkeypatch.setattr(reporting.time, "time", lambda: 1000.0)
   line = reporting.progress_line(500, 6000, metrics(), started=1000.0 - 125.0)
-  assert line == ("step 500/6000 | loss 4.113 | ppl 45.20 | acc 0.310 | lr 3.12e-04 | "
-                  "2,950 tok/s | MFU 38.0% (HFU 41.3%, 92% real) | ETA 9m12s | 2m05s elapsed")
+  assert line == (
+    "step 500/6000 | loss 4.113 | ppl 45.20 | acc 0.310 | lr 3.12e-04 | "
+    "2,950 tok/s | MFU 38.0% (HFU 41.3%, 92% real) | ETA 9m12s | 2m05s elapsed"
+  )
 
 
 def test_progress_line_with_unknown_eta_and_long_runs(monkeypatch):
   monkeypatch.setattr(reporting.time, "time", lambda: 10_000.0)
-  line = reporting.progress_line(7, 100_000, metrics(eta_s=float("inf"), mfu=0.0041,
-                                                     tokens_per_sec=1_234_567.0),
-                                 started=10_000.0 - 7500.0)
+  line = reporting.progress_line(
+    7,
+    100_000,
+    metrics(eta_s=float("inf"), mfu=0.0041, tokens_per_sec=1_234_567.0),
+    started=10_000.0 - 7500.0,
+  )
   assert line.startswith("step 7/100000 | ")
   assert "| 1,234,567 tok/s |" in line
   assert "| MFU 0.4% (HFU 41.3%, 92% real) |" in line
@@ -211,9 +249,21 @@ def test_bytes_uploaded_grow_linearly_with_the_records(gcs):  # noqa: F811
   """In a bucket, a record's upload must not carry the records before it again: the
   second 500 records cost about what the first 500 did (rewriting whole files, as
   before, costs three times as much), and no upload is much larger than a chunk."""
-  record = {"loss": 4.1, "ce": 4.0, "ppl": 55.0, "accuracy": 0.3, "lr": 1e-4,
-            "grad_norm": 1.5, "tokens_per_sec": 2950.4, "steps_per_sec": 3.1, "mfu": 0.38,
-            "hfu": 0.41, "padding_efficiency": 0.92, "eta_s": 552.0, "elapsed_s": 10.0}
+  record = {
+    "loss": 4.1,
+    "ce": 4.0,
+    "ppl": 55.0,
+    "accuracy": 0.3,
+    "lr": 1e-4,
+    "grad_norm": 1.5,
+    "tokens_per_sec": 2950.4,
+    "steps_per_sec": 3.1,
+    "mfu": 0.38,
+    "hfu": 0.41,
+    "padding_efficiency": 0.92,
+    "eta_s": 552.0,
+    "elapsed_s": 10.0,
+  }
   writer = reporting.MetricsWriter(f"{gcs.url}/run")
   uploaded = []
   for step in range(1, 1001):

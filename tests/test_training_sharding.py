@@ -18,9 +18,16 @@ def mesh_config(data=-1, fsdp=1, tensor=1, **dcn):
   return config
 
 
-@pytest.mark.parametrize("sizes,expected", [
-    ((-1, 1, 1), [8, 1, 1]), ((-1, 2, 1), [4, 2, 1]), ((2, -1, 2), [2, 2, 2]),
-    ((1, 2, -1), [1, 2, 4]), ((2, 2, 2), [2, 2, 2])])
+@pytest.mark.parametrize(
+  "sizes,expected",
+  [
+    ((-1, 1, 1), [8, 1, 1]),
+    ((-1, 2, 1), [4, 2, 1]),
+    ((2, -1, 2), [2, 2, 2]),
+    ((1, 2, -1), [1, 2, 4]),
+    ((2, 2, 2), [2, 2, 2]),
+  ],
+)
 def test_mesh_shape_fills_the_minus_one_axis(sizes, expected):
   """-1 takes the devices the other axes leave; one slice means across-slice sizes of 1."""
   ici, dcn = sharding.mesh_shape(mesh_config(*sizes), 8)
@@ -37,8 +44,11 @@ def test_mesh_shape_splits_devices_across_slices():
 
 def test_mesh_shape_minus_one_that_does_not_divide_names_the_sizes():
   """fsdp=3 leaves no whole number of devices for data over 8 devices."""
-  with pytest.raises(ConfigError, match=r"config\.mesh: in-slice sizes \[-1, 3, 1\] do not "
-                                        r"divide 8 devices"):
+  with pytest.raises(
+    ConfigError,
+    match=r"config\.mesh: in-slice sizes \[-1, 3, 1\] do not "
+    r"divide 8 devices",
+  ):
     sharding.mesh_shape(mesh_config(-1, 3, 1), 8)
 
 
@@ -62,8 +72,11 @@ def test_mesh_shape_rejects_a_model_that_does_not_split():
   """The resolved sizes are checked against the model: 8001 tokens do not split 8 ways."""
   config = mesh_config(1, 1, -1)
   config.vocab_size = 8001  # the 'vocab' rule puts the vocabulary on 'tensor'
-  with pytest.raises(ConfigError, match=r"config\.vocab_size: 8001 does not split evenly "
-                                        r"over mesh\.tensor=8"):
+  with pytest.raises(
+    ConfigError,
+    match=r"config\.vocab_size: 8001 does not split evenly "
+    r"over mesh\.tensor=8",
+  ):
     sharding.mesh_shape(config, 8)
 
 
@@ -102,19 +115,28 @@ def test_batch_sharding_splits_rows_over_the_batch_axes():
   assert isinstance(two_d, NamedSharding) and two_d.mesh == mesh
   assert two_d.spec == PartitionSpec(("data", "fsdp"), None)
   assert sharding.batch_sharding(mesh, rules, ndim=3).spec == PartitionSpec(
-      ("data", "fsdp"), None, None)
+    ("data", "fsdp"), None, None
+  )
   # 8 rows over data x fsdp = 4 row shards of 2 rows, each on tensor=2 devices.
   assert two_d.shard_shape((8, 5)) == (2, 5)
 
 
-@pytest.mark.parametrize("sizes,batch_rule,multiple", [
-    ((2, 2, 2), ("data", "fsdp"), 4), ((8, 1, 1), ("data", "fsdp"), 8),
-    ((1, 1, 8), ("data", "fsdp"), 1), ((2, 4, 1), "data", 2), ((2, 4, 1), None, 1)])
+@pytest.mark.parametrize(
+  "sizes,batch_rule,multiple",
+  [
+    ((2, 2, 2), ("data", "fsdp"), 4),
+    ((8, 1, 1), ("data", "fsdp"), 8),
+    ((1, 1, 8), ("data", "fsdp"), 1),
+    ((2, 4, 1), "data", 2),
+    ((2, 4, 1), None, 1),
+  ],
+)
 def test_batch_row_multiple_is_the_devices_rows_are_split_over(sizes, batch_rule, multiple):
   """The product of the mesh axes the 'batch' rule names (tensor never splits rows)."""
   config = mesh_config(*sizes)
   config.logical_axis_rules = [("batch", batch_rule)] + [
-      r for r in config.logical_axis_rules if r[0] != "batch"]
+    r for r in config.logical_axis_rules if r[0] != "batch"
+  ]
   mesh, rules = sharding.create_mesh(config), sharding.axis_rules(config)
   assert sharding.batch_row_multiple(mesh, rules) == multiple
 
@@ -122,8 +144,10 @@ def test_batch_row_multiple_is_the_devices_rows_are_split_over(sizes, batch_rule
 def test_global_batch_on_one_process_keeps_the_rows_and_splits_them():
   config = mesh_config(2, 2, 2)
   mesh, rules = sharding.create_mesh(config), sharding.axis_rules(config)
-  local = {"source": np.arange(8 * 6, dtype=np.int32).reshape(8, 6),
-           "weights": np.arange(8 * 3 * 2, dtype=np.float32).reshape(8, 3, 2)}
+  local = {
+    "source": np.arange(8 * 6, dtype=np.int32).reshape(8, 6),
+    "weights": np.arange(8 * 3 * 2, dtype=np.float32).reshape(8, 3, 2),
+  }
   batch = sharding.global_batch(local, mesh, rules)
   assert set(batch) == {"source", "weights"}
   for key, array in batch.items():

@@ -16,10 +16,20 @@ VOCAB, D_MODEL, D_FF, HEADS, D_K, D_V = 32, 16, 24, 4, 4, 6  # d_k != d_v on pur
 
 def tiny_config(**overrides):
   config = config_lib.base_config()
-  config_lib.apply_overrides(config, {
-      "vocab_size": VOCAB, "max_len": 8, "model.num_layers": 1, "model.d_model": D_MODEL,
-      "model.d_ff": D_FF, "model.num_heads": HEADS, "model.d_k": D_K, "model.d_v": D_V,
-      **overrides})
+  config_lib.apply_overrides(
+    config,
+    {
+      "vocab_size": VOCAB,
+      "max_len": 8,
+      "model.num_layers": 1,
+      "model.d_model": D_MODEL,
+      "model.d_ff": D_FF,
+      "model.num_heads": HEADS,
+      "model.d_k": D_K,
+      "model.d_v": D_V,
+      **overrides,
+    },
+  )
   return config
 
 
@@ -92,8 +102,11 @@ def test_init_state_places_every_array_as_state_shardings_say():
   run = state.setup(config, sharding.create_mesh(config))
   train_state = run.init_state(jax.random.key(0))
   assert jax.tree.structure(train_state) == jax.tree.structure(run.state_shardings)
-  for x, s, abstract in zip(jax.tree.leaves(train_state), jax.tree.leaves(run.state_shardings),
-                            jax.tree.leaves(run.abstract_state)):
+  for x, s, abstract in zip(
+    jax.tree.leaves(train_state),
+    jax.tree.leaves(run.state_shardings),
+    jax.tree.leaves(run.abstract_state),
+  ):
     assert x.sharding == s
     assert (x.shape, x.dtype) == (abstract.shape, abstract.dtype)
   assert int(train_state.step) == 0
@@ -115,8 +128,11 @@ def test_restore_target_carries_the_abstract_shapes_and_the_shardings():
   run = state.setup(config, sharding.create_mesh(config))
   target = run.restore_target()
   assert jax.tree.structure(target) == jax.tree.structure(run.abstract_state)
-  for x, abstract, s in zip(jax.tree.leaves(target), jax.tree.leaves(run.abstract_state),
-                            jax.tree.leaves(run.state_shardings)):
+  for x, abstract, s in zip(
+    jax.tree.leaves(target),
+    jax.tree.leaves(run.abstract_state),
+    jax.tree.leaves(run.state_shardings),
+  ):
     assert isinstance(x, jax.ShapeDtypeStruct)
     assert (x.shape, x.dtype) == (abstract.shape, abstract.dtype)
     assert x.sharding == s
@@ -130,18 +146,18 @@ def test_fsdp_tensor_mesh_shards_parameters_by_the_logical_rules():
   params = run.state_shardings.params
   embedding = params["shared_embedding"]["embedding"]
   assert embedding.spec == PartitionSpec("tensor", "fsdp")
-  assert params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"].spec == PartitionSpec(
-      "fsdp", "tensor")
-  assert params["encoder"]["layer_0"]["ffn"]["wo"]["kernel"].spec == PartitionSpec(
-      "tensor", "fsdp")
+  assert params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"].spec == PartitionSpec("fsdp", "tensor")
+  assert params["encoder"]["layer_0"]["ffn"]["wo"]["kernel"].spec == PartitionSpec("tensor", "fsdp")
   assert run.state_shardings.step.spec == PartitionSpec()
   train_state = run.init_state(jax.random.key(0))
   shard = train_state.params["shared_embedding"]["embedding"].addressable_shards[0]
   assert shard.data.shape == (VOCAB // 4, D_MODEL // 2)
   # Adam's moments of the embedding are split the same way as the embedding.
-  moments = {jax.tree_util.keystr(path): s.spec for path, s in
-             jax.tree_util.tree_leaves_with_path(run.state_shardings.opt_state)
-             if jax.tree_util.keystr(path).endswith("['shared_embedding']['embedding']")}
+  moments = {
+    jax.tree_util.keystr(path): s.spec
+    for path, s in jax.tree_util.tree_leaves_with_path(run.state_shardings.opt_state)
+    if jax.tree_util.keystr(path).endswith("['shared_embedding']['embedding']")
+  }
   assert len(moments) == 2  # mu and nu
   assert set(moments.values()) == {PartitionSpec("tensor", "fsdp")}
 
@@ -149,9 +165,10 @@ def test_fsdp_tensor_mesh_shards_parameters_by_the_logical_rules():
 def test_other_rules_give_other_shardings():
   """The shardings come from config.logical_axis_rules, not from fixed names."""
   config = tiny_config(**{"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 4})
-  config.logical_axis_rules = [("vocab", None) if r[0] == "vocab" else
-                               ("embed", "tensor") if r[0] == "embed" else r
-                               for r in config.logical_axis_rules]
+  config.logical_axis_rules = [
+    ("vocab", None) if r[0] == "vocab" else ("embed", "tensor") if r[0] == "embed" else r
+    for r in config.logical_axis_rules
+  ]
   run = state.setup(config, sharding.create_mesh(config))
   embedding = run.state_shardings.params["shared_embedding"]["embedding"]
   assert embedding.spec == PartitionSpec(None, "tensor")

@@ -63,8 +63,9 @@ def test_loss_gradient_in_closed_form_is_autodiffs(eps):
 
   ours = lambda logits: steps.cross_entropy_sums(logits, targets, eps)["loss_sum"]
   np.testing.assert_allclose(ours(logits), textbook(logits), rtol=1e-5)
-  np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(textbook)(logits),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    jax.grad(ours)(logits), jax.grad(textbook)(logits), rtol=1e-5, atol=1e-6
+  )
   # Accuracy: the target's logit is the largest.
   correct = jnp.sum((jnp.argmax(logits, -1) == targets) * (targets != 0))
   assert float(steps.cross_entropy_sums(logits, targets, eps)["correct_sum"]) == float(correct)
@@ -102,8 +103,9 @@ def test_meshes_agree_with_one_device(mesh_shape):
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
   losses, params, train_state = run_steps(config, jax.devices())
   np.testing.assert_allclose(losses, single_losses, rtol=2e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               params, single_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, single_params
+  )
   # Parameters really are split over the mesh as the logical rules say.
   embedding = train_state.params["shared_embedding"]["embedding"]
   assert embedding.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
@@ -116,7 +118,7 @@ def unequal_microbatches(batch, count=4):
   parts = []
   rows = len(batch["target"]) // count
   for i in range(count):
-    part = {k: v[i * rows:(i + 1) * rows].copy() for k, v in batch.items()}
+    part = {k: v[i * rows : (i + 1) * rows].copy() for k, v in batch.items()}
     keep = 2 + 3 * i  # real target tokens per row: 2, 5, 8, 11 (of 12)
     part["target"][:, keep:] = 0
     part["target"][:, keep - 1] = config_lib.EOS_ID
@@ -128,19 +130,21 @@ def unequal_microbatches(batch, count=4):
 def recording_optimizer():
   """Identity updates; its state keeps the last gradient it was handed."""
   return optax.GradientTransformation(
-      lambda params: {"last_grads": jax.tree.map(jnp.zeros_like, params)},
-      lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads),
-                                     {"last_grads": grads}))
+    lambda params: {"last_grads": jax.tree.map(jnp.zeros_like, params)},
+    lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads), {"last_grads": grads}),
+  )
 
 
 def gradient_handed_to_optimizer(config, optimizer, batches, inner_state):
   """Runs train_step over `batches` with `optimizer`; returns what its inner part saw."""
   run = state.setup(config, sharding.create_mesh(config, jax.devices()[:1]))
   params = run.init_state(jax.random.key(0)).params
-  train_state = state.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                 opt_state=optimizer.init(params))
-  step = jax.jit(functools.partial(steps.train_step, model=run.model, optimizer=optimizer,
-                                   config=config))
+  train_state = state.TrainState(
+    step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+  )
+  step = jax.jit(
+    functools.partial(steps.train_step, model=run.model, optimizer=optimizer, config=config)
+  )
   for batch in batches:
     train_state, _ = step(train_state, batch)
   return jax.device_get(inner_state(train_state.opt_state)["last_grads"])
@@ -159,18 +163,20 @@ def test_accumulation_weighs_microbatches_by_tokens_like_one_big_batch():
   microbatches = unequal_microbatches(synthetic_batch(config))
   assert len({int((m["target"] != 0).sum()) for m in microbatches}) == 4
   big_batch = {k: np.concatenate([m[k] for m in microbatches]) for k in microbatches[0]}
-  big = gradient_handed_to_optimizer(config, recording_optimizer(), [big_batch],
-                                     lambda s: s)
+  big = gradient_handed_to_optimizer(config, recording_optimizer(), [big_batch], lambda s: s)
   config.grad_accum_steps = 4
   accumulated = gradient_handed_to_optimizer(
-      config, optimizer_lib.accumulate_by_tokens(recording_optimizer(), 4), microbatches,
-      lambda s: s.inner_state)
+    config,
+    optimizer_lib.accumulate_by_tokens(recording_optimizer(), 4),
+    microbatches,
+    lambda s: s.inner_state,
+  )
   assert_trees_close(accumulated, big, rtol=1e-6)
   # Averaging the microbatch means (optax.MultiSteps, the old behaviour) is far off here.
   config.grad_accum_steps = 1
   mean_of_means = gradient_handed_to_optimizer(
-      config, optax.MultiSteps(recording_optimizer(), 4), microbatches,
-      lambda s: s.inner_opt_state)
+    config, optax.MultiSteps(recording_optimizer(), 4), microbatches, lambda s: s.inner_opt_state
+  )
   with pytest.raises(AssertionError, match="relative error"):
     assert_trees_close(mean_of_means, big, rtol=1e-2)
 
@@ -194,8 +200,7 @@ def test_training_reduces_loss_and_accumulation_matches_big_batch():
     for batch in batches:
       microbatches = unequal_microbatches(batch)
       if accum == 1:
-        microbatches = [{k: np.concatenate([m[k] for m in microbatches])
-                         for k in microbatches[0]}]
+        microbatches = [{k: np.concatenate([m[k] for m in microbatches]) for k in microbatches[0]}]
       for part in microbatches:
         train_state, metrics = step(train_state, sharding.global_batch(part, run.mesh, run.rules))
         lrs[accum].append(float(metrics["lr"]))
@@ -205,8 +210,11 @@ def test_training_reduces_loss_and_accumulation_matches_big_batch():
   # Elementwise, Adam's first steps are about lr * gradient / |gradient|: an entry near 0
   # magnifies float32 rounding of the summation order, so the strict 1e-6 check is on the
   # gradient (above); here 1e-5 is 1e-3 of a step (lr is about 1e-2).
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
-               params_after[4], params_after[1])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+    params_after[4],
+    params_after[1],
+  )
 
 
 def test_forced_nan_makes_the_loss_nan_at_that_step():
@@ -220,7 +228,7 @@ def test_bfloat16_compute_keeps_float32_parameters_and_adam_state():
   config = tiny_config()
   config.model.dtype = "bfloat16"
   losses, params, state = run_steps(config, jax.devices()[:1])
-  assert all(math.isfinite(l) for l in losses)
+  assert all(math.isfinite(loss) for loss in losses)
   assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
   assert moments and {x.dtype for x in moments} == {np.dtype("float32")}
@@ -252,5 +260,6 @@ def test_scanned_layers_train_on_a_sharded_mesh_like_one_device():
   np.testing.assert_allclose(sharded, single, rtol=1e-5)
   kernel = sharded_params["decoder"]["layers"]["ffn"]["wi"]["kernel"]
   assert kernel.shape == (2, 32, 64)  # [layers, d_model, d_ff]
-  np.testing.assert_allclose(kernel, single_params["decoder"]["layers"]["ffn"]["wi"]["kernel"],
-                             rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(
+    kernel, single_params["decoder"]["layers"]["ffn"]["wi"]["kernel"], rtol=1e-4, atol=1e-6
+  )

@@ -12,13 +12,21 @@ from transformer.training import checkpoints
 
 def test_library_versions_are_the_installed_ones():
   found = versions.library_versions()
-  assert list(found) == ["python", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
-                         "tensorflow"]
+  assert list(found) == [
+    "python",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "tensorflow",
+  ]
   assert found["python"] == platform.python_version()
   for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint"):
     assert found[name] == importlib.metadata.version(name)
   # TensorFlow's CPU-only wheel is another distribution of the same package.
   import tensorflow as tf
+
   assert found["tensorflow"] == tf.__version__
 
 

@@ -9,9 +9,10 @@ fast tier's own run (`-m "not slow"`), where a test is often the first of its wo
 compile a program or build a shared fixture that a slow test built before it in the full
 suite (a test of 1.4 s there took 25 s here). Two things follow from them:
 
-- Order: files run longest first (files not yet measured before them all). `make test` hands whole files to two workers
-  (--dist loadfile, in collection order with --no-loadscope-reorder); a long file picked
-  up last would leave one worker running it alone while the other sits idle.
+- Order: files run longest first (files not yet measured before them all). `make test`
+  hands whole files to two workers (--dist loadfile, in collection order with
+  --no-loadscope-reorder); a long file picked up last would leave one worker running it
+  alone while the other sits idle.
 - The fast tier: a test measured above SLOW_TEST_S in either run is marked `slow`, so
   `pytest -m "not slow"` (make test-fast) skips it, except each file's quickest test,
   which stays (if under QUICKEST_KEPT_MAX_S), so that the fast tier still touches every
@@ -58,8 +59,11 @@ def longer(*runs: dict[str, float]) -> dict[str, float]:
   return merged
 
 
-def slow_tests(durations: dict[str, float], threshold_s: float = SLOW_TEST_S,
-               quickest_kept_max_s: float = QUICKEST_KEPT_MAX_S) -> set[str]:
+def slow_tests(
+  durations: dict[str, float],
+  threshold_s: float = SLOW_TEST_S,
+  quickest_kept_max_s: float = QUICKEST_KEPT_MAX_S,
+) -> set[str]:
   """Node ids measured above threshold_s, less each file's quickest test unless that one
   too is above quickest_kept_max_s."""
   by_file = collections.defaultdict(list)
@@ -69,8 +73,7 @@ def slow_tests(durations: dict[str, float], threshold_s: float = SLOW_TEST_S,
   for tests in by_file.values():
     quickest_s, quickest = min(tests)
     keep = quickest if quickest_s <= quickest_kept_max_s else None
-    slow |= {node_id for seconds, node_id in tests
-             if seconds > threshold_s and node_id != keep}
+    slow |= {node_id for seconds, node_id in tests if seconds > threshold_s and node_id != keep}
   return slow
 
 
@@ -106,8 +109,12 @@ class LongestFilesFirst:
   @pytest.hookimpl(trylast=True)
   def pytest_collection_modifyitems(self, items):
     totals = file_seconds(items, self.durations)
-    items.sort(key=lambda item: (item.location[0] in self.measured_files,  # stable: file
-                                 -totals[item.location[0]]))               # order kept
+    items.sort(
+      key=lambda item: (
+        item.location[0] in self.measured_files,  # stable: file
+        -totals[item.location[0]],
+      )
+    )  # order kept
 
 
 class StoreDurations:
@@ -125,9 +132,12 @@ class StoreDurations:
 
   def pytest_sessionfinish(self):
     ran = {node_id.split("::")[0] for node_id in self.measured}
-    durations = {node_id: seconds for node_id, seconds in load(self.path).items()
-                 if node_id.split("::")[0] not in ran
-                 and os.path.exists(os.path.join(self.rootdir, node_id.split("::")[0]))}
+    durations = {
+      node_id: seconds
+      for node_id, seconds in load(self.path).items()
+      if node_id.split("::")[0] not in ran
+      and os.path.exists(os.path.join(self.rootdir, node_id.split("::")[0]))
+    }
     durations.update({node_id: round(seconds, 2) for node_id, seconds in self.measured.items()})
     with open(self.path, "w", encoding="utf-8") as f:
       json.dump(dict(sorted(durations.items())), f, indent=0)
@@ -135,16 +145,20 @@ class StoreDurations:
 
 
 def addoption(parser: pytest.Parser) -> None:
-  parser.addoption(OPTION, nargs="?", const="full", choices=("full", "fast"),
-                   help="Record each test's duration in tests/durations.json, or with "
-                        "=fast (for a run of the fast tier) in tests/durations_fast.json.")
+  parser.addoption(
+    OPTION,
+    nargs="?",
+    const="full",
+    choices=("full", "fast"),
+    help="Record each test's duration in tests/durations.json, or with "
+    "=fast (for a run of the fast tier) in tests/durations_fast.json.",
+  )
 
 
 def register(config: pytest.Config) -> None:
   """Installs the plugins above (from conftest's pytest_configure)."""
   durations = load()
-  config.pluginmanager.register(MarkSlow(longer(durations, load(FAST_PATH))),
-                                "durations-mark-slow")
+  config.pluginmanager.register(MarkSlow(longer(durations, load(FAST_PATH))), "durations-mark-slow")
   config.pluginmanager.register(LongestFilesFirst(durations), "durations-order")
   store = config.getoption(OPTION)
   if store and not hasattr(config, "workerinput"):

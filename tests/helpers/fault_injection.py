@@ -62,12 +62,18 @@ def _step_of(directory) -> int | None:
   return int(head) if head.isdigit() else None
 
 
-def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
-        full_disk_step: int | None = None, slow_save_marker: str = "",
-        slow_validation_s: float = 0.0, slow_validation_marker: str = "",
-        slow_restore_s: float = 0.0) -> None:
+def arm(
+  slow_save_step: int | None = None,
+  slow_save_s: float = 600.0,
+  full_disk_step: int | None = None,
+  slow_save_marker: str = "",
+  slow_validation_s: float = 0.0,
+  slow_validation_marker: str = "",
+  slow_restore_s: float = 0.0,
+) -> None:
   """slow_restore_s: every read of a checkpoint's JSON item (its config and data state,
   the first reads of a restore) waits that long first, as on a stalled bucket."""
+
   async def save_fn(self, item, directory):
     step = _step_of(directory)
     if step is not None and step == slow_save_step:
@@ -77,12 +83,15 @@ def arm(slow_save_step: int | None = None, slow_save_s: float = 600.0,
     if step is not None and step == full_disk_step:
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
     return await _ORIGINAL_SAVE(self, item, directory)
+
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = save_fn
 
   if slow_restore_s:
+
     def restore(self, *args, **kwargs):
       time.sleep(slow_restore_s)
       return _ORIGINAL_RESTORE(self, *args, **kwargs)
+
     json_checkpoint_handler.JsonCheckpointHandler.restore = restore
 
   if slow_validation_s:
@@ -94,6 +103,7 @@ def _slow_validation(seconds: float, marker: str) -> None:
   # Imported here: the launcher puts the repository on the path first, and nothing of
   # the package loads before the entry point starts jax.distributed.
   from transformer.training import metrics
+
   _original_evaluate_loss = _original_evaluate_loss or metrics.evaluate_loss
   original = _original_evaluate_loss
 
@@ -102,6 +112,7 @@ def _slow_validation(seconds: float, marker: str) -> None:
       open(marker, "w").close()
     time.sleep(seconds)
     return original(*args, **kwargs)
+
   metrics.evaluate_loss = evaluate_loss
 
 
@@ -112,6 +123,7 @@ _PREEMPTION_COUNTS_KEY = "PREEMPTION_CURRENT_COUNTER/"
 
 def _notice_counts() -> list:
   from jax._src import distributed
+
   return distributed.global_state.client.key_value_dir_get(_PREEMPTION_COUNTS_KEY)
 
 
@@ -125,6 +137,7 @@ def _send_notice(marker: str) -> None:
 def _wait_until_the_notice_is_decided(timeout_s: float = 120.0) -> None:
   """Until every process has given the sync its count (they can no longer change it)."""
   import jax
+
   if jax.process_count() == 1:
     return  # no sync: the process's own handler took the signal
   deadline = time.time() + timeout_s
@@ -135,9 +148,15 @@ def _wait_until_the_notice_is_decided(timeout_s: float = 120.0) -> None:
   print(f"fault injection: the hosts' preemption counts {sorted(counts)}", flush=True)
 
 
-def arm_notice(process: int, in_save: int | None = None, after_step: int | None = None,
-               wait_for: str = "", at_compile: bool = False, after_batch: int | None = None,
-               marker: str = "") -> None:
+def arm_notice(
+  process: int,
+  in_save: int | None = None,
+  after_step: int | None = None,
+  wait_for: str = "",
+  at_compile: bool = False,
+  after_batch: int | None = None,
+  marker: str = "",
+) -> None:
   """A preemption notice to `process` inside one window (the module's docstring)."""
   import jax
   import orbax.checkpoint as ocp
@@ -159,10 +178,12 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
       if step == in_save and ours():
         notice_now()
       return saved
+
     ocp.CheckpointManager.save = save
 
   if after_step is not None:
     from transformer.training import reporting
+
     original_write = reporting.MetricsWriter.write
 
     def write(self, step, metrics, kind="train"):
@@ -171,10 +192,12 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
         while wait_for and not os.path.exists(wait_for):
           time.sleep(0.02)
         notice_now()
+
     reporting.MetricsWriter.write = write
 
   if at_compile:
     from transformer.training import steps
+
     original_jit = steps.jit_train_step
 
     def jit_train_step(setup):
@@ -189,11 +212,14 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
         out = compiled(*args)  # traced and compiled while the notice is taken up
         _wait_until_the_notice_is_decided()
         return out
+
       return first_compiles
+
     steps.jit_train_step = jit_train_step
 
   if after_batch is not None:
     from transformer.evaluation import translate
+
     original_search = translate.run_search
     searched = []
 
@@ -203,27 +229,32 @@ def arm_notice(process: int, in_save: int | None = None, after_step: int | None 
       if len(searched) == after_batch and ours():
         notice_now()
       return out
+
     translate.run_search = run_search
 
 
 def kill_after_save(step: int) -> None:
   """SIGKILL as soon as checkpoint `step` is committed (Orbax's commit is awaited)."""
+
   def save(self, save_step, *args, **kwargs):
     saved = _ORIGINAL_MANAGER_SAVE(self, save_step, *args, **kwargs)
     if save_step == step:
       self.wait_until_finished()
       os.kill(os.getpid(), signal.SIGKILL)
     return saved
+
   ocp.CheckpointManager.save = save
 
 
 def slow_log_flushes(seconds: float) -> None:
   from transformer import storage  # only the storage layer: it imports no JAX
+
   original = storage.AppendLog.flush
 
   def flush(self):
     time.sleep(seconds)
     original(self)
+
   storage.AppendLog.flush = flush
 
 
@@ -233,6 +264,7 @@ def disarm() -> None:
   json_checkpoint_handler.JsonCheckpointHandler.restore = _ORIGINAL_RESTORE
   if _original_evaluate_loss is not None:
     from transformer.training import metrics
+
     metrics.evaluate_loss, _original_evaluate_loss = _original_evaluate_loss, None
 
 
@@ -247,21 +279,25 @@ if __name__ == "__main__":
   # As the entry points' cli.run does before TensorFlow loads, which a fault's patching
   # may import first.
   os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-  arm(slow_save_step=_env_int("FAULT_SLOW_SAVE_STEP"),
-      slow_save_s=float(os.environ.get("FAULT_SLOW_SAVE_S", "600")),
-      full_disk_step=_env_int("FAULT_FULL_DISK_STEP"),
-      slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""),
-      slow_validation_s=float(os.environ.get("FAULT_SLOW_VALIDATION_S", "0")),
-      slow_validation_marker=os.environ.get("FAULT_SLOW_VALIDATION_MARKER", ""),
-      slow_restore_s=float(os.environ.get("FAULT_SLOW_RESTORE_S", "0")))
+  arm(
+    slow_save_step=_env_int("FAULT_SLOW_SAVE_STEP"),
+    slow_save_s=float(os.environ.get("FAULT_SLOW_SAVE_S", "600")),
+    full_disk_step=_env_int("FAULT_FULL_DISK_STEP"),
+    slow_save_marker=os.environ.get("FAULT_SLOW_SAVE_MARKER", ""),
+    slow_validation_s=float(os.environ.get("FAULT_SLOW_VALIDATION_S", "0")),
+    slow_validation_marker=os.environ.get("FAULT_SLOW_VALIDATION_MARKER", ""),
+    slow_restore_s=float(os.environ.get("FAULT_SLOW_RESTORE_S", "0")),
+  )
   if os.environ.get("FAULT_NOTICE_PROCESS"):
-    arm_notice(int(os.environ["FAULT_NOTICE_PROCESS"]),
-               in_save=_env_int("FAULT_NOTICE_IN_SAVE"),
-               after_step=_env_int("FAULT_NOTICE_AFTER_STEP"),
-               wait_for=os.environ.get("FAULT_NOTICE_WAIT_FOR", ""),
-               at_compile=bool(os.environ.get("FAULT_NOTICE_AT_COMPILE")),
-               after_batch=_env_int("FAULT_NOTICE_AFTER_BATCH"),
-               marker=os.environ.get("FAULT_NOTICE_MARKER", ""))
+    arm_notice(
+      int(os.environ["FAULT_NOTICE_PROCESS"]),
+      in_save=_env_int("FAULT_NOTICE_IN_SAVE"),
+      after_step=_env_int("FAULT_NOTICE_AFTER_STEP"),
+      wait_for=os.environ.get("FAULT_NOTICE_WAIT_FOR", ""),
+      at_compile=bool(os.environ.get("FAULT_NOTICE_AT_COMPILE")),
+      after_batch=_env_int("FAULT_NOTICE_AFTER_BATCH"),
+      marker=os.environ.get("FAULT_NOTICE_MARKER", ""),
+    )
   if _env_int("FAULT_KILL_AFTER_SAVE_STEP") is not None:
     kill_after_save(_env_int("FAULT_KILL_AFTER_SAVE_STEP"))
   if os.environ.get("FAULT_SLOW_LOG_S"):

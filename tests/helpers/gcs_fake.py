@@ -30,7 +30,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import pytest
 
@@ -52,42 +52,42 @@ def _environment(port: int, ca_bundle: str) -> dict[str, str]:
   for existing in (os.environ.get("no_proxy"), os.environ.get("NO_PROXY")):
     no_proxy += [h for h in (existing or "").split(",") if h and h not in no_proxy]
   return {
-      # TensorFlow's GCS filesystem has https://www.googleapis.com and
-      # https://storage.googleapis.com built in; its libcurl honours the proxy
-      # variables, so those requests are tunnelled to the fake, which terminates TLS.
-      # libcurl reads the lower-case name first; some tools only know the upper case.
-      "https_proxy": f"http://{local}",
-      "HTTPS_PROXY": f"http://{local}",
-      "no_proxy": ",".join(no_proxy),
-      "NO_PROXY": ",".join(no_proxy),
-      # ...and trusts the fake's certificate: TensorFlow passes this file to libcurl as
-      # its only CA bundle. (Python's requests reads it too; the proxy refuses every
-      # host but GCS anyway.)
-      "CURL_CA_BUNDLE": ca_bundle,
-      # TensorFlow and TensorStore take this as the OAuth token instead of looking for
-      # credentials (gcloud files, GOOGLE_APPLICATION_CREDENTIALS, the metadata server).
-      "GOOGLE_AUTH_TOKEN_FOR_TESTING": FAKE_TOKEN,
-      # TensorStore's GCS driver (Orbax's arrays) talks to this base URL instead of
-      # https://storage.googleapis.com, in plain HTTP, bypassing the proxy (no_proxy).
-      "TENSORSTORE_GCS_HTTP_URL": f"http://{local}",
-      # google-cloud-storage uses this endpoint with anonymous credentials: Orbax asks it
-      # whether a gs:// bucket has a hierarchical namespace. gcsfs (etils.epath's backend
-      # with EPATH_USE_TF=false) reads it too; it is not installed here, so untested.
-      "STORAGE_EMULATOR_HOST": f"http://{local}",
-      # Anything still looking for credentials must not probe the GCE metadata server:
-      # google-auth skips it with NO_GCE_CHECK, and the metadata host variables
-      # (TensorFlow, google-auth: GCE_METADATA_HOST; TensorStore: GCE_METADATA_ROOT;
-      # google-auth: GCE_METADATA_IP) point at the fake, which answers 404 at once
-      # instead of a connection to 169.254.169.254 that hangs until a timeout.
-      "NO_GCE_CHECK": "true",
-      "GCE_METADATA_HOST": local,
-      "GCE_METADATA_ROOT": local,
-      "GCE_METADATA_IP": local,
-      # TensorFlow retries a failed GCS request 10 times, backing off from 1 s to 32 s:
-      # a request the fake cannot serve would stall a test for minutes. 10 ms to 100 ms
-      # makes it fail in about a second with the same error.
-      "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "10000",
-      "GCS_RETRY_CONFIG_MAX_DELAY_TIME_US": "100000",
+    # TensorFlow's GCS filesystem has https://www.googleapis.com and
+    # https://storage.googleapis.com built in; its libcurl honours the proxy
+    # variables, so those requests are tunnelled to the fake, which terminates TLS.
+    # libcurl reads the lower-case name first; some tools only know the upper case.
+    "https_proxy": f"http://{local}",
+    "HTTPS_PROXY": f"http://{local}",
+    "no_proxy": ",".join(no_proxy),
+    "NO_PROXY": ",".join(no_proxy),
+    # ...and trusts the fake's certificate: TensorFlow passes this file to libcurl as
+    # its only CA bundle. (Python's requests reads it too; the proxy refuses every
+    # host but GCS anyway.)
+    "CURL_CA_BUNDLE": ca_bundle,
+    # TensorFlow and TensorStore take this as the OAuth token instead of looking for
+    # credentials (gcloud files, GOOGLE_APPLICATION_CREDENTIALS, the metadata server).
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": FAKE_TOKEN,
+    # TensorStore's GCS driver (Orbax's arrays) talks to this base URL instead of
+    # https://storage.googleapis.com, in plain HTTP, bypassing the proxy (no_proxy).
+    "TENSORSTORE_GCS_HTTP_URL": f"http://{local}",
+    # google-cloud-storage uses this endpoint with anonymous credentials: Orbax asks it
+    # whether a gs:// bucket has a hierarchical namespace. gcsfs (etils.epath's backend
+    # with EPATH_USE_TF=false) reads it too; it is not installed here, so untested.
+    "STORAGE_EMULATOR_HOST": f"http://{local}",
+    # Anything still looking for credentials must not probe the GCE metadata server:
+    # google-auth skips it with NO_GCE_CHECK, and the metadata host variables
+    # (TensorFlow, google-auth: GCE_METADATA_HOST; TensorStore: GCE_METADATA_ROOT;
+    # google-auth: GCE_METADATA_IP) point at the fake, which answers 404 at once
+    # instead of a connection to 169.254.169.254 that hangs until a timeout.
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": local,
+    "GCE_METADATA_ROOT": local,
+    "GCE_METADATA_IP": local,
+    # TensorFlow retries a failed GCS request 10 times, backing off from 1 s to 32 s:
+    # a request the fake cannot serve would stall a test for minutes. 10 ms to 100 ms
+    # makes it fail in about a second with the same error.
+    "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "10000",
+    "GCS_RETRY_CONFIG_MAX_DELAY_TIME_US": "100000",
   }
 
 
@@ -98,13 +98,16 @@ class FakeGcs:
     self.bucket = bucket
     self.url = f"gs://{bucket}"
     self._dir = tempfile.mkdtemp(prefix="gcs-fake-")
-    self._log_file = open(os.path.join(self._dir, "server.log"), "wb")
+    self._log_file = open(os.path.join(self._dir, "server.log"), "wb")  # noqa: SIM115 (the server writes it until stop())
     # Its own session: a Ctrl-C aimed at pytest does not reach it first, and stop()
     # or the parent's exit (stdin closes) ends it.
     self._process = subprocess.Popen(
-        [sys.executable, _SERVER, "--bucket", bucket, "--dir", self._dir],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-        start_new_session=True)
+      [sys.executable, _SERVER, "--bucket", bucket, "--dir", self._dir],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=self._log_file,
+      start_new_session=True,
+    )
     try:
       self.port = self._wait_for_port()
     except BaseException:
@@ -132,14 +135,18 @@ class FakeGcs:
 
   # ---- the bucket, as the test sees it ----------------------------------------
 
-  def _request(self, method: str, path: str, query: Optional[dict] = None,
-               data: Optional[bytes] = None) -> bytes:
+  def _request(
+    self, method: str, path: str, query: dict | None = None, data: bytes | None = None
+  ) -> bytes:
     url = self.endpoint + path
     if query:
       url += "?" + urllib.parse.urlencode(query)
-    request = urllib.request.Request(url, method=method, headers={CONTROL_HEADER: "1"},
-                                     data=data if data is not None else
-                                     (b"" if method == "POST" else None))
+    request = urllib.request.Request(
+      url,
+      method=method,
+      headers={CONTROL_HEADER: "1"},
+      data=data if data is not None else (b"" if method == "POST" else None),
+    )
     with self._opener.open(request, timeout=30) as response:
       return response.read()
 
@@ -148,8 +155,7 @@ class FakeGcs:
     names, token = [], None
     while True:
       query = {"prefix": prefix, **({"pageToken": token} if token else {})}
-      page = json.loads(self._request(
-          "GET", f"/storage/v1/b/{self.bucket}/o", query))
+      page = json.loads(self._request("GET", f"/storage/v1/b/{self.bucket}/o", query))
       names += [item["name"] for item in page.get("items", [])]
       token = page.get("nextPageToken")
       if not token:
@@ -159,8 +165,7 @@ class FakeGcs:
     """The content of object `name`; FileNotFoundError if there is none."""
     quoted = urllib.parse.quote(name, safe="")
     try:
-      return self._request("GET", f"/storage/v1/b/{self.bucket}/o/{quoted}",
-                           {"alt": "media"})
+      return self._request("GET", f"/storage/v1/b/{self.bucket}/o/{quoted}", {"alt": "media"})
     except urllib.error.HTTPError as e:
       if e.code == 404:
         raise FileNotFoundError(f"{self.url}/{name}") from None
@@ -175,8 +180,11 @@ class FakeGcs:
 
   def uploaded_bytes(self, object_prefix: str = "") -> int:
     """Request body bytes sent for objects whose name starts with `object_prefix`."""
-    return sum(r["bytes"] for r in self.requests() if r["object"].startswith(object_prefix)
-               and r["method"] in ("POST", "PUT"))
+    return sum(
+      r["bytes"]
+      for r in self.requests()
+      if r["object"].startswith(object_prefix) and r["method"] in ("POST", "PUT")
+    )
 
   def set_faults(self, **faults) -> None:
     """Makes the server misbehave from now on (see gcs_fake_server.Faults): error_rate
@@ -206,7 +214,7 @@ class FakeGcs:
     self._log_file.close()
     shutil.rmtree(self._dir, ignore_errors=True)
 
-  def __enter__(self) -> "FakeGcs":
+  def __enter__(self) -> FakeGcs:
     return self
 
   def __exit__(self, *exc_info) -> None:

@@ -52,7 +52,6 @@ import threading
 import time
 import urllib.parse
 import uuid
-from typing import Optional
 
 try:  # installed with google-cloud-storage, which checks downloads against it
   import google_crc32c
@@ -79,39 +78,55 @@ def write_certificates(directory: str) -> tuple[str, str, str]:
   from cryptography.hazmat.primitives.asymmetric import ec
   from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-  now = datetime.datetime.now(datetime.timezone.utc)
+  now = datetime.datetime.now(datetime.UTC)
   # EC keys: generated in milliseconds, where RSA would cost a noticeable fraction of
   # a second for every fake started.
   ca_key = ec.generate_private_key(ec.SECP256R1())
   ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gcs-fake test CA")])
   ca_cert = (
-      x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-      .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-      .not_valid_before(now - datetime.timedelta(days=1))
-      .not_valid_after(now + datetime.timedelta(days=7))
-      .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-      .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                   content_commitment=False, key_encipherment=False,
-                                   data_encipherment=False, key_agreement=False,
-                                   encipher_only=False, decipher_only=False), critical=True)
-      .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
-                     critical=False)
-      .sign(ca_key, hashes.SHA256()))
+    x509.CertificateBuilder()
+    .subject_name(ca_name)
+    .issuer_name(ca_name)
+    .public_key(ca_key.public_key())
+    .serial_number(x509.random_serial_number())
+    .not_valid_before(now - datetime.timedelta(days=1))
+    .not_valid_after(now + datetime.timedelta(days=7))
+    .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+    .add_extension(
+      x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=True,
+        crl_sign=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
+      ),
+      critical=True,
+    )
+    .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+    .sign(ca_key, hashes.SHA256())
+  )
   key = ec.generate_private_key(ec.SECP256R1())
   names = [x509.DNSName(h) for h in _TLS_HOSTS] + [x509.DNSName("*" + _TLS_HOST_SUFFIX)]
   cert = (
-      x509.CertificateBuilder()
-      .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _TLS_HOSTS[0])]))
-      .issuer_name(ca_name).public_key(key.public_key())
-      .serial_number(x509.random_serial_number())
-      .not_valid_before(now - datetime.timedelta(days=1))
-      .not_valid_after(now + datetime.timedelta(days=7))
-      .add_extension(x509.SubjectAlternativeName(names), critical=False)
-      .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-      .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-      .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                     critical=False)
-      .sign(ca_key, hashes.SHA256()))
+    x509.CertificateBuilder()
+    .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _TLS_HOSTS[0])]))
+    .issuer_name(ca_name)
+    .public_key(key.public_key())
+    .serial_number(x509.random_serial_number())
+    .not_valid_before(now - datetime.timedelta(days=1))
+    .not_valid_after(now + datetime.timedelta(days=7))
+    .add_extension(x509.SubjectAlternativeName(names), critical=False)
+    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+    .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    .add_extension(
+      x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+    )
+    .sign(ca_key, hashes.SHA256())
+  )
   paths = tuple(os.path.join(directory, n) for n in ("ca.pem", "server.pem", "server.key"))
   pem = serialization.Encoding.PEM
   with open(paths[0], "wb") as f:
@@ -119,8 +134,7 @@ def write_certificates(directory: str) -> tuple[str, str, str]:
   with open(paths[1], "wb") as f:
     f.write(cert.public_bytes(pem))
   with open(paths[2], "wb") as f:
-    f.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()))
+    f.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
   return paths
 
 
@@ -129,11 +143,19 @@ def write_certificates(directory: str) -> tuple[str, str, str]:
 
 
 class _Object:
-  __slots__ = ("data", "generation", "metageneration", "content_type", "metadata",
-               "created", "updated", "md5", "crc32c")
+  __slots__ = (
+    "data",
+    "generation",
+    "metageneration",
+    "content_type",
+    "metadata",
+    "created",
+    "updated",
+    "md5",
+    "crc32c",
+  )
 
-  def __init__(self, data: bytes, generation: int, content_type: str,
-               metadata: Optional[dict] = None):
+  def __init__(self, data: bytes, generation: int, content_type: str, metadata: dict | None = None):
     self.data = data
     self.generation = generation
     self.metageneration = 1
@@ -141,8 +163,11 @@ class _Object:
     self.metadata = metadata or None
     self.created = self.updated = time.time()
     self.md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
-    self.crc32c = (base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
-                   if google_crc32c is not None else None)
+    self.crc32c = (
+      base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
+      if google_crc32c is not None
+      else None
+    )
 
   def hashes(self) -> str:
     """The x-goog-hash header."""
@@ -150,15 +175,15 @@ class _Object:
 
 
 class _PreconditionFailed(Exception):
-
   def __init__(self, status: int):
     super().__init__(status)
     self.status = status
 
 
 def _rfc3339(t: float) -> str:
-  return (datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
-          .strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z")
+  return (
+    datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+  )
 
 
 class Store:
@@ -177,15 +202,22 @@ class Store:
     self._last_generation = max(self._last_generation + 1, time.time_ns() // 1000)
     return self._last_generation
 
-  def bucket(self, name: str) -> Optional[dict]:
+  def bucket(self, name: str) -> dict | None:
     return self.buckets.get(name)
 
-  def get(self, bucket: str, name: str) -> Optional[_Object]:
+  def get(self, bucket: str, name: str) -> _Object | None:
     with self._lock:
       return self.buckets[bucket].get(name)
 
-  def put(self, bucket: str, name: str, data: bytes, content_type: str,
-          conditions: dict, metadata: Optional[dict] = None) -> _Object:
+  def put(
+    self,
+    bucket: str,
+    name: str,
+    data: bytes,
+    content_type: str,
+    conditions: dict,
+    metadata: dict | None = None,
+  ) -> _Object:
     with self._lock:
       objects = self.buckets[bucket]
       check_preconditions(objects.get(name), conditions, write=True)
@@ -203,8 +235,9 @@ class Store:
       del objects[name]
       return True
 
-  def update_metadata(self, bucket: str, name: str, patch: dict,
-                      conditions: dict) -> Optional[_Object]:
+  def update_metadata(
+    self, bucket: str, name: str, patch: dict, conditions: dict
+  ) -> _Object | None:
     with self._lock:
       obj = self.buckets[bucket].get(name)
       if obj is None:
@@ -235,7 +268,7 @@ class Store:
       self.uploads.clear()
 
 
-def check_preconditions(obj: Optional[_Object], conditions: dict, write: bool) -> None:
+def check_preconditions(obj: _Object | None, conditions: dict, write: bool) -> None:
   """Raises _PreconditionFailed as GCS answers: 412 for a failed match; for a failed
   not-match 304 on a read (not modified) and 412 on a write. Generation 0 stands for
   "no live object" on both sides."""
@@ -243,15 +276,17 @@ def check_preconditions(obj: Optional[_Object], conditions: dict, write: bool) -
   metageneration = obj.metageneration if obj is not None else 0
   if "ifGenerationMatch" in conditions and generation != conditions["ifGenerationMatch"]:
     raise _PreconditionFailed(412)
-  if ("ifMetagenerationMatch" in conditions and
-      metageneration != conditions["ifMetagenerationMatch"]):
+  if (
+    "ifMetagenerationMatch" in conditions and metageneration != conditions["ifMetagenerationMatch"]
+  ):
     raise _PreconditionFailed(412)
   not_modified = 412 if write else 304
-  if ("ifGenerationNotMatch" in conditions and
-      generation == conditions["ifGenerationNotMatch"]):
+  if "ifGenerationNotMatch" in conditions and generation == conditions["ifGenerationNotMatch"]:
     raise _PreconditionFailed(not_modified)
-  if ("ifMetagenerationNotMatch" in conditions and
-      metageneration == conditions["ifMetagenerationNotMatch"]):
+  if (
+    "ifMetagenerationNotMatch" in conditions
+    and metageneration == conditions["ifMetagenerationNotMatch"]
+  ):
     raise _PreconditionFailed(not_modified)
 
 
@@ -260,16 +295,21 @@ def check_preconditions(obj: Optional[_Object], conditions: dict, write: bool) -
 
 
 class _HttpError(Exception):
-
   def __init__(self, status: int, message: str, reason: str = "invalid"):
     super().__init__(message)
     self.status, self.message, self.reason = status, message, reason
 
 
-_CONDITION_NAMES = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationMatch",
-                    "ifMetagenerationNotMatch")
-_XML_CONDITION_HEADERS = {"x-goog-if-generation-match": "ifGenerationMatch",
-                          "x-goog-if-metageneration-match": "ifMetagenerationMatch"}
+_CONDITION_NAMES = (
+  "ifGenerationMatch",
+  "ifGenerationNotMatch",
+  "ifMetagenerationMatch",
+  "ifMetagenerationNotMatch",
+)
+_XML_CONDITION_HEADERS = {
+  "x-goog-if-generation-match": "ifGenerationMatch",
+  "x-goog-if-metageneration-match": "ifMetagenerationMatch",
+}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -282,7 +322,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
   # for the client's delayed ACK, up to 40 ms a request.
   disable_nagle_algorithm = True
 
-  server: "Server"
+  server: Server
   _tls = False
 
   # ---- plumbing ----------------------------------------------------------------
@@ -291,15 +331,26 @@ class Handler(http.server.BaseHTTPRequestHandler):
     pass  # requests are recorded by log_request; nothing goes to stderr per request
 
   def log_request(self, code="-", size="-"):
-    self.server.record({
-        "method": self.command, "host": self.headers.get("Host", "") if self.headers else "",
-        "path": getattr(self, "_path", self.path), "status": int(code) if str(code).isdigit()
-        else code, "tls": self._tls, "bytes": len(getattr(self, "_read_body", None) or b""),
+    self.server.record(
+      {
+        "method": self.command,
+        "host": self.headers.get("Host", "") if self.headers else "",
+        "path": getattr(self, "_path", self.path),
+        "status": int(code) if str(code).isdigit() else code,
+        "tls": self._tls,
+        "bytes": len(getattr(self, "_read_body", None) or b""),
         "object": getattr(self, "_subject", ""),
-        "fault": getattr(self, "_fault", "")})
+        "fault": getattr(self, "_fault", ""),
+      }
+    )
 
-  def _send(self, status: int, body: bytes = b"", content_type: str = "application/json",
-            headers: Optional[dict] = None) -> None:
+  def _send(
+    self,
+    status: int,
+    body: bytes = b"",
+    content_type: str = "application/json",
+    headers: dict | None = None,
+  ) -> None:
     self.send_response(status)
     for name, value in (headers or {}).items():
       self.send_header(name, value)
@@ -316,9 +367,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def _error(self, status: int, message: str, reason: str = "invalid") -> None:
     # Drain an unread request body, or it would be parsed as the next request.
     self._body()
-    self._json(status, {"error": {"code": status, "message": message,
-                                  "errors": [{"domain": "global", "reason": reason,
-                                              "message": message}]}})
+    self._json(
+      status,
+      {
+        "error": {
+          "code": status,
+          "message": message,
+          "errors": [{"domain": "global", "reason": reason, "message": message}],
+        }
+      },
+    )
 
   def _body(self) -> bytes:
     if getattr(self, "_read_body", None) is not None:
@@ -347,8 +405,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     if port != "443" or not (host in _TLS_HOSTS or host.endswith(_TLS_HOST_SUFFIX)):
       # Anything but GCS through this proxy would be network access: refuse it, and
       # record it so a test can see what tried.
-      self._send(403, b"gcs-fake proxies only the GCS endpoints\n", "text/plain",
-                 {"Connection": "close"})
+      self._send(
+        403, b"gcs-fake proxies only the GCS endpoints\n", "text/plain", {"Connection": "close"}
+      )
       self.close_connection = True
       return
     self.send_response(200, "Connection established")
@@ -381,12 +440,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
     url = urllib.parse.urlsplit(self.path)  # an absolute URL if a client sent one
     raw_path = url.path
     self._path = raw_path
-    self._query = {k: v[-1] for k, v in
-                   urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
+    self._query = {
+      k: v[-1] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()
+    }
     host = (url.hostname or self.headers.get("Host", "")).split(":")[0].lower()
     self._subject = self._object_name(raw_path)
-    if not (raw_path.startswith(("/_fake/", "/computeMetadata/")) or
-            self.headers.get(CONTROL_HEADER)):
+    if not (
+      raw_path.startswith(("/_fake/", "/computeMetadata/")) or self.headers.get(CONTROL_HEADER)
+    ):
       fault = self.server.faults.draw(self._subject)
       if fault == "drop":
         self._fault = "drop"
@@ -395,8 +456,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return
       if fault:
         self._fault = "error"
-        return self._error(fault, "gcs-fake: injected failure", "backendError" if
-                           fault >= 500 else "rateLimitExceeded")
+        return self._error(
+          fault,
+          "gcs-fake: injected failure",
+          "backendError" if fault >= 500 else "rateLimitExceeded",
+        )
     try:
       self._route(host, raw_path)
     except _HttpError as e:
@@ -406,8 +470,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._body()
         self._send(304)
       else:
-        self._error(412, "At least one of the pre-conditions you specified did not hold.",
-                    "conditionNotMet")
+        self._error(
+          412, "At least one of the pre-conditions you specified did not hold.", "conditionNotMet"
+        )
     except (BrokenPipeError, ConnectionResetError):
       self.close_connection = True
     except Exception as e:  # a bug here: answer 500 and say what, do not hang the client
@@ -417,11 +482,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def _route(self, host: str, raw_path: str) -> None:
     method = self.command
     if raw_path.startswith("/_fake/"):
-      return self._control(raw_path[len("/_fake/"):])
+      return self._control(raw_path[len("/_fake/") :])
     if raw_path.startswith("/computeMetadata/"):
       raise _HttpError(404, "gcs-fake is not a GCE metadata server", "notFound")
     if host.endswith(_TLS_HOST_SUFFIX):  # BUCKET.storage.googleapis.com/OBJECT
-      return self._xml(host[:-len(_TLS_HOST_SUFFIX)], raw_path.lstrip("/"))
+      return self._xml(host[: -len(_TLS_HOST_SUFFIX)], raw_path.lstrip("/"))
 
     m = re.fullmatch(r"/upload/storage/v1/b/([^/]+)/o", raw_path)
     if m:
@@ -485,8 +550,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
     # separates the object from a sub-resource.
     m = re.fullmatch(r"(.+?)/(rewriteTo|copyTo)/b/([^/]+)/o/(.+)", rest)
     if m and method == "POST":
-      return self._copy(bucket, _unquote(m.group(1)), self._bucket(m.group(3)),
-                        _unquote(m.group(4)), rewrite=m.group(2) == "rewriteTo")
+      return self._copy(
+        bucket,
+        _unquote(m.group(1)),
+        self._bucket(m.group(3)),
+        _unquote(m.group(4)),
+        rewrite=m.group(2) == "rewriteTo",
+      )
     if rest.endswith("/compose"):
       raise _HttpError(501, "gcs-fake: compose is not implemented")
     name = _unquote(rest)
@@ -513,25 +583,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
       if obj is None or obj.generation != int(wanted):
         raise _HttpError(404, f"No such object: {bucket}/{name}#{wanted}", "notFound")
 
-  def _read(self, bucket: str, name: str, media: bool,
-            conditions: Optional[dict] = None) -> None:
+  def _read(self, bucket: str, name: str, media: bool, conditions: dict | None = None) -> None:
     self._check_generation(bucket, name)
     obj = self.server.store.get(bucket, name)
     if obj is None:
       raise _HttpError(404, f"No such object: {bucket}/{name}", "notFound")
-    check_preconditions(obj, self._conditions() if conditions is None else conditions,
-                        write=False)
+    check_preconditions(obj, self._conditions() if conditions is None else conditions, write=False)
     if not media:
       return self._json(200, self._resource(bucket, name, obj))
     headers = {
-        "x-goog-generation": str(obj.generation),
-        "x-goog-metageneration": str(obj.metageneration),
-        "x-goog-stored-content-length": str(len(obj.data)),
-        "x-goog-stored-content-encoding": "identity",
-        "x-goog-hash": obj.hashes(),
-        "ETag": f'"{obj.md5}"',
-        "Last-Modified": self.date_time_string(obj.updated),
-        "Accept-Ranges": "bytes",
+      "x-goog-generation": str(obj.generation),
+      "x-goog-metageneration": str(obj.metageneration),
+      "x-goog-stored-content-length": str(len(obj.data)),
+      "x-goog-stored-content-encoding": "identity",
+      "x-goog-hash": obj.hashes(),
+      "ETag": f'"{obj.md5}"',
+      "Last-Modified": self.date_time_string(obj.updated),
+      "Accept-Ranges": "bytes",
     }
     for key, value in (obj.metadata or {}).items():
       headers[f"x-goog-meta-{key}"] = str(value)
@@ -541,11 +609,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
       span = _byte_range(requested, len(data))
       if span is None:
         # TensorFlow reads blocks past the end of a file and takes a 416 as "EOF".
-        return self._send(416, b"", "text/plain",
-                          {**headers, "Content-Range": f"bytes */{len(data)}"})
+        return self._send(
+          416, b"", "text/plain", {**headers, "Content-Range": f"bytes */{len(data)}"}
+        )
       start, end = span
       headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-      data, status = data[start:end + 1], 206
+      data, status = data[start : end + 1], 206
     self._send(status, data, obj.content_type, headers)
 
   def _list(self, bucket: str) -> None:
@@ -562,13 +631,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
     store = self.server.store
     items, prefixes, last, truncated = [], [], None, False
     for name in store.names(bucket):
-      if (not name.startswith(prefix) or (start and name < start) or
-          (end and name >= end) or (after and name <= after) or
-          (after_prefix and name.startswith(after_prefix))):
+      if (
+        not name.startswith(prefix)
+        or (start and name < start)
+        or (end and name >= end)
+        or (after and name <= after)
+        or (after_prefix and name.startswith(after_prefix))
+      ):
         continue
-      rest = name[len(prefix):]
+      rest = name[len(prefix) :]
       if delimiter and delimiter in rest:
-        common = prefix + rest[:rest.index(delimiter) + len(delimiter)]
+        common = prefix + rest[: rest.index(delimiter) + len(delimiter)]
         if prefixes and prefixes[-1] == common:
           continue  # names are sorted: a prefix's names are consecutive
         if len(items) + len(prefixes) == limit:
@@ -595,8 +668,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       result["nextPageToken"] = base64.urlsafe_b64encode(token).decode()
     self._json(200, result)
 
-  def _copy(self, bucket: str, name: str, dest_bucket: str, dest_name: str,
-            rewrite: bool) -> None:
+  def _copy(self, bucket: str, name: str, dest_bucket: str, dest_name: str, rewrite: bool) -> None:
     source = self.server.store.get(bucket, name)
     if source is None:
       raise _HttpError(404, f"No such object: {bucket}/{name}", "notFound")
@@ -604,16 +676,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
     body = self._body()
     overrides = json.loads(body) if body.strip() else {}
     obj = self.server.store.put(
-        dest_bucket, dest_name, source.data,
-        overrides.get("contentType") or source.content_type, self._conditions(),
-        overrides.get("metadata", source.metadata))
+      dest_bucket,
+      dest_name,
+      source.data,
+      overrides.get("contentType") or source.content_type,
+      self._conditions(),
+      overrides.get("metadata", source.metadata),
+    )
     resource = self._resource(dest_bucket, dest_name, obj)
     if not rewrite:
       return self._json(200, resource)
     # The whole copy is done in one call, which is what TensorFlow's rename expects.
-    self._json(200, {"kind": "storage#rewriteResponse", "done": True,
-                     "totalBytesRewritten": str(len(obj.data)),
-                     "objectSize": str(len(obj.data)), "resource": resource})
+    self._json(
+      200,
+      {
+        "kind": "storage#rewriteResponse",
+        "done": True,
+        "totalBytesRewritten": str(len(obj.data)),
+        "objectSize": str(len(obj.data)),
+        "resource": resource,
+      },
+    )
 
   def _upload(self, bucket: str) -> None:
     q = self._query
@@ -624,18 +707,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
       if not q.get("name"):
         raise _HttpError(400, "Required parameter: name", "required")
       # An empty body is a valid (empty) object: TensorFlow's directory markers.
-      obj = self.server.store.put(bucket, q["name"], self._body(),
-                                  self.headers.get("Content-Type", ""), self._conditions())
+      obj = self.server.store.put(
+        bucket, q["name"], self._body(), self.headers.get("Content-Type", ""), self._conditions()
+      )
       return self._json(200, self._resource(bucket, q["name"], obj))
     if kind == "multipart":
       meta, data, content_type = _parse_multipart(
-          self.headers.get("Content-Type", ""), self._body())
+        self.headers.get("Content-Type", ""), self._body()
+      )
       name = q.get("name") or meta.get("name")
       if not name:
         raise _HttpError(400, "Required parameter: name", "required")
-      obj = self.server.store.put(bucket, name, data,
-                                  meta.get("contentType") or content_type,
-                                  self._conditions(), meta.get("metadata"))
+      obj = self.server.store.put(
+        bucket,
+        name,
+        data,
+        meta.get("contentType") or content_type,
+        self._conditions(),
+        meta.get("metadata"),
+      )
       return self._json(200, self._resource(bucket, name, obj))
     if kind == "resumable":
       body = self._body()
@@ -645,14 +735,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         raise _HttpError(400, "Required parameter: name", "required")
       upload_id = uuid.uuid4().hex
       self.server.store.uploads[upload_id] = {
-          "bucket": bucket, "name": name, "data": bytearray(),
-          "content_type": meta.get("contentType") or
-          self.headers.get("X-Upload-Content-Type", ""),
-          "metadata": meta.get("metadata"), "conditions": self._conditions()}
+        "bucket": bucket,
+        "name": name,
+        "data": bytearray(),
+        "content_type": meta.get("contentType") or self.headers.get("X-Upload-Content-Type", ""),
+        "metadata": meta.get("metadata"),
+        "conditions": self._conditions(),
+      }
       scheme = "https" if self._tls else "http"
       host = self.headers.get("Host", f"127.0.0.1:{self.server.server_address[1]}")
-      location = (f"{scheme}://{host}/upload/storage/v1/b/{urllib.parse.quote(bucket)}/o"
-                  f"?uploadType=resumable&upload_id={upload_id}")
+      location = (
+        f"{scheme}://{host}/upload/storage/v1/b/{urllib.parse.quote(bucket)}/o"
+        f"?uploadType=resumable&upload_id={upload_id}"
+      )
       return self._send(200, b"", headers={"Location": location})
     raise _HttpError(400, f"gcs-fake: uploadType={kind!r} is not supported")
 
@@ -678,8 +773,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       if m.group(1) is not None:
         first = int(m.group(1))
         if first > len(upload["data"]):
-          raise _HttpError(400, f"Chunk at {first} leaves a gap after "
-                           f"{len(upload['data'])} bytes")
+          raise _HttpError(400, f"Chunk at {first} leaves a gap after {len(upload['data'])} bytes")
         upload["data"][first:] = data  # a resent chunk overwrites
       if m.group(3) != "*":
         total = int(m.group(3))
@@ -690,9 +784,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
       received = len(upload["data"])
       headers = {"Range": f"bytes=0-{received - 1}"} if received else {}
       return self._send(308, b"", headers=headers)
-    obj = self.server.store.put(upload["bucket"], upload["name"], bytes(upload["data"]),
-                                upload["content_type"], upload["conditions"],
-                                upload["metadata"])
+    obj = self.server.store.put(
+      upload["bucket"],
+      upload["name"],
+      bytes(upload["data"]),
+      upload["content_type"],
+      upload["conditions"],
+      upload["metadata"],
+    )
     resource = self._resource(upload["bucket"], upload["name"], obj)
     self.server.store.uploads[upload_id] = {"done": resource}
     self._json(200, resource)
@@ -702,18 +801,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def _xml(self, bucket_name: str, quoted_object: str) -> None:
     bucket = self._bucket(bucket_name)
     if not quoted_object:
-      raise _HttpError(501, f"gcs-fake: XML API {self.command} on a bucket is not "
-                       "implemented")
+      raise _HttpError(501, f"gcs-fake: XML API {self.command} on a bucket is not implemented")
     name = _unquote(quoted_object)
-    conditions = {_XML_CONDITION_HEADERS[h.lower()]: int(v)
-                  for h, v in self.headers.items() if h.lower() in _XML_CONDITION_HEADERS}
+    conditions = {
+      _XML_CONDITION_HEADERS[h.lower()]: int(v)
+      for h, v in self.headers.items()
+      if h.lower() in _XML_CONDITION_HEADERS
+    }
     if self.command in ("GET", "HEAD"):
       return self._read(bucket, name, media=True, conditions=conditions)
     if self.command == "PUT":
-      obj = self.server.store.put(bucket, name, self._body(),
-                                  self.headers.get("Content-Type", ""), conditions)
-      return self._send(200, b"", headers={"x-goog-generation": str(obj.generation),
-                                           "ETag": f'"{obj.md5}"'})
+      obj = self.server.store.put(
+        bucket, name, self._body(), self.headers.get("Content-Type", ""), conditions
+      )
+      return self._send(
+        200, b"", headers={"x-goog-generation": str(obj.generation), "ETag": f'"{obj.md5}"'}
+      )
     if self.command == "DELETE":
       if not self.server.store.delete(bucket, name, conditions):
         raise _HttpError(404, f"No such object: {bucket}/{name}", "notFound")
@@ -729,15 +832,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def _resource(self, bucket: str, name: str, obj: _Object) -> dict:
     quoted = urllib.parse.quote(name, safe="")
     resource = {
-        "kind": "storage#object", "id": f"{bucket}/{name}/{obj.generation}",
-        "selfLink": f"{self._base_url()}/storage/v1/b/{bucket}/o/{quoted}",
-        "mediaLink": (f"{self._base_url()}/download/storage/v1/b/{bucket}/o/{quoted}"
-                      f"?generation={obj.generation}&alt=media"),
-        "name": name, "bucket": bucket, "generation": str(obj.generation),
-        "metageneration": str(obj.metageneration), "contentType": obj.content_type,
-        "storageClass": "STANDARD", "size": str(len(obj.data)), "md5Hash": obj.md5,
-        "etag": obj.md5, "timeCreated": _rfc3339(obj.created),
-        "updated": _rfc3339(obj.updated), "timeStorageClassUpdated": _rfc3339(obj.created),
+      "kind": "storage#object",
+      "id": f"{bucket}/{name}/{obj.generation}",
+      "selfLink": f"{self._base_url()}/storage/v1/b/{bucket}/o/{quoted}",
+      "mediaLink": (
+        f"{self._base_url()}/download/storage/v1/b/{bucket}/o/{quoted}"
+        f"?generation={obj.generation}&alt=media"
+      ),
+      "name": name,
+      "bucket": bucket,
+      "generation": str(obj.generation),
+      "metageneration": str(obj.metageneration),
+      "contentType": obj.content_type,
+      "storageClass": "STANDARD",
+      "size": str(len(obj.data)),
+      "md5Hash": obj.md5,
+      "etag": obj.md5,
+      "timeCreated": _rfc3339(obj.created),
+      "updated": _rfc3339(obj.updated),
+      "timeStorageClassUpdated": _rfc3339(obj.created),
     }
     if obj.crc32c:
       resource["crc32c"] = obj.crc32c
@@ -747,10 +860,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
   def _bucket_resource(self, name: str) -> dict:
     created = _rfc3339(self.server.store._created)
-    return {"kind": "storage#bucket", "id": name, "name": name, "projectNumber": "0",
-            "metageneration": "1", "location": "US", "locationType": "multi-region",
-            "storageClass": "STANDARD", "timeCreated": created, "updated": created,
-            "selfLink": f"{self._base_url()}/storage/v1/b/{name}"}
+    return {
+      "kind": "storage#bucket",
+      "id": name,
+      "name": name,
+      "projectNumber": "0",
+      "metageneration": "1",
+      "location": "US",
+      "locationType": "multi-region",
+      "storageClass": "STANDARD",
+      "timeCreated": created,
+      "updated": created,
+      "selfLink": f"{self._base_url()}/storage/v1/b/{name}",
+    }
 
   # ---- test control ------------------------------------------------------------
 
@@ -773,7 +895,7 @@ def _unquote(quoted: str) -> str:
   return urllib.parse.unquote(quoted)
 
 
-def _byte_range(header: str, size: int) -> Optional[tuple[int, int]]:
+def _byte_range(header: str, size: int) -> tuple[int, int] | None:
   """(first, last) byte of a single `bytes=` range, or None if it is unsatisfiable."""
   m = re.fullmatch(r"\s*bytes=(\d*)-(\d*)\s*", header)
   if not m or (not m.group(1) and not m.group(2)):
@@ -793,7 +915,8 @@ def _byte_range(header: str, size: int) -> Optional[tuple[int, int]]:
 def _parse_multipart(content_type: str, body: bytes) -> tuple[dict, bytes, str]:
   """(metadata, data, data's content type) of a multipart/related upload."""
   message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-      f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    f"Content-Type: {content_type}\r\n\r\n".encode() + body
+  )
   parts = list(message.iter_parts()) if message.is_multipart() else []
   if len(parts) != 2:
     raise _HttpError(400, "A multipart upload has a metadata part and a media part")
@@ -820,9 +943,16 @@ class Faults:
     self._generation = 0  # how many times the faults were set: a stall outlives a test
     self.configure()
 
-  def configure(self, error_rate: float = 0.0, statuses=(429, 503), drop_rate: float = 0.0,
-                stall_s: float = 0.0, stall_match: str = "", stall_count: int = 1,
-                seed: int = 0) -> None:
+  def configure(
+    self,
+    error_rate: float = 0.0,
+    statuses=(429, 503),
+    drop_rate: float = 0.0,
+    stall_s: float = 0.0,
+    stall_match: str = "",
+    stall_count: int = 1,
+    seed: int = 0,
+  ) -> None:
     with self._lock:
       self._generation += 1
       self.error_rate, self.statuses, self.drop_rate = error_rate, tuple(statuses), drop_rate
@@ -830,11 +960,15 @@ class Faults:
       self._random = random.Random(seed)
 
   def draw(self, name: str):
-    """"drop", an HTTP status to answer, or None (serve it), after any stall."""
+    """ "drop", an HTTP status to answer, or None (serve it), after any stall."""
     with self._lock:
       generation = self._generation
-      stall = (self.stall_s > 0 and self.stall_left > 0 and bool(self.stall_match) and
-               self.stall_match in name)
+      stall = (
+        self.stall_s > 0
+        and self.stall_left > 0
+        and bool(self.stall_match)
+        and self.stall_match in name
+      )
       if stall:
         self.stall_left -= 1
       roll = self._random.random()

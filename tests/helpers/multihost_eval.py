@@ -18,8 +18,11 @@ import jax
 
 def main(workdir, split, process_id, num_processes, port, order):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"localhost:{port}",
-                             num_processes=int(num_processes), process_id=int(process_id))
+  jax.distributed.initialize(
+    coordinator_address=f"localhost:{port}",
+    num_processes=int(num_processes),
+    process_id=int(process_id),
+  )
   from transformer.evaluation import score, translate
   from transformer.training import checkpoints, sharding
 
@@ -27,17 +30,23 @@ def main(workdir, split, process_id, num_processes, port, order):
     create_mesh = sharding.create_mesh
 
     def interleaved_mesh(config, devices=None):
-      devices = sorted(jax.devices(), key=lambda d: (
+      devices = sorted(
+        jax.devices(),
+        key=lambda d: (
           [x.id for x in jax.devices() if x.process_index == d.process_index].index(d.id),
-          d.process_index))
+          d.process_index,
+        ),
+      )
       return create_mesh(config, devices)
+
     sharding.create_mesh = interleaved_mesh
 
   config = checkpoints.load_run_config(workdir)
   # Greedy search: the gather under test is every search's (one evaluation path gathers
   # decoding.decode's rows), and greedy compiles in a fraction of beam search's time.
-  translator = translate.Translator(config, workdir,
-                                    settings=translate.SearchSettings(kind="greedy"))
+  translator = translate.Translator(
+    config, workdir, settings=translate.SearchSettings(kind="greedy")
+  )
   # A run trained for a few steps says EOS to everything, and then a mix-up of sentences
   # would go unseen: random weights (the same on every process), scaled up 3x, translate
   # each sentence differently (at their initial scale greedy search repeats one token,

@@ -28,7 +28,7 @@ def sinusoidal_table(length: int, d_model: int) -> np.ndarray:
   table = np.zeros((length, d_model))
   for pos in range(length):
     for i in range(d_model // 2):
-      angle = pos / 10000.0**(2 * i / d_model)
+      angle = pos / 10000.0 ** (2 * i / d_model)
       table[pos, 2 * i] = np.sin(angle)
       table[pos, 2 * i + 1] = np.cos(angle)
   return table
@@ -36,7 +36,7 @@ def sinusoidal_table(length: int, d_model: int) -> np.ndarray:
 
 def layer_norm(x, norm_params, epsilon):
   mean = x.mean(-1, keepdims=True)
-  variance = ((x - mean)**2).mean(-1, keepdims=True)
+  variance = ((x - mean) ** 2).mean(-1, keepdims=True)
   return (x - mean) / np.sqrt(variance + epsilon) * norm_params["scale"] + norm_params["bias"]
 
 
@@ -52,29 +52,45 @@ def scaled_dot_product_attention(q_LxK, k_SxK, v_SxE, allowed_LxS):
   return weights_LxS @ v_SxE
 
 
-def multi_head_attention(x_LxD, memory_SxD, allowed_LxS, w_q_DxHxK, w_k_DxHxK, w_v_DxHxE,
-                         w_o_HxExD):
+def multi_head_attention(
+  x_LxD, memory_SxD, allowed_LxS, w_q_DxHxK, w_k_DxHxK, w_v_DxHxE, w_o_HxExD
+):
   num_heads, d_v, d_model = w_o_HxExD.shape
   heads = [
-      scaled_dot_product_attention(x_LxD @ w_q_DxHxK[:, i], memory_SxD @ w_k_DxHxK[:, i],
-                                   memory_SxD @ w_v_DxHxE[:, i], allowed_LxS)
-      for i in range(num_heads)
+    scaled_dot_product_attention(
+      x_LxD @ w_q_DxHxK[:, i],
+      memory_SxD @ w_k_DxHxK[:, i],
+      memory_SxD @ w_v_DxHxE[:, i],
+      allowed_LxS,
+    )
+    for i in range(num_heads)
   ]
   return np.concatenate(heads, axis=-1) @ w_o_HxExD.reshape(num_heads * d_v, d_model)
 
 
 def self_attention(x_LxD, allowed_LxL, attention_params, d_k):
   qkv_DxHx2KE = attention_params["qkv"]["kernel"]
-  w_q, w_k, w_v = qkv_DxHx2KE[..., :d_k], qkv_DxHx2KE[..., d_k:2 * d_k], qkv_DxHx2KE[..., 2 * d_k:]
-  return multi_head_attention(x_LxD, x_LxD, allowed_LxL, w_q, w_k, w_v,
-                              attention_params["out"]["kernel"])
+  w_q, w_k, w_v = (
+    qkv_DxHx2KE[..., :d_k],
+    qkv_DxHx2KE[..., d_k : 2 * d_k],
+    qkv_DxHx2KE[..., 2 * d_k :],
+  )
+  return multi_head_attention(
+    x_LxD, x_LxD, allowed_LxL, w_q, w_k, w_v, attention_params["out"]["kernel"]
+  )
 
 
 def cross_attention(y_TxD, memory_SxD, allowed_TxS, attention_params, d_k):
   kv_DxHxKE = attention_params["kv"]["kernel"]
-  return multi_head_attention(y_TxD, memory_SxD, allowed_TxS,
-                              attention_params["query"]["kernel"], kv_DxHxKE[..., :d_k],
-                              kv_DxHxKE[..., d_k:], attention_params["out"]["kernel"])
+  return multi_head_attention(
+    y_TxD,
+    memory_SxD,
+    allowed_TxS,
+    attention_params["query"]["kernel"],
+    kv_DxHxKE[..., :d_k],
+    kv_DxHxKE[..., d_k:],
+    attention_params["out"]["kernel"],
+  )
 
 
 def feed_forward(x_LxD, ffn_params):
@@ -101,10 +117,20 @@ def encoder(params, source_S, cfg):
   x = embed(source_S, params["shared_embedding"]["embedding"])
   for i in range(cfg.num_layers):
     layer = params["encoder"][f"layer_{i}"]
-    x = residual(x, lambda z: self_attention(z, allowed_SxS, layer["self_attention"], cfg.d_k),
-                 layer["attention_block"]["norm"], cfg.norm, eps)
-    x = residual(x, lambda z: feed_forward(z, layer["ffn"]), layer["ffn_block"]["norm"],
-                 cfg.norm, eps)
+    x = residual(
+      x,
+      lambda z, layer=layer: self_attention(z, allowed_SxS, layer["self_attention"], cfg.d_k),
+      layer["attention_block"]["norm"],
+      cfg.norm,
+      eps,
+    )
+    x = residual(
+      x,
+      lambda z, layer=layer: feed_forward(z, layer["ffn"]),
+      layer["ffn_block"]["norm"],
+      cfg.norm,
+      eps,
+    )
   if cfg.norm == "pre":
     x = layer_norm(x, params["encoder"]["final_norm"], eps)
   return x
@@ -123,14 +149,29 @@ def decoder(params, decoder_input_T, memory_SxD, source_S, cfg):
   y = embed(decoder_input_T, embedding_VxD)
   for i in range(cfg.num_layers):
     layer = params["decoder"][f"layer_{i}"]
-    y = residual(y, lambda z: self_attention(z, causal_TxT, layer["self_attention"], cfg.d_k),
-                 layer["self_attention_block"]["norm"], cfg.norm, eps)
     y = residual(
-        y, lambda z: cross_attention(z, memory_SxD, source_real_TxS, layer["cross_attention"],
-                                     cfg.d_k), layer["cross_attention_block"]["norm"],
-        cfg.norm, eps)
-    y = residual(y, lambda z: feed_forward(z, layer["ffn"]), layer["ffn_block"]["norm"],
-                 cfg.norm, eps)
+      y,
+      lambda z, layer=layer: self_attention(z, causal_TxT, layer["self_attention"], cfg.d_k),
+      layer["self_attention_block"]["norm"],
+      cfg.norm,
+      eps,
+    )
+    y = residual(
+      y,
+      lambda z, layer=layer: cross_attention(
+        z, memory_SxD, source_real_TxS, layer["cross_attention"], cfg.d_k
+      ),
+      layer["cross_attention_block"]["norm"],
+      cfg.norm,
+      eps,
+    )
+    y = residual(
+      y,
+      lambda z, layer=layer: feed_forward(z, layer["ffn"]),
+      layer["ffn_block"]["norm"],
+      cfg.norm,
+      eps,
+    )
   if cfg.norm == "pre":
     y = layer_norm(y, params["decoder"]["final_norm"], eps)
   return y @ embedding_VxD.T

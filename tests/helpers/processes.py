@@ -15,8 +15,10 @@ import os
 # settings, so numbers compared across processes (a resumed run against an uninterrupted
 # one, bit for bit) come from the same compiler. Users' runs keep XLA's defaults:
 # nothing outside tests/ sets these.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                  "--xla_cpu_use_fusion_emitters=false")
+TEST_XLA_FLAGS = (
+  "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+  "--xla_cpu_use_fusion_emitters=false"
+)
 
 
 def xla_flags(devices: int) -> str:

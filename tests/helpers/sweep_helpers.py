@@ -11,8 +11,28 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE3 = os.path.join(REPO, "configs/sweeps/table3.py")
 TABLE3_SMALL = os.path.join(REPO, "configs/sweeps/table3_small.py")
-PAPER_ROWS = ["base", "A1", "A2", "A3", "A4", "B1", "B2", "C1", "C2", "C3", "C4", "C5", "C6",
-              "C7", "D1", "D2", "D3", "D4", "E", "big"]
+PAPER_ROWS = [
+  "base",
+  "A1",
+  "A2",
+  "A3",
+  "A4",
+  "B1",
+  "B2",
+  "C1",
+  "C2",
+  "C3",
+  "C4",
+  "C5",
+  "C6",
+  "C7",
+  "D1",
+  "D2",
+  "D3",
+  "D4",
+  "E",
+  "big",
+]
 
 
 def write_sweep(tmp_path, corpus, rows: str, base_overrides: str = "{}") -> str:
@@ -21,22 +41,29 @@ def write_sweep(tmp_path, corpus, rows: str, base_overrides: str = "{}") -> str:
   path, vocab_dir = corpus
   config_file = tmp_path / "tiny_config.py"
   config_file.write_text(
-      "from tests.helpers import tiny_run\n\n"
-      "def get_config():\n"
-      f"  return tiny_run.make_config(({path!r}, {vocab_dir!r}), eval_every_steps=6,\n"
-      "                              eval_bleu_sentences=0)\n")
+    "from tests.helpers import tiny_run\n\n"
+    "def get_config():\n"
+    f"  return tiny_run.make_config(({path!r}, {vocab_dir!r}), eval_every_steps=6,\n"
+    "                              eval_bleu_sentences=0)\n"
+  )
   sweep_file = tmp_path / "tiny_sweep.py"
   sweep_file.write_text(
-      "from transformer.sweeps import Row\n\n"
-      f"BASE_CONFIG = {str(config_file)!r}\n"
-      f"BASE_OVERRIDES = {base_overrides}\n\n"
-      f"def get_sweep():\n  return {rows}\n")
+    "from transformer.sweeps import Row\n\n"
+    f"BASE_CONFIG = {str(config_file)!r}\n"
+    f"BASE_OVERRIDES = {base_overrides}\n\n"
+    f"def get_sweep():\n  return {rows}\n"
+  )
   return str(sweep_file)
 
 
 def run_sweep_command(*args, timeout=120):
-  return subprocess.run([sys.executable, "-m", "transformer.sweeps", *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "transformer.sweeps", *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def fake_finished_row(workdir, name, steps, ppl, bleu, from_eval_py=True):

@@ -11,14 +11,26 @@ from transformer.data import tatoeba
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 OVERRIDES = {
-    "vocab_size": 256, "max_len": 24, "tokens_per_batch": 384, "eval_batch_size": 16,
-    "shuffle_buffer_size": 1000, "warmup_steps": 10, "log_every_steps": 1,
-    "eval_every_steps": 0, "checkpoint_every_steps": 2, "checkpoint_every_minutes": 0.0,
-    "num_train_steps": 6, "model.num_layers": 1, "model.d_model": 32, "model.d_ff": 64,
-    "model.num_heads": 2, "model.d_k": 16, "model.d_v": 16,
-    # MFU against a fixed peak: measuring this machine's (an f32 matmul over both cores
-    # for over a second) in every process would cost the suite minutes of CPU.
-    "peak_flops_per_device": 5e10,
+  "vocab_size": 256,
+  "max_len": 24,
+  "tokens_per_batch": 384,
+  "eval_batch_size": 16,
+  "shuffle_buffer_size": 1000,
+  "warmup_steps": 10,
+  "log_every_steps": 1,
+  "eval_every_steps": 0,
+  "checkpoint_every_steps": 2,
+  "checkpoint_every_minutes": 0.0,
+  "num_train_steps": 6,
+  "model.num_layers": 1,
+  "model.d_model": 32,
+  "model.d_ff": 64,
+  "model.num_heads": 2,
+  "model.d_k": 16,
+  "model.d_v": 16,
+  # MFU against a fixed peak: measuring this machine's (an f32 matmul over both cores
+  # for over a second) in every process would cost the suite minutes of CPU.
+  "peak_flops_per_device": 5e10,
 }
 
 # The checkpoints of conftest's shared `trained_run`. Thirty steps take the model past
@@ -41,8 +53,9 @@ def make_config(corpus, **overrides):
   """corpus = (tsv path, vocabulary cache dir); overrides use dotted keys."""
   path, vocab_dir = corpus
   config = config_lib.base_config()
-  config_lib.apply_overrides(config, {"dataset": f"tsv:{path}", "vocab_cache_dir": vocab_dir,
-                                      **OVERRIDES, **overrides})
+  config_lib.apply_overrides(
+    config, {"dataset": f"tsv:{path}", "vocab_cache_dir": vocab_dir, **OVERRIDES, **overrides}
+  )
   return config
 
 
@@ -55,6 +68,7 @@ def flag_overrides(corpus, **overrides) -> list[str]:
 
 def read_metrics(workdir, kind="train"):
   from transformer.training import reporting
+
   return reporting.read_metrics(workdir, kind=kind)
 
 
