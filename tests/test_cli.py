@@ -37,15 +37,15 @@ def test_filter_passes_project_info_and_every_warning():
 ])
 def test_config_flag_resolves_against_the_repository(tmp_path, monkeypatch, spec, expected):
   monkeypatch.chdir(tmp_path)
-  assert cli._resolve_config_arg(["prog", "--config", spec])[2] == expected
-  assert cli._resolve_config_arg(["prog", f"--config={spec}"])[1] == f"--config={expected}"
+  assert cli.resolve_config_arg(["prog", "--config", spec])[2] == expected
+  assert cli.resolve_config_arg(["prog", f"--config={spec}"])[1] == f"--config={expected}"
 
 
 def test_a_file_in_the_working_directory_wins(tmp_path, monkeypatch):
   (tmp_path / "configs").mkdir()
   (tmp_path / "configs" / "default.py").write_text("")
   monkeypatch.chdir(tmp_path)
-  assert cli._resolve_config_arg(["prog", "--config=configs/default.py"]) == [
+  assert cli.resolve_config_arg(["prog", "--config=configs/default.py"]) == [
       "prog", "--config=configs/default.py"]
 
 

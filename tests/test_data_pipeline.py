@@ -229,9 +229,9 @@ def test_a_validation_subset_spans_every_length(setup):
 
 def test_long_pairs_are_dropped_or_clipped_keeping_eos():
   ids = np.array([5, 6, 7, 8, EOS_ID], np.int32)
-  assert pipeline._fit(ids, 5, clip=False) is ids
-  assert pipeline._fit(ids, 4, clip=False) is None
-  np.testing.assert_array_equal(pipeline._fit(ids, 4, clip=True), [5, 6, 7, EOS_ID])
+  assert pipeline.fit_to_length(ids, 5, clip=False) is ids
+  assert pipeline.fit_to_length(ids, 4, clip=False) is None
+  np.testing.assert_array_equal(pipeline.fit_to_length(ids, 4, clip=True), [5, 6, 7, EOS_ID])
 
 
 def test_get_tokenizer_copies_to_workdir_and_resumes_from_it(setup, tmp_path):

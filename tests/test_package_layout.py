@@ -119,19 +119,20 @@ def test_the_checker_sees_an_upward_import(tmp_path):
   assert set(FOLDERS) <= set(ALLOWED)
 
 
-def _private_names_used_across_modules(path: str) -> list[str]:
+def _private_names_used_across_modules(
+    path: str, packages: tuple[str, ...] = ("transformer",)) -> list[str]:
   """`from transformer.x import _name`, or `module._name` on a module of the package
-  imported as `module`: another module's private names."""
+  imported as `module`: another module's private names (of `packages`)."""
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read())
   found, module_aliases = [], set()
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformer"):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(packages):
       found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
       module_aliases |= {a.asname or a.name for a in node.names}
     elif isinstance(node, ast.Import):
       module_aliases |= {a.asname for a in node.names
-                         if a.asname and a.name.startswith("transformer")}
+                         if a.asname and a.name.startswith(packages)}
   for node in ast.walk(tree):
     if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
         and node.value.id in module_aliases and node.attr.startswith("_")
@@ -226,3 +227,31 @@ def test_importing_every_module_leaves_absl_flags_to_the_programs():
   added = {name: flags.FLAGS.find_module_defining_flag(name)
            for name in set(flags.FLAGS) - before}
   assert not {name: m for name, m in added.items() if m and m.startswith("transformer")}, added
+
+
+def _private_modules_imported(path: str) -> list[str]:
+  """Imports of any library's private modules (`from jax._src import ...`)."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  modules = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+  modules += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+              for a in node.names]
+  return [m for m in modules
+          if any(part.startswith("_") and not part.startswith("__") for part in m.split("."))]
+
+
+def test_tests_use_private_names_only_through_their_helpers(tmp_path):
+  """A test file reaches no private name of the package, of docs/render or of a
+  library; what must is wrapped once in tests/helpers/."""
+  tests_dir = os.path.dirname(os.path.abspath(__file__))
+  used = {name: found for name in sorted(os.listdir(tests_dir)) if name.endswith(".py")
+          for found in [_private_names_used_across_modules(
+              os.path.join(tests_dir, name), ("transformer", "docs.render"))
+              + _private_modules_imported(os.path.join(tests_dir, name))] if found}
+  assert not used, used
+  module = tmp_path / "test_x.py"  # the checker sees each form
+  module.write_text("from jax._src import xla_bridge\nfrom docs.render import doc_views\n"
+                    "doc_views._acceptance_for(1.0, 3)\n")
+  assert _private_names_used_across_modules(str(module), ("transformer", "docs.render")) == [
+      "doc_views._acceptance_for"]
+  assert _private_modules_imported(str(module)) == ["jax._src"]

@@ -207,7 +207,7 @@ def test_the_acceptance_rate_a_speed_up_needs_inverts_the_tokens_per_round(a):
   """decoding.md's speculative view: the a at which a round of k = 3 gives
   (1 - a^4) / (1 - a) tokens."""
   tokens_per_round = (1 - a**4) / (1 - a)
-  assert doc_views._acceptance_for(tokens_per_round, 3) == pytest.approx(a, abs=1e-9)
+  assert doc_views.acceptance_for(tokens_per_round, 3) == pytest.approx(a, abs=1e-9)
 
 
 def test_every_record_file_has_its_producing_paths_and_they_exist():

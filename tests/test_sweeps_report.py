@@ -116,9 +116,9 @@ def test_markdown_table_keeps_the_papers_fractional_params():
 
 
 def test_relative_change_is_against_the_base_row():
-  assert report._relative_to_base([5.0, 5.5, None], 5.0) == [0.0, pytest.approx(10.0), None]
-  assert report._relative_to_base([1.0], None) == [None]
-  assert report._relative_to_base([1.0, 0.0], 0.0) == [None, None]  # no change from 0
+  assert report.relative_to_base([5.0, 5.5, None], 5.0) == [0.0, pytest.approx(10.0), None]
+  assert report.relative_to_base([1.0], None) == [None]
+  assert report.relative_to_base([1.0, 0.0], 0.0) == [None, None]  # no change from 0
 
 
 def test_collect_with_a_base_row_of_bleu_0_and_a_row_without_scores_writes_the_plot(tmp_path):

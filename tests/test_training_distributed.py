@@ -55,13 +55,12 @@ def test_one_task_for_a_node_of_gpus_is_refused_in_one_line():
 
 _START = """
 import json, jax
-from jax._src import xla_bridge  # jax_cuda_visible_devices, set from local_device_ids
 from absl import flags
 from transformer.training import distributed
 distributed.define_flags()
 flags.FLAGS(["start"])
 distributed.initialize_from_flags()
-print(json.dumps({"gpus": xla_bridge.CUDA_VISIBLE_DEVICES.value,
+print(json.dumps({"gpus": jax.config.read("jax_cuda_visible_devices"),  # from local_device_ids
                   "processes": jax.process_count(), "devices": jax.device_count(),
                   "local": jax.local_device_count()}))
 """

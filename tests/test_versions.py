@@ -31,7 +31,7 @@ def test_library_versions_are_the_installed_ones():
 
 
 def test_a_missing_library_is_none(monkeypatch):
-  monkeypatch.setitem(versions._DISTRIBUTIONS, "tensorflow", ("no-such-distribution",))
+  monkeypatch.setitem(versions.DISTRIBUTIONS, "tensorflow", ("no-such-distribution",))
   assert versions.library_versions()["tensorflow"] is None
 
 

@@ -77,7 +77,7 @@ def quiet_library_logs() -> None:
     handler.addFilter(ProjectInfoFilter())
 
 
-def _resolve_config_arg(argv: list[str]) -> list[str]:
+def resolve_config_arg(argv: list[str]) -> list[str]:
   """`--config FILE[:ARG]` with FILE made absolute where only the repository has it."""
   from transformer import config as config_lib  # light: ml_collections only
 
@@ -113,7 +113,7 @@ def flag_error_line(error: flags.Error) -> str:
 
 def _parse_flags(argv):
   """absl's parser, with bad `--config.KEY=VALUE` overrides reported in one line."""
-  argv = _resolve_config_arg(argv)
+  argv = resolve_config_arg(argv)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:  # one line: the last line of stderr is what scripts show

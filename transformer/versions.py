@@ -12,7 +12,7 @@ import platform
 
 # Record key -> the distributions that provide it, the first one installed wins:
 # TensorFlow installs as tensorflow-cpu on CPU-only machines.
-_DISTRIBUTIONS = {
+DISTRIBUTIONS = {
   "jax": ("jax",),
   "jaxlib": ("jaxlib",),
   "flax": ("flax",),
@@ -27,7 +27,7 @@ def library_versions() -> dict[str, str | None]:
 
   Read from the installed distributions' metadata: nothing is imported."""
   found: dict[str, str | None] = {"python": platform.python_version()}
-  for key, names in _DISTRIBUTIONS.items():
+  for key, names in DISTRIBUTIONS.items():
     found[key] = None
     for name in names:
       try:

@@ -713,7 +713,7 @@ def input_padding() -> str:
 # docs/decoding.md.
 
 
-def _acceptance_for(tokens_per_round: float, k: int) -> float:
+def acceptance_for(tokens_per_round: float, k: int) -> float:
   """The acceptance rate a at which a round gives `tokens_per_round` tokens
   (speculative_lib.tokens_per_round, which grows with a: bisected)."""
   # Imports JAX: only this view needs it.
@@ -775,7 +775,7 @@ def speculative() -> str:
     f"the draft {first['draft_steps']:,} (ppl {first['draft_validation_ppl']:.2f}, scored over "
     f"the whole vocabulary). At these costs 1.5x one sentence at a time needs "
     f"{needed:.2f} tokens per round, of the k + 1 = {k + 1} a round gives at most: an "
-    f"acceptance rate of {_acceptance_for(needed, k):.2f}.\n\n" + source("speculative", records)
+    f"acceptance rate of {acceptance_for(needed, k):.2f}.\n\n" + source("speculative", records)
   )
 
 

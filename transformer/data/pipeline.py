@@ -75,7 +75,7 @@ def tokenized_chunks(
     yield (*encode(sources_N), *encode(targets_N))
 
 
-def _fit(ids: np.ndarray, max_len: int, clip: bool) -> np.ndarray | None:
+def fit_to_length(ids: np.ndarray, max_len: int, clip: bool) -> np.ndarray | None:
   """`ids` (ending in EOS) if short enough; else clipped keeping the EOS, or None."""
   if len(ids) <= max_len:
     return ids
@@ -384,7 +384,10 @@ class TrainIterator:
       target_ids = np.split(target_flat, np.cumsum(target_lengths)[:-1])
       for source, target in zip(source_ids, target_ids):
         pairs_read += 1
-        s, t = _fit(source, config.max_len, clip), _fit(target, config.max_len, clip)
+        s, t = (
+          fit_to_length(source, config.max_len, clip),
+          fit_to_length(target, config.max_len, clip),
+        )
         if s is None or t is None:
           dropped += 1
           continue

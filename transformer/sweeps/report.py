@@ -151,7 +151,7 @@ def markdown_table(collected: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _relative_to_base(values: list, base) -> list:
+def relative_to_base(values: list, base) -> list:
   """Percent change from the base row; None where a value or the base is missing, or the
   base is 0 (a base row of BLEU 0, from a run too short to translate, has no change)."""
   if not base:
@@ -184,7 +184,7 @@ def plot(collected: list[dict], title: str, path: str) -> None:
       (-0.2, ours_key, "this run", "tab:blue"),
       (0.2, paper_key, "paper", "tab:gray"),
     ):
-      change = _relative_to_base([r[key] for r in collected], base[key])
+      change = relative_to_base([r[key] for r in collected], base[key])
       heights = [np.nan if c is None else c for c in change]
       bars = ax.bar(x + offset, heights, width=0.4, label=who, color=color)
       # The absolute value on each bar: the scale of the change is in the axis.
