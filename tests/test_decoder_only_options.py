@@ -15,6 +15,7 @@ from transformer.data import pipeline
 from transformer.evaluation import translate
 from transformer.model import decoding
 from transformer.training import loop
+from transformer.tools.decoding_speed import Recomputing
 
 MAX_LEN = 8  # with clipping, decoder-only rows of 2 * 8 tokens fill the top bucket
 
@@ -38,8 +39,8 @@ def test_decoder_only_trains_and_decodes_as_the_uncached_model(small_corpus, tmp
   assert source.shape[1] == MAX_LEN  # prompts of 1 + 8 tokens and 8 + 4 outputs
   cached = translator.generate(source)
   prompts = decoding.translation_prompts(source, config.max_decode_extra_len, True)
-  uncached = decoding.decode(translator.model, translator.params, prompts, decoding.Greedy(),
-                             use_cache=False)
+  uncached = decoding.decode(Recomputing(translator.model), translator.params, prompts,
+                             decoding.Greedy())
   np.testing.assert_array_equal(cached, uncached.tokens_BxO)
   assert np.all(np.isfinite(uncached.scores_B))
 
