@@ -137,10 +137,7 @@ def _search_settings(translator: Translator) -> dict[str, Any]:
     "search": search.kind,
     "decoder_only": bool(config.model.decoder_only),
   }
-  if search.kind == "beam":
-    settings.update(beam_size=config.beam_size, alpha=config.length_penalty_alpha)
-  elif search.kind == "sample":
-    settings.update(seed=search.seed, **search.sampling)
+  settings.update(search.record(config))
   if translator.draft is not None:
     settings.update(
       draft_workdir=translator.draft.workdir,
