@@ -137,6 +137,8 @@ def _resolves(dotted: str) -> bool:
 
 _DEFINE = re.compile(r"DEFINE_\w+\(\s*\"(\w+)\"")
 _ARGPARSE = re.compile(r"add_argument\(\s*\"--(\w+)\"")
+# A search's options (transformer/evaluation/searches.py), which the commands make flags.
+_SEARCH_OPTION = re.compile(r"\bOption\(\s*\"(\w+)\"")
 _IMPORT = re.compile(
     r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))", re.MULTILINE)
 
@@ -160,6 +162,7 @@ def _flags_of(entry: str) -> frozenset:
     with open(path, encoding="utf-8") as f:
       text = f.read()
     names |= set(_DEFINE.findall(text)) | set(_ARGPARSE.findall(text))
+    names |= set(_SEARCH_OPTION.findall(text))
     for package, imported, module in _IMPORT.findall(text):
       candidates = [module] if module else [package] + [
           f"{package}.{name.strip()}" for name in imported.split(",")]
