@@ -27,11 +27,13 @@ share of every batch, and process 0 writes the files and prints.
 """
 
 import sys
+from collections.abc import Callable
 
 from absl import flags
 from ml_collections import config_flags
 
 from transformer import cli
+from transformer.evaluation import searches
 from transformer.training import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -49,29 +51,23 @@ _AVERAGE_LAST = flags.DEFINE_integer(
   "average_last", 1, "Average the parameters of the last K checkpoints."
 )
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
-_BEAM_SIZE = flags.DEFINE_integer("beam_size", None, "Beam size (default: config.beam_size).")
-_ALPHA = flags.DEFINE_float(
-  "alpha", None, "Length penalty alpha (default: config.length_penalty_alpha)."
-)
 _SEARCH = flags.DEFINE_enum(
   "search",
   "beam",
-  ["beam", "greedy", "sample"],
-  "How to generate: beam search (the paper's), greedy, or sampling.",
+  list(searches.SEARCHES),
+  "How to generate: "
+  + "; ".join(f"{name}, {kind.help}" for name, kind in searches.SEARCHES.items()),
 )
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (> 0).")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the K most likely tokens (0 = all).")
-_TOP_P = flags.DEFINE_float(
-  "top_p", 1.0, "Sample from the smallest set of tokens reaching this mass."
-)
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_DRAFT_WORKDIR = flags.DEFINE_string(
-  "draft_workdir",
-  None,
-  "A second run (same vocabulary) as the draft model of "
-  "speculative decoding; with --search=greedy or sample.",
-)
-_DRAFT_LEN = flags.DEFINE_integer("draft_len", 4, "Tokens the draft proposes per target pass.")
+_DEFINE_BY_TYPE: dict[type, Callable[..., flags.FlagHolder]] = {
+  int: flags.DEFINE_integer,
+  float: flags.DEFINE_float,
+  str: flags.DEFINE_string,
+}
+# Every search's options (evaluation/searches.py), each flag defined once.
+_SEARCH_OPTIONS = {
+  option.name: _DEFINE_BY_TYPE[option.type](option.name, option.default, option.help)
+  for option in searches.all_options()
+}
 distributed.define_flags()
 
 # Flags of generation, which generate.py took over: each names its new home.
@@ -109,15 +105,12 @@ def main(argv):
     with distributed.stop_between_batches() as stop:
       if (_SOURCE_FILE.value is None) != (_REFERENCE_FILE.value is None):
         raise config_lib.ConfigError("--source_file and --reference_file go together")
+      kind = _SEARCH.value
       settings = translate.SearchSettings(
-        _SEARCH.value,
-        temperature=_TEMPERATURE.value,
-        top_k=_TOP_K.value,
-        top_p=_TOP_P.value,
-        seed=_SEED.value,
-        draft_len=_DRAFT_LEN.value,
+        kind,
+        **{o.name: _SEARCH_OPTIONS[o.name].value for o in searches.all_options([kind])},
       )
-      translator = load_translator(settings, _DRAFT_WORKDIR.value)
+      translator = load_translator(settings)
       translator.after_batch = stop.after_batch
       if _SOURCE_FILE.value is not None:
         results = score.evaluate_files(translator, _SOURCE_FILE.value, _REFERENCE_FILE.value)
@@ -141,9 +134,9 @@ def main(argv):
   print(f"sacreBLEU {results['bleu']:.2f}  {results['bleu_signature']}")
 
 
-def load_translator(settings, draft_workdir):
-  """The run of --workdir (its config, or --config, with --beam_size / --alpha applied),
-  restored with the search settings; every check runs before anything is restored."""
+def load_translator(settings):
+  """The run of --workdir (its config, or --config), restored with the search settings
+  (and their draft run, if any); every check runs before anything is restored."""
   from transformer import config as config_lib
   from transformer import storage
   from transformer.evaluation import translate
@@ -157,17 +150,13 @@ def load_translator(settings, draft_workdir):
   config = _CONFIG.value
   if config is None:
     config = checkpoints.load_run_config(workdir)
-  if _BEAM_SIZE.value is not None:
-    config.beam_size = _BEAM_SIZE.value
-  if _ALPHA.value is not None:
-    config.length_penalty_alpha = _ALPHA.value
   return translate.Translator(
     config,
     workdir,
     step=_STEP.value,
     average_last=_AVERAGE_LAST.value,
     settings=settings,
-    draft_workdir=draft_workdir,
+    draft_workdir=settings.values["draft_workdir"],
   )
 
 

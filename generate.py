@@ -22,6 +22,7 @@ from absl import app
 from absl.flags import argparse_flags
 
 from transformer import cli
+from transformer.evaluation import searches
 from transformer.training import distributed
 
 distributed.define_flags()
@@ -37,29 +38,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
   )
 
 
-def _search(parser: argparse.ArgumentParser, kinds: tuple[str, ...]) -> None:
+def _search(parser: argparse.ArgumentParser, kinds: list[str]) -> None:
+  """--search over `kinds` (the first the default) and their options, as declared in
+  evaluation/searches.py."""
+  described = "; ".join(f"{name}, {searches.SEARCHES[name].help}" for name in kinds)
   parser.add_argument(
-    "--search", choices=kinds, default=kinds[0], help=f"How to generate (default {kinds[0]})."
+    "--search", choices=kinds, default=kinds[0], help=f"How to generate: {described}."
   )
-  parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
-  parser.add_argument(
-    "--top_k", type=int, default=0, help="Sample from the K most likely tokens (0 = all)."
-  )
-  parser.add_argument(
-    "--top_p",
-    type=float,
-    default=1.0,
-    help="Sample from the smallest set of tokens reaching this mass.",
-  )
-  parser.add_argument("--seed", type=int, default=0, help="Sampling seed.")
-  parser.add_argument(
-    "--draft_workdir",
-    default=None,
-    help="A second run (same vocabulary) drafting for speculative decoding (greedy or sample).",
-  )
-  parser.add_argument(
-    "--draft_len", type=int, default=4, help="Tokens the draft proposes per target pass."
-  )
+  for option in searches.all_options(kinds):
+    parser.add_argument(
+      f"--{option.name}", type=option.type, default=option.default, help=option.help
+    )
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -73,11 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
   _common(translate)
   translate.add_argument("text", nargs="?", help="The text to translate.")
   translate.add_argument("--input_file", help="Translate each line of this file (- = stdin).")
-  translate.add_argument("--beam_size", type=int, help="Beam size (default: the config's).")
-  translate.add_argument(
-    "--alpha", type=float, help="Length penalty alpha (default: the config's)."
-  )
-  _search(translate, ("beam", "greedy", "sample"))
+  _search(translate, list(searches.SEARCHES))
   continuation = jobs.add_parser(
     "continue", inherited_absl_flags=None, help="Continue text with a decoder-only run."
   )
@@ -86,7 +71,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
   continuation.add_argument(
     "--max_new_tokens", type=int, default=64, help="The most tokens to generate."
   )
-  _search(continuation, ("greedy", "sample"))
+  _search(continuation, [name for name, kind in searches.SEARCHES.items() if kind.continues_text])
   attention = jobs.add_parser(
     "attention", inherited_absl_flags=None, help="Plot attention maps for one sentence."
   )
@@ -145,23 +130,19 @@ def _translator(args: argparse.Namespace):
       "continue extends text with a decoder-only model; this run "
       "is an encoder-decoder: use generate.py translate"
     )
-  settings, draft = translate.BEAM, None
+  settings = translate.BEAM
   if args.job != "attention":
+    options = searches.all_options([args.search])
     settings = translate.SearchSettings(
-      args.search, args.temperature, args.top_k, args.top_p, args.seed, args.draft_len
+      args.search, **{o.name: getattr(args, o.name) for o in options}
     )
-    draft = args.draft_workdir
-  if getattr(args, "beam_size", None) is not None:
-    config.beam_size = args.beam_size
-  if getattr(args, "alpha", None) is not None:
-    config.length_penalty_alpha = args.alpha
   return translate.Translator(
     config,
     args.workdir,
     step=args.step,
     average_last=args.average_last,
     settings=settings,
-    draft_workdir=draft,
+    draft_workdir=settings.values["draft_workdir"],
   )
 
 

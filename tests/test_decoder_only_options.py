@@ -1,7 +1,7 @@
 """Decoder-only models with every position kind and batching: rows of source + target fill
 the longest bucket, training stays finite, and cached decoding gives the tokens of the
 decoder rerun over the whole prefix. The learned position table covers all of it
-(config.position_table_size), and the config check refuses a table that would not."""
+(config.position_table_size), for any lengths."""
 
 import math
 
@@ -15,6 +15,7 @@ from transformer.data import pipeline
 from transformer.evaluation import translate
 from transformer.model import decoding
 from transformer.training import loop
+from transformer.tools.decoding_speed import Recomputing
 
 MAX_LEN = 8  # with clipping, decoder-only rows of 2 * 8 tokens fill the top bucket
 
@@ -38,15 +39,31 @@ def test_decoder_only_trains_and_decodes_as_the_uncached_model(small_corpus, tmp
   assert source.shape[1] == MAX_LEN  # prompts of 1 + 8 tokens and 8 + 4 outputs
   cached = translator.generate(source)
   prompts = decoding.translation_prompts(source, config.max_decode_extra_len, True)
-  uncached = decoding.decode(translator.model, translator.params, prompts, decoding.Greedy(),
-                             use_cache=False)
+  uncached = decoding.decode(Recomputing(translator.model), translator.params, prompts,
+                             decoding.Greedy())
   np.testing.assert_array_equal(cached, uncached.tokens_BxO)
   assert np.all(np.isfinite(uncached.scores_B))
 
 
-def test_no_config_can_look_past_the_learned_position_table(monkeypatch):
-  """Every reader of the table fits, for any lengths; a table one row short of the
-  longest decoder-only row is refused in one line before anything is built."""
+def positions_used(config) -> dict[str, int]:
+  """How many positions each reader of the table needs, counted apart from
+  config.position_table_size: training rows (length buckets up to the longest row rounded
+  up, or packed rows of exactly the longest row), evaluation rows (at most the longest
+  row), and generation (BOS, a decoder-only model's source, and all but the last output)."""
+  sides = 2 if config.model.decoder_only else 1
+  row = sides * config.max_len
+  training = row if config.batching == "packed" else -(-row // 8) * 8
+  prompt = 1 + (config.max_len if config.model.decoder_only else 0)
+  return {
+    "training rows": training,
+    "evaluation rows": row,
+    "generation": prompt + config.max_len + config.max_decode_extra_len - 1,
+  }
+
+
+def test_no_config_can_look_past_the_learned_position_table():
+  """Every reader of the table fits, for any lengths: the data pipeline's rows and the
+  longest generation."""
   for decoder_only in (False, True):
     for batching in ("tokens", "packed"):
       for max_len in (2, 7, 16, 17, 64, 100):
@@ -57,7 +74,7 @@ def test_no_config_can_look_past_the_learned_position_table(monkeypatch):
                                                                           extra)
           config_lib.validate(config)
           table = config_lib.position_table_size(config)
-          used = config_lib.positions_used(config)
+          used = positions_used(config)
           assert max(used.values()) <= table
           # What the data pipeline builds: length buckets or packed rows, and evaluation
           # batches padded geometrically, capped at the longest row.
@@ -65,15 +82,6 @@ def test_no_config_can_look_past_the_learned_position_table(monkeypatch):
           built = (row if batching == "packed" else batching_lib.bucket_lengths(row)[-1])
           assert built == used["training rows"]
           assert batching_lib.geometric_length(row, row) == used["evaluation rows"]
-  # The size encoder-decoder runs have always had: too small for decoder-only rows.
-  monkeypatch.setattr(config_lib, "position_table_size",
-                      lambda c: c.max_len + c.max_decode_extra_len + 1)
-  config = config_lib.base_config()
-  config.model.positional, config.model.decoder_only = "learned", True
-  with pytest.raises(config_lib.ConfigError) as error:
-    config_lib.validate(config)
-  assert str(error.value).startswith("config.model.positional: the learned position table "
-                                     "has 115 rows but training rows need 128")
 
 
 def test_a_continuation_past_the_learned_table_is_refused_in_one_line():

@@ -166,6 +166,8 @@ def _resolves(dotted: str) -> bool:
 
 _DEFINE = re.compile(r"DEFINE_\w+\(\s*\"(\w+)\"")
 _ARGPARSE = re.compile(r"add_argument\(\s*\"--(\w+)\"")
+# A search's options (transformer/evaluation/searches.py), which the commands make flags.
+_SEARCH_OPTION = re.compile(r"\bOption\(\s*\"(\w+)\"")
 _IMPORT = re.compile(
     r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))", re.MULTILINE)
 
@@ -189,6 +191,7 @@ def _flags_of(entry: str) -> frozenset:
     with open(path, encoding="utf-8") as f:
       text = f.read()
     names |= set(_DEFINE.findall(text)) | set(_ARGPARSE.findall(text))
+    names |= set(_SEARCH_OPTION.findall(text))
     for package, imported, module in _IMPORT.findall(text):
       candidates = [module] if module else [package] + [
           f"{package}.{name.strip()}" for name in imported.split(",")]
@@ -407,18 +410,7 @@ def _problems(relative: str, text: str) -> list[str]:
   return sorted(set(problems))
 
 
-# Names known to be stale, each with what replaces it; the mark is strict, so the test
-# fails once the name is fixed, until the entry goes.
-_KNOWN_STALE = {
-    "transformer/model/transformer.py":
-        "names decoding.set_positions; the function is transformer.model.decoding.cache's",
-}
-
-
-@pytest.mark.parametrize("relative", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=_KNOWN_STALE[f]))
-    if f in _KNOWN_STALE else f
-    for f in _markdown_files() + _python_files() + ["pyproject.toml"]])
+@pytest.mark.parametrize("relative", _markdown_files() + _python_files() + ["pyproject.toml"])
 def test_everything_named_exists(relative):
   assert _problems(relative, _named_text(relative)) == []
 

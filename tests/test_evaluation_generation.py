@@ -127,8 +127,8 @@ def test_speculative_greedy_split_is_the_greedy_split(trained_run, draft_run):
   # Token for token the target's own greedy output, in the split's order.
   assert greedy.translate_lines(files["src"]) == files["hyp"]
   # Plain greedy and sampled runs write beside beam search's files, not over them.
-  assert score._output_stem(greedy, "test").endswith(f"test-{greedy.step}-greedy")
-  assert score._output_stem(_translator(workdir), "test").endswith(f"test-{greedy.step}")
+  assert score.output_stem(greedy, "test").endswith(f"test-{greedy.step}-greedy")
+  assert score.output_stem(_translator(workdir), "test").endswith(f"test-{greedy.step}")
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(trained_run, draft_run):

@@ -294,7 +294,7 @@ def test_unusable_checkpoint_directory_fails_at_start_in_one_line(small_corpus, 
   assert not (workdir / "metrics.jsonl").exists()  # it stopped before training
 
 
-# --- 5: NaN / Inf (NaN through config.debug_nan_step: tests/test_training_loop.py).
+# --- 5: NaN / Inf (a diverging step, fault_injection.diverge_at_step: test_training_loop.py).
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])

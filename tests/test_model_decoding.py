@@ -15,8 +15,8 @@ from tests.helpers.model_helpers import make_model
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
 from transformer.model import decoding
 from transformer.model.decoding import beam as beam_lib
-from transformer.model.decoding import cache as cache_lib
-from transformer.model import ModelConfig, Transformer, stack_layer_params
+from transformer.model import ModelConfig, Transformer, incremental, stack_layer_params
+from transformer.tools.decoding_speed import Recomputing
 
 VOCAB = 6  # PAD, EOS, BOS, UNK and two words: EOS, UNK, 4 and 5 can be generated
 GENERATED = (EOS_ID, 3, 4, 5)
@@ -78,9 +78,12 @@ def gnmt_penalty(length, alpha):
 
 
 def translate(model, params, source, search, extra=EXTRA, use_cache=True, rng=None):
-  """decoding.decode on translation prompts: the Generation."""
+  """decoding.decode on translation prompts: the Generation; use_cache=False decodes
+  without K/V, rerunning the decoder over the whole prefix at every call."""
   prompts = decoding.translation_prompts(source, extra, model.config.decoder_only)
-  return decoding.decode(model, params, prompts, search, rng, use_cache=use_cache)
+  if not use_cache:
+    model = Recomputing(model)
+  return decoding.decode(model, params, prompts, search, rng)
 
 
 def beam(model, params, source=SOURCE, beam_size=4, alpha=0.6, early_stop=True, **kwargs):
@@ -124,15 +127,15 @@ def test_cache_segments_double_from_sixteen_up_to_the_cache_length():
 def test_prefill_keeps_cross_attention_per_sentence_and_repeats_the_rest(model, params):
   """The prefill projects the cross-attention K/V once per sentence; repeating the rows
   for 4 beams repeats the self-attention K/V and the source, not the cross K/V."""
-  _, params_copy = cache_lib.unrolled(model, params)
+  seam, params_copy = incremental.of(model).prepare(params)
   prompt = jnp.full((3, 1), BOS_ID, jnp.int32)
-  prefilled = cache_lib.prefill(model, params_copy, prompt, cache_len=16, source_BxS=SOURCE)
-  state = cache_lib.repeat_rows(prefilled.state, 4)
+  prefilled = seam.prefill(params_copy, prompt, cache_len=16, source_BxS=SOURCE)
+  state = seam.repeat_rows(prefilled.state, 4)
   layer = state.cache["decoder"]["layer_0"]
   chex.assert_shape(state.source_NxS, (12, 4))
   chex.assert_shape(layer["self_attention"]["key"], (12, 2, 8, 16))  # [N, H, K, C]
   chex.assert_shape(layer["cross_attention"]["cross_key"], (3, 2, 8, 4))  # [B, H, K, S]
-  grown = cache_lib.grow(state, 24)
+  grown = seam.grow(state, 24)
   chex.assert_shape(grown.cache["decoder"]["layer_1"]["self_attention"]["value"],
                     (12, 2, 24, 8))  # [N, H, C, E]
 
@@ -262,7 +265,7 @@ def test_scanned_layers_decode_as_the_looped_model(model, params):
   with the same tokens and scores as the looped model."""
   scanned = Transformer(dataclasses.replace(model.config, scan_layers=True))
   stacked = stack_layer_params(params, model.config.num_layers)
-  unrolled_model, unrolled_params = cache_lib.unrolled(scanned, stacked)
+  unrolled_model, unrolled_params = incremental.of(scanned).prepare(stacked)
   assert not unrolled_model.config.scan_layers
   chex.assert_trees_all_equal(unrolled_params, params)  # exactly the looped weights
   looped = beam(model, params, beam_size=3)

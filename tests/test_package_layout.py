@@ -255,3 +255,44 @@ def test_tests_use_private_names_only_through_their_helpers(tmp_path):
   assert _private_names_used_across_modules(str(module), ("transformer", "docs.render")) == [
       "doc_views._acceptance_for"]
   assert _private_modules_imported(str(module)) == ["jax._src"]
+
+
+# What only the model's incremental side (model/incremental.py) may know of the decoding
+# cache: the names of its leaves and collections, and the scanned stack's layout.
+CACHE_LEAVES = {"cache", "decoder", "position", "key", "value", "cross_key", "cross_value",
+                "layers", "tokens", "self_attention", "cross_attention"}
+MODEL_INSIDES = {"scan_layers", "unstack_layer_params", "stack_layer_params", "apply",
+                 "mutable", "use_cache", "clone"}
+
+
+def _model_insides_named(path: str) -> set[str]:
+  """The cache leaf names among a module's string constants (docstrings aside) and the
+  model's insides among its names, attributes and keywords."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                and node.body and isinstance(node.body[0], ast.Expr)}
+  named = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      if id(node) not in docstrings and node.value in CACHE_LEAVES:
+        named.add(repr(node.value))
+    for name in (getattr(node, "id", None), getattr(node, "attr", None),
+                 getattr(node, "arg", None)):
+      if name in MODEL_INSIDES:
+        named.add(name)
+  return named
+
+
+def test_decoding_never_names_a_cache_leaf_or_the_scan_layout():
+  """The searches drive the model through model/incremental.py alone, so a new kind of
+  model or cache changes that module and no search."""
+  folder = os.path.join(PACKAGE, "model", "decoding")
+  named = {name: found for name in sorted(os.listdir(folder)) if name.endswith(".py")
+           for found in [_model_insides_named(os.path.join(folder, name))] if found}
+  assert not named, named
+  # The checker sees them where they are: in the model's own incremental side.
+  assert {"'cross_key'", "'layers'", "'key'", "'value'", "scan_layers", "apply",
+          "unstack_layer_params"} <= _model_insides_named(
+              os.path.join(PACKAGE, "model", "incremental.py"))

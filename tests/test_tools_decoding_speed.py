@@ -32,20 +32,22 @@ def _source():
 
 @pytest.fixture
 def searched_steps(monkeypatch):
-  """The search, the budget and the use_cache of each compiled search, and the steps
-  it ran (its passes after the prefill, plus the prefill's)."""
+  """The search, the budget and whether the model kept its cache (not Recomputing) of
+  each compiled search, and the steps it ran (its passes after the prefill, plus the
+  prefill's)."""
   real = decoding.decode
   seen = []
 
   class Recording:
-    def lower(self, model, params, prompts, search, **kwargs):
-      compiled = real.lower(model, params, prompts, search, **kwargs).compile()
+    def lower(self, model, params, prompts, search):
+      compiled = real.lower(model, params, prompts, search).compile()
+      cached = not isinstance(model, decoding_speed.Recomputing)
 
       class Lowered:
         def compile(self):
           def run(*args):
             out = compiled(*args)
-            seen.append(((search, prompts.out_len, kwargs), int(out.calls) + 1))
+            seen.append(((search, prompts.out_len, cached), int(out.calls) + 1))
             return out
           return run
       return Lowered()
@@ -70,8 +72,7 @@ def test_rates_agree_with_the_run_time(model_and_params, searched_steps, use_cac
   # One untimed run, then the timed one.
   [(kwargs, step), timed] = searched_steps
   assert timed == (kwargs, step) and step == STEPS
-  assert kwargs == (decoding.BeamSearch(BEAM, alpha=0.6, early_stop=False), STEPS,
-                    dict(use_cache=use_cache))
+  assert kwargs == (decoding.BeamSearch(BEAM, alpha=0.6, early_stop=False), STEPS, use_cache)
 
 
 def test_a_search_that_ends_early_is_not_timed_as_a_full_one(model_and_params):

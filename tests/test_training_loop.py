@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import fault_injection
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config, read_metrics
 from transformer.model import ModelConfig
@@ -140,9 +141,12 @@ def test_logged_records_carry_mfu_hfu_and_padding(small_corpus, tmp_path):
     assert 0 < r["mfu"] < r["hfu"]
 
 
-def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(small_corpus, tmp_path):
+def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(
+  small_corpus, tmp_path, monkeypatch
+):
   workdir = str(tmp_path / "nan")
-  config = make_config(small_corpus, num_train_steps=8, debug_nan_step=5, log_every_steps=4)
+  fault_injection.diverge_at_step(monkeypatch, 5)
+  config = make_config(small_corpus, num_train_steps=8, log_every_steps=4)
   with pytest.raises(loop.TrainingError, match="at step 5"):
     loop.train_and_evaluate(config, workdir)
   assert checkpoints.Checkpointer(workdir, keep=5).all_steps() == [2, 4]

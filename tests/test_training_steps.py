@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from tests.helpers import fault_injection
 from transformer import config as config_lib
 from transformer.training import optimizer as optimizer_lib
 from transformer.training import sharding, state, steps
@@ -217,11 +218,11 @@ def test_training_reduces_loss_and_accumulation_matches_big_batch():
   )
 
 
-def test_forced_nan_makes_the_loss_nan_at_that_step():
-  config = tiny_config()
-  config.debug_nan_step = 2
-  losses, _, _ = run_steps(config, jax.devices()[:1], num_steps=2)
+def test_a_divergence_injected_at_a_step_makes_that_steps_loss_nan(monkeypatch):
+  fault_injection.diverge_at_step(monkeypatch, 2)
+  losses, params, _ = run_steps(tiny_config(), jax.devices()[:1], num_steps=2)
   assert math.isfinite(losses[0]) and math.isnan(losses[1])
+  assert all(np.isnan(x).all() for x in jax.tree.leaves(params))
 
 
 def test_bfloat16_compute_keeps_float32_parameters_and_adam_state():

@@ -200,7 +200,6 @@ def base_config() -> ml_collections.ConfigDict:
   # for checkpoints that take longer to upload or load. Clients retry failed requests
   # (429, 503, resets) within it.
   c.storage_timeout_s = 600.0
-  c.debug_nan_step = 0  # > 0: make the loss NaN at this step (tests the NaN guard)
   # Dense peak FLOP/s of one device (each fake CPU device too), for MFU. 0 = the datasheet
   # figure of a kind listed in training/flops.py, or on CPU the machine's, measured once
   # (about 2 s) and kept in ~/.cache/transformer/cpu_peak.json.
@@ -425,7 +424,6 @@ def _check_loop_and_decoding(config: ml_collections.ConfigDict) -> None:
   )
   _check(config.beam_size >= 1, "beam_size", "must be at least 1")
   _check(config.max_decode_extra_len >= 1, "max_decode_extra_len", "must be at least 1")
-  _check_position_table(config)
 
 
 def position_table_size(config: ml_collections.ConfigDict) -> int:
@@ -446,38 +444,6 @@ def position_table_size(config: ml_collections.ConfigDict) -> int:
 
 # Training and evaluation rows are padded to a multiple of this (data/batching.py).
 ROW_LENGTH_MULTIPLE = 8
-
-
-def positions_used(config: ml_collections.ConfigDict) -> dict[str, int]:
-  """How many positions each reader of the table needs: training rows (length buckets
-  up to the longest row rounded up, or packed rows of exactly the longest row),
-  evaluation rows (at most the longest row), and generation (BOS, a decoder-only
-  model's source, and all but the last output). tests/test_decoder_only_options.py
-  holds these to the data pipeline's own sizes."""
-  sides = 2 if config.model.decoder_only else 1
-  row = sides * config.max_len
-  training = row
-  if config.batching != "packed":
-    training = -(-row // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
-  prompt = 1 + (config.max_len if config.model.decoder_only else 0)
-  return {
-    "training rows": training,
-    "evaluation rows": row,
-    "generation": prompt + config.max_len + config.max_decode_extra_len - 1,
-  }
-
-
-def _check_position_table(config: ml_collections.ConfigDict) -> None:
-  """No lookup in the learned position table can fall off its end."""
-  if config.model.positional != "learned":
-    return
-  table = position_table_size(config)
-  for reader, needed in positions_used(config).items():
-    _check(
-      needed <= table,
-      "model.positional",
-      f"the learned position table has {table} rows but {reader} need {needed}",
-    )
 
 
 def _check_draft(config: ml_collections.ConfigDict) -> None:

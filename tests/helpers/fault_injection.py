@@ -258,6 +258,27 @@ def slow_log_flushes(seconds: float) -> None:
   storage.AppendLog.flush = flush
 
 
+def diverge_at_step(monkeypatch, step: int) -> None:
+  """In this process, training diverges at `step` (1-based, as logged): that step's loss
+  and the parameters it writes are NaN, as a real divergence leaves them, for the NaN
+  guard's tests. steps.jit_train_step compiles whatever `steps.train_step` is then."""
+  import jax
+  import jax.numpy as jnp
+
+  from transformer.training import steps
+
+  real_train_step = steps.train_step
+
+  def diverging_train_step(state, batch, **kwargs):
+    new_state, metrics = real_train_step(state, batch, **kwargs)
+    diverged = state.step + 1 == step
+    nan_there = lambda x: jnp.where(diverged, jnp.nan, x)
+    new_state = new_state.replace(params=jax.tree.map(nan_there, new_state.params))
+    return new_state, {**metrics, "loss": nan_there(metrics["loss"])}
+
+  monkeypatch.setattr(steps, "train_step", diverging_train_step)
+
+
 def disarm() -> None:
   global _original_evaluate_loss
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE

@@ -140,3 +140,14 @@ def strip(tokens):
   """Token list up to and including the first EOS (or all of it)."""
   tokens = [int(t) for t in tokens if t != PAD_ID]
   return tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
+def acceptance_rate(out) -> float:
+  """The share of a speculative decoding.Generation's draft tokens the target took."""
+  return float(out.accepted) / max(int(out.proposed), 1)
+
+
+def tokens_per_call(out) -> float:
+  """Generated tokens per row per counted pass of a decoding.Generation: 1 for
+  one-token searches, up to k + 1 (plus the prefill's share) for speculative decoding."""
+  return float(np.sum(np.asarray(out.tokens_BxO) != PAD_ID)) / max(int(out.row_calls), 1)

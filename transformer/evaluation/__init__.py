@@ -2,6 +2,8 @@
 
 translate.py       Translator (restore + vocabulary + a search), SearchSettings,
                    run_search (one batch through any search), translate_lines
+searches.py        the registry of searches: each one's name, options and checks,
+                   from which eval.py and generate.py build their flags
 score.py           evaluate_split / evaluate_files: every sentence once, in order;
                    BLEU, chrF, perplexity
 bleu.py            sacreBLEU, the paper's tokenized BLEU, chrF

@@ -85,13 +85,13 @@ def attention_weights(
 
 
 def _plot_heads(
-  weights_HxQxK: np.ndarray,
+  weights_HxTxS: np.ndarray,  # queries T, keys S (a self-attention's both its own)
   query_labels: Sequence[str],
   key_labels: Sequence[str],
   title: str,
   path: str,
 ) -> None:
-  num_heads, num_queries, num_keys = weights_HxQxK.shape
+  num_heads, num_queries, num_keys = weights_HxTxS.shape
   columns = min(num_heads, 4)
   rows = math.ceil(num_heads / columns)
   # Room for every label: about a fifth of an inch per token, at least 3 inches a panel.
@@ -101,7 +101,7 @@ def _plot_heads(
   figure.suptitle(title)
   for head in range(num_heads):
     axes = figure.add_subplot(rows, columns, head + 1)
-    axes.imshow(weights_HxQxK[head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    axes.imshow(weights_HxTxS[head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     axes.set_title(f"head {head}", fontsize=9)
     axes.set_xticks(range(num_keys), key_labels, rotation=90, fontsize=7)
     axes.set_yticks(range(num_queries), query_labels, fontsize=7)

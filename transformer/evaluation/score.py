@@ -87,7 +87,7 @@ def evaluate_split(
     translator.rules,
   )
   results["ppl"], results["ce"] = loss["ppl"], loss["ce"]
-  json_path = _output_stem(translator, name or split) + ".json"
+  json_path = output_stem(translator, name or split) + ".json"
   if jax.process_index() == 0:  # the files are the same on every process: one writer
     _write_outputs(json_path, [s for s, _ in texts], references, hypotheses, results)
   results["path"] = json_path
@@ -137,10 +137,7 @@ def _search_settings(translator: Translator) -> dict[str, Any]:
     "search": search.kind,
     "decoder_only": bool(config.model.decoder_only),
   }
-  if search.kind == "beam":
-    settings.update(beam_size=config.beam_size, alpha=config.length_penalty_alpha)
-  elif search.kind == "sample":
-    settings.update(seed=search.seed, **search.sampling)
+  settings.update(search.record(config))
   if translator.draft is not None:
     settings.update(
       draft_workdir=translator.draft.workdir,
@@ -150,7 +147,7 @@ def _search_settings(translator: Translator) -> dict[str, Any]:
   return settings
 
 
-def _output_stem(translator: Translator, split: str) -> str:
+def output_stem(translator: Translator, split: str) -> str:
   """WORKDIR/eval/<split>-<step>[-avg<k>][-greedy|-sample][-spec]: beam search (the
   paper's protocol) keeps the plain name."""
   averaged = f"-avg{translator.average_last}" if translator.average_last > 1 else ""

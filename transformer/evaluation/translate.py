@@ -2,11 +2,12 @@
 
 `Translator` loads a workdir's (optionally averaged) parameters and vocabulary onto the
 config's mesh, and optionally a second run as the draft model of speculative decoding.
-`SearchSettings` says how to generate (beam search, the paper's protocol and the
-default; greedy; sampling; any but beam with a draft) and builds the decoding search
-(transformer/model/decoding). `run_search` is the one place a batch meets a search:
-its rows are spread over the mesh, sampling gets its key, and the outputs and the
-draft's statistics come back to every process in the batch's row order.
+`SearchSettings` says how to generate (a search of evaluation/searches.py: beam search,
+the paper's protocol and the default; greedy; sampling; greedy or sampling with a draft)
+and builds the decoding search (transformer/model/decoding). `run_search` is the one
+place a batch meets a search: its rows are spread over the mesh, sampling gets its key,
+and the outputs and the draft's statistics come back to every process in the batch's
+row order.
 
 Both kinds of model translate alike: decoding.translation_prompts (an encoder-decoder
 reads the source and continues BOS, a decoder-only model continues BOS + source), each
@@ -27,60 +28,63 @@ from jax.experimental import multihost_utils
 from transformer import config as config_lib
 from transformer import data, storage
 from transformer.data import tokenizer as tokenizer_lib
+from transformer.evaluation import searches
 from transformer.model import decoding
 from transformer.training import checkpoints, sharding
 from transformer.training import state as state_lib
 
-SEARCH_KINDS = ("beam", "greedy", "sample")
 
-
-@dataclasses.dataclass(frozen=True)
 class SearchSettings:
-  """How hypotheses are generated: beam search (the config's beam size and alpha),
-  greedy decoding, or sampling from the filtered distribution (decoding.filter_logits);
-  with a draft model, draft_len tokens are proposed per target pass."""
+  """How hypotheses are generated: a search of searches.SEARCHES (beam search, the
+  paper's protocol and the default; greedy decoding; sampling) and the values of its
+  options and of the common ones (searches.COMMON_OPTIONS), each defaulting to its
+  declaration; with a draft model, draft_len tokens are proposed per target pass."""
 
-  kind: str = "beam"
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  draft_len: int = 4
+  def __init__(self, kind: str = "beam", **values: Any):
+    self.kind = kind
+    options = searches.all_options([kind] if kind in searches.SEARCHES else [])
+    unknown = set(values) - {option.name for option in options}
+    if unknown:
+      raise config_lib.ConfigError(f"search {kind!r} takes no option {', '.join(sorted(unknown))}")
+    self.values = {option.name: values.get(option.name, option.default) for option in options}
+    self._options = options
+
+  def __repr__(self) -> str:
+    return f"SearchSettings({self.kind!r}, {self.values})"
+
+  @property
+  def seed(self) -> int:
+    return self.values["seed"]
+
+  @property
+  def draft_len(self) -> int:
+    return self.values["draft_len"]
 
   def check(self, with_draft: bool = False) -> None:
     """One-line ConfigError for values no search can use."""
-    if self.kind not in SEARCH_KINDS:
-      raise config_lib.ConfigError(f"search: {self.kind!r} is not one of {SEARCH_KINDS}")
-    if not self.temperature > 0:
-      raise config_lib.ConfigError(f"temperature: must be > 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise config_lib.ConfigError(f"top_k: must be >= 0 (0 = all), got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      raise config_lib.ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
-    if self.draft_len < 1:
-      raise config_lib.ConfigError(f"draft_len: must be >= 1, got {self.draft_len}")
-    if with_draft and self.kind == "beam":
+    if self.kind not in searches.SEARCHES:
       raise config_lib.ConfigError(
-        "draft_workdir: speculative decoding is offered for "
-        "greedy and sampling (--search=greedy|sample), not beam"
+        f"search: {self.kind!r} is not one of {', '.join(searches.SEARCHES)}"
+      )
+    for option in self._options:
+      option.check(self.values[option.name])
+    if with_draft and not searches.SEARCHES[self.kind].drafts:
+      offered = searches.drafting()
+      raise config_lib.ConfigError(
+        f"draft_workdir: speculative decoding is offered for {', '.join(offered)} "
+        f"(--search={'|'.join(offered)}), not {self.kind}"
       )
 
   def build(self, config: ml_collections.ConfigDict, draft_model: Any = None) -> decoding.Search:
-    """The decoding search these settings describe."""
-    if self.kind == "beam":
-      return decoding.BeamSearch(config.beam_size, config.length_penalty_alpha)
-    search = (
-      decoding.Greedy()
-      if self.kind == "greedy"
-      else decoding.Sampling(self.temperature, self.top_k, self.top_p)
-    )
+    """The decoding search these settings describe (speculative with a draft model)."""
+    search = searches.SEARCHES[self.kind].build(config, self.values)
     if draft_model is None:
       return search
     return decoding.Speculative(draft_model, self.draft_len, search)
 
-  @property
-  def sampling(self) -> dict:
-    return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+  def record(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The search's own entries in eval.py's JSON."""
+    return searches.SEARCHES[self.kind].record(config, self.values)
 
 
 BEAM = SearchSettings()
@@ -334,8 +338,9 @@ class Translator:
         "config.model.decoder_only: continuing text needs a "
         "decoder-only model; translate with this run"
       )
-    if self.settings.kind == "beam":
-      raise config_lib.ConfigError("search: text continuation is greedy or sampled")
+    if not searches.SEARCHES[self.settings.kind].continues_text:
+      offered = [name for name, kind in searches.SEARCHES.items() if kind.continues_text]
+      raise config_lib.ConfigError(f"search: text continuation is {' or '.join(offered)}")
     check_generation_length(self.config, self.config.max_len + 1, max_new_tokens)
     texts = list(texts)
     outputs = []

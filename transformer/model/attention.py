@@ -209,11 +209,11 @@ class MultiHeadAttention(nn.Module):
     step's matmuls (docs/performance.md). Decoding has no dropout, and the written-out
     form serves every attention_kernel (a step's attention is small).
 
-    The cache may have fewer rows than the queries, R = B / G: then each of its rows
-    serves G adjacent query rows. Beam search keeps the cross-attention K/V once per
-    sentence for its G hypotheses (rows b * G + g), so each sentence's G x L queries
-    meet them in one matmul, M = G x L rows against the sentence's S slots; repeated
-    per hypothesis, they were read G times over at every step.
+    The cache may have fewer rows than the queries, R = B / W: then each of its rows
+    serves W adjacent query rows. Beam search keeps the cross-attention K/V once per
+    sentence for its W hypotheses (rows b * W + w), so each sentence's W x L queries
+    meet them in one matmul, M = W x L rows against the sentence's S slots; repeated
+    per hypothesis, they were read W times over at every step.
     """
     cfg = self.config
     batch, length, heads, _ = q_BxLxHxK.shape

@@ -19,7 +19,7 @@ instead of V. Training and validation score the whole vocabulary, so the loss an
 perplexity are the usual ones. The shortlist only changes what the draft can propose:
 the speculative output is the target's either way.
 
-Shape letters follow transformer/model/primitives.py; N is the shortlist's length.
+Shape letters follow transformer/model/primitives.py; Z is the shortlist's length.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transformer.model.primitives import (
   default_positions,
   segment_ids_from_tokens,
 )
-from transformer.model.transformer import Decoder, Encoder
+from transformer.model.transformer import Decoder, Encoder, Transformer
 
 
 class FrozenEmbed(nn.Module):
@@ -70,13 +70,13 @@ class FrozenEmbed(nn.Module):
 
   def attend(self, x_BxLxD: Array) -> Array:
     batch, length, d_model = x_BxLxD.shape
-    x_NxD = x_BxLxD.reshape(batch * length, d_model)
+    x_BLxD = x_BxLxD.reshape(batch * length, d_model)
     if not self.shortlist or not self.is_mutable_collection("cache"):
-      return tied_projection(x_NxD, self._table_VxD()).reshape(batch, length, -1)
-    ids_N = jnp.array(self.shortlist, jnp.int32)
-    short_logits_RxN = tied_projection(x_NxD, jnp.take(self._table_VxD(), ids_N, axis=0))
-    logits_RxV = jnp.full((batch * length, self.config.vocab_size), -jnp.inf, jnp.float32)
-    return logits_RxV.at[:, ids_N].set(short_logits_RxN).reshape(batch, length, -1)
+      return tied_projection(x_BLxD, self._table_VxD()).reshape(batch, length, -1)
+    ids_Z = jnp.array(self.shortlist, jnp.int32)
+    short_logits_BLxZ = tied_projection(x_BLxD, jnp.take(self._table_VxD(), ids_Z, axis=0))
+    logits_BLxV = jnp.full((batch * length, self.config.vocab_size), -jnp.inf, jnp.float32)
+    return logits_BLxV.at[:, ids_Z].set(short_logits_BLxZ).reshape(batch, length, -1)
 
 
 def draft_decoder_config(target: ModelConfig, num_layers: int, d_ff: int = 0) -> ModelConfig:
@@ -85,15 +85,16 @@ def draft_decoder_config(target: ModelConfig, num_layers: int, d_ff: int = 0) ->
   return dataclasses.replace(target, num_layers=num_layers, d_ff=d_ff or target.d_ff)
 
 
-class ShallowDraft(nn.Module):
+class ShallowDraft(Transformer):
   """The target's frozen encoder and embedding, and a shallow decoder of its own.
 
-  Its methods are Transformer's (`encode`, `decode`, `__call__`), so it trains with
-  train.py's steps and decodes with every search. `config` is the draft decoder's
-  (its num_layers and d_ff); `target_config` the target's, whose encoder this reads.
+  A Transformer whose parts come from two configs: `config` is the draft decoder's (its
+  num_layers and d_ff), `target_config` the target's, whose encoder this reads. Only
+  `setup` and `encode` are its own; `decode` and `__call__` are Transformer's, so it
+  trains with train.py's steps and decodes, through transformer/model/incremental.py,
+  with every search.
   """
 
-  config: ModelConfig
   target_config: ModelConfig
   shortlist: tuple[int, ...] = ()
 
@@ -113,66 +114,13 @@ class ShallowDraft(nn.Module):
     source_positions: Array | None = None,
     deterministic: bool = True,
   ) -> Array:
-    """The target's encoder output [B, S, D], gradient stopped."""
+    """The target's encoder output [B, S, D], gradient stopped, and never with dropout
+    (`deterministic` is ignored): the draft learns to read the encoder output decoding
+    will give it."""
     if source_segment_ids is None:
       source_segment_ids = segment_ids_from_tokens(source_BxS)
     if source_positions is None:
       source_positions = default_positions(source_BxS)
     return jax.lax.stop_gradient(
       self.encoder(source_BxS, source_segment_ids, source_positions, True)
-    )
-
-  def decode(
-    self,
-    encoded_BxSxD: Array | None,
-    source_BxS: Array | None,
-    decoder_input_BxT: Array,
-    source_segment_ids: Array | None = None,
-    target_segment_ids: Array | None = None,
-    target_positions: Array | None = None,
-    deterministic: bool = True,
-    use_cache: bool = False,
-  ) -> Array:
-    """As `Transformer.decode`: f32 logits [B, T, V] (-inf off the shortlist when decoding)."""
-    if source_segment_ids is None and source_BxS is not None:
-      source_segment_ids = segment_ids_from_tokens(source_BxS)
-    if target_segment_ids is None:
-      target_segment_ids = segment_ids_from_tokens(decoder_input_BxT)
-      if use_cache:
-        target_segment_ids = jnp.ones_like(decoder_input_BxT)
-    if target_positions is None:
-      target_positions = default_positions(decoder_input_BxT)
-    return self.decoder(
-      decoder_input_BxT,
-      target_segment_ids,
-      target_positions,
-      encoded_BxSxD,
-      source_segment_ids,
-      deterministic,
-      use_cache,
-    )
-
-  def __call__(
-    self,
-    source: Array | None,
-    decoder_input: Array,
-    *,
-    source_segment_ids: Array | None = None,
-    source_positions: Array | None = None,
-    target_segment_ids: Array | None = None,
-    target_positions: Array | None = None,
-    deterministic: bool = True,
-  ) -> Array:
-    """Teacher-forced forward pass -> f32 logits [B, T, V], the encoder frozen (no
-    dropout there: the draft learns to read the encoder output decoding will give it)."""
-    assert source is not None, "a shallow draft reads a source: it is an encoder-decoder's"
-    encoded_BxSxD = self.encode(source, source_segment_ids, source_positions)
-    return self.decode(
-      encoded_BxSxD,
-      source,
-      decoder_input,
-      source_segment_ids,
-      target_segment_ids,
-      target_positions,
-      deterministic,
     )

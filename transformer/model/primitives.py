@@ -8,7 +8,10 @@ Generation (transformer/model/decoding) adds:
   W beam width       N rows through the model (B * W)     P prompt length
   O output length    J draft tokens per speculative round   M candidates per row
   G chunks of a row  U entries per chunk (beam.top_k)
-and the sums O1 = O + 1 (a BOS slot, then the outputs), J1 = J + 1.
+and the sums O1 = O + 1 (a BOS slot, then the outputs), J1 = J + 1. Letters written
+together are a product (BL = B * L rows). The cached attention
+(MultiHeadAttention._attend_cached) adds R cache rows, and there M counts the query rows
+that meet one cache row; the shallow draft (draft.py) adds Z, its shortlist's length.
 
 Every parameter names logical axes (`vocab`, `embed`, `heads`, `kv`, `mlp`, `length`),
 and the activations that matter are constrained to `activation_*` axes (`constrain`);

@@ -236,7 +236,7 @@ class Transformer(nn.Module):
     With `use_cache=True` and `mutable=['cache']`: the first call creates the cache (its
     logits are meaningless); later calls take [B, L] and return [B, L, V], token i of
     row b at position p_b + i, where the cache's position p is a scalar for the whole
-    batch or a per-row int32 [B] vector (decoding.set_positions).
+    batch or a per-row int32 [B] vector (IncrementalModel.set_positions, incremental.py).
     """
     if source_segment_ids is None and source_BxS is not None:
       source_segment_ids = segment_ids_from_tokens(source_BxS)

@@ -863,7 +863,7 @@ def check_decoding(
   from jax.sharding import NamedSharding, PartitionSpec
 
   from transformer.config import BOS_ID
-  from transformer.model.decoding import cache as cache_lib
+  from transformer.model import incremental
 
   config = prepare_config(config, mesh, num_slices)
   devices = slice_devices(tpu_slice, num_slices)
@@ -882,15 +882,15 @@ def check_decoding(
   rows = sharding.batch_sharding(mesh_, run.rules)
 
   def prefill(params, source_BxS):
-    model, params = cache_lib.unrolled(run.model, params)
+    model, params = incremental.of(run.model).prepare(params)
     prompt_Bx1 = jnp.full((source_BxS.shape[0], 1), BOS_ID, jnp.int32)
-    first = cache_lib.prefill(model, params, prompt_Bx1, cache_len=cache_len, source_BxS=source_BxS)
-    return cache_lib.repeat_rows(first.state, beams), first.logits_BxV
+    first = model.prefill(params, prompt_Bx1, cache_len=cache_len, source_BxS=source_BxS)
+    return model.repeat_rows(first.state, beams), first.logits_BxV
 
   def step(params, decoder_state, tokens_N, parent_N):
-    model, params = cache_lib.unrolled(run.model, params)
-    logits_NxLxV, decoder_state = cache_lib.feed(model, params, decoder_state, tokens_N[:, None])
-    return cache_lib.reorder_rows(decoder_state, parent_N), logits_NxLxV[:, 0]
+    model, params = incremental.of(run.model).prepare(params)
+    logits_NxLxV, decoder_state = model.feed(params, decoder_state, tokens_N[:, None])
+    return model.reorder_rows(decoder_state, parent_N), logits_NxLxV[:, 0]
 
   report: dict[str, Any] = {"batch": batch, "beam_size": beams, "cache_len": cache_len}
   source = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)

@@ -110,7 +110,6 @@ def loss_fn(
   *,
   model: Model,
   label_smoothing: float,
-  nan_at_step: Array | None = None,
 ):
   # apply without mutable= returns the model's output alone, not (output, variables).
   logits_BxTxV = cast(
@@ -121,23 +120,16 @@ def loss_fn(
   )
   sums = cross_entropy_sums(logits_BxTxV, batch["target"], label_smoothing)
   loss = sums["loss_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
-  if nan_at_step is not None:  # fault injection for tests: config.debug_nan_step
-    loss = loss * jnp.where(nan_at_step, jnp.nan, 1.0)
   return loss, sums
 
 
-def _summed_loss_fn(
-  params, batch: dict[str, Array], dropout_rng: Array, *, nan_at_step: Array | None = None, **kwargs
-):
+def _summed_loss_fn(params, batch: dict[str, Array], dropout_rng: Array, **kwargs):
   """loss_fn with the microbatch's loss SUM as the objective (gradient accumulation).
 
-  Returns (loss_sum, (per-token loss, sums)); injected NaNs reach both.
+  Returns (loss_sum, (per-token loss, sums)).
   """
-  loss, sums = loss_fn(params, batch, dropout_rng, nan_at_step=nan_at_step, **kwargs)
-  loss_sum = sums["loss_sum"]
-  if nan_at_step is not None:
-    loss_sum = loss_sum * jnp.where(nan_at_step, jnp.nan, 1.0)
-  return loss_sum, (loss, sums)
+  loss, sums = loss_fn(params, batch, dropout_rng, **kwargs)
+  return sums["loss_sum"], (loss, sums)
 
 
 def train_step(
@@ -161,10 +153,7 @@ def train_step(
   dropout_rng = jax.random.fold_in(
     jax.random.key(config.seed + 1, impl=config.dropout_rng_impl), state.step
   )
-  nan_at_step = None
-  if config.debug_nan_step > 0:
-    nan_at_step = state.step + 1 == config.debug_nan_step
-  loss_kwargs = dict(model=model, label_smoothing=config.label_smoothing, nan_at_step=nan_at_step)
+  loss_kwargs = dict(model=model, label_smoothing=config.label_smoothing)
   if config.grad_accum_steps > 1:
     grad_fn = jax.value_and_grad(_summed_loss_fn, has_aux=True)
     (_, (loss, sums)), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)

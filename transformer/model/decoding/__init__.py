@@ -2,8 +2,8 @@
 and every kind of model.
 
   search.py       Prompts (the input), Generation (the output), the Search interface and
-                  the loop of the searches that add one token per hypothesis per step
-  cache.py        the decoder's state: prefill, feed, and rows repeated, reordered, grown
+                  the loop of the searches that add one token per hypothesis per step,
+                  on a cache that grows as it fills (cache_segments)
   beam.py         BeamSearch, GNMT's length penalty (the paper's decoding)
   sampling.py     Greedy, Sampling (temperature, top-k, top-p)
   speculative.py  Speculative: a draft model's proposals checked by the target
@@ -15,10 +15,11 @@ and every kind of model.
 An encoder-decoder model continues BOS, reading its source; a decoder-only model
 continues BOS + source, or any prompt (`continuation_prompts`). Either way the prompt
 is read in one prefill, and every search then decodes over the cache, which grows as it
-fills and keeps the cross-attention K/V once per sentence. Sampling searches take `rng`;
-`Speculative` takes the draft's parameters as `draft_params`. use_cache=False reruns the
-decoder over the whole prefix at every call instead (a reference, and what the cache
-saves). Shape letters: transformer/model/primitives.py.
+fills and keeps the cross-attention K/V once per sentence. The searches drive the model
+through its incremental side (transformer/model/incremental.py: prefill, feed, the
+decoder state's row operations) and never look inside its state. Sampling searches take
+`rng`; `Speculative` takes the draft's parameters as `draft_params`. Shape letters:
+transformer/model/primitives.py.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from typing import Any
 
 import jax
 
+from transformer.model import incremental
 from transformer.model.decoding.beam import BeamSearch, length_penalty
-from transformer.model.decoding.cache import cache_segments
 from transformer.model.decoding.sampling import Greedy, Sampling, filter_logits
 from transformer.model.decoding.search import (
   Generation,
   Prompts,
   Search,
+  cache_segments,
   continuation_prompts,
   translation_prompts,
 )
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "search", "use_cache"))
+@functools.partial(jax.jit, static_argnames=("model", "search"))
 def decode(
   model,
   params,
@@ -66,8 +68,10 @@ def decode(
   search: Search,
   rng: jax.Array | None = None,
   draft_params: Any = None,
-  *,
-  use_cache: bool = True,
 ) -> Generation:
-  """Runs `search` on a batch of prompts, compiled once per model, search and shape."""
-  return search.run(model, params, prompts, rng, draft_params, use_cache)
+  """Runs `search` on a batch of prompts, compiled once per model, search and shape.
+
+  `model` is a flax model (Transformer, ShallowDraft) or an incremental.IncrementalModel.
+  """
+  ready_model, ready_params = incremental.of(model).prepare(params)
+  return search.run(ready_model, ready_params, prompts, rng, draft_params)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from transformer.config import BOS_ID, EOS_ID
 from transformer.model.decoding import search as search_lib
+from transformer.model.incremental import IncrementalModel
 from transformer.model.primitives import Array
 
 
@@ -57,8 +58,8 @@ def is_done(state: BeamState, alpha: float, early_stop: bool) -> Array:
 def top_k(x_NxV: Array, count: int) -> tuple[Array, Array]:
   """`jax.lax.top_k(x_NxV, count)` over a long last axis, in two cheap passes.
 
-  XLA:CPU's top_k over a vocabulary-sized row costs as much as ~15 max-reductions of it
-  (3.5 ms against 0.2 ms at [64, 37000]). So the row is cut into G chunks of U entries
+  XLA:CPU's top_k over a vocabulary-sized row costs as much as many max-reductions of it
+  (docs/notes/performance-log.md). So the row is cut into G chunks of U entries
   and only the `count` chunks with the largest maxima are searched: each chunk whose
   maximum reaches the count-th largest value holds a distinct entry at least that large,
   so there are at most `count` of them. The chosen chunks are searched in index order,
@@ -200,14 +201,13 @@ class BeamSearch:
 
   def run(
     self,
-    model,
+    model: IncrementalModel,
     params,
     prompts: search_lib.Prompts,
     rng: Array | None = None,
     draft_params: Any = None,
-    use_cache: bool = True,
   ) -> search_lib.Generation:
-    return search_lib.run_steps(self, model, params, prompts, rng, use_cache)
+    return search_lib.run_steps(self, model, params, prompts, rng)
 
   def start(self, logits_BxV: Array, prompts: search_lib.Prompts, rng) -> BeamState:
     """The first step, from the prefill's logits: every beam starts as BOS, and only

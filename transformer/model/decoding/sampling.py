@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from transformer.config import EOS_ID, PAD_ID
 from transformer.model.decoding import search as search_lib
+from transformer.model.incremental import IncrementalModel
 from transformer.model.primitives import Array
 
 
@@ -56,14 +57,13 @@ class Greedy:
 
   def run(
     self,
-    model,
+    model: IncrementalModel,
     params,
     prompts: search_lib.Prompts,
     rng: Array | None = None,
     draft_params: Any = None,
-    use_cache: bool = True,
   ) -> search_lib.Generation:
-    return search_lib.run_steps(_OneHypothesis(self, rng), model, params, prompts, rng, use_cache)
+    return search_lib.run_steps(_OneHypothesis(self, rng), model, params, prompts, rng)
 
 
 @dataclasses.dataclass(frozen=True)

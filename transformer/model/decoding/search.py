@@ -2,8 +2,10 @@
 per hypothesis per step.
 
 Every search (beam.py, sampling.py, speculative.py) is a small frozen dataclass with one
-method, `run(model, params, prompts, rng, draft_params, use_cache) -> Generation`, and
-`decode` (decoding/__init__.py) is the one compiled entry point that calls it. The input
+method, `run(model, params, prompts, rng, draft_params) -> Generation`, and `decode`
+(decoding/__init__.py) is the one compiled entry point that calls it. The model it gets
+is the model's incremental side (transformer/model/incremental.py): a prefill, a feed
+and the row operations on a decoder state the search never looks inside. The input
 is always `Prompts`: what each row continues (BOS for an encoder-decoder, BOS + source or
 text for a decoder-only model), its budget and, encoder-decoder, its source. The output
 is always `Generation`.
@@ -12,7 +14,7 @@ A `StepSearch` (beam search, greedy, sampling) only says how to choose tokens fr
 logits; `run_steps` does the rest: the prefill, the first choice from its logits at
 batch B, then per step feeding each hypothesis' newest token, choosing, and reordering
 the decoder state by parent hypothesis, on a cache that grows as it fills
-(cache.cache_segments). Shape letters: transformer/model/primitives.py.
+(`cache_segments`). Shape letters: transformer/model/primitives.py.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from transformer.config import BOS_ID, EOS_ID, PAD_ID
-from transformer.model.decoding import cache as cache_lib
+from transformer.config import BOS_ID, PAD_ID
+from transformer.model.incremental import IncrementalModel
 from transformer.model.primitives import Array
 
 # The model never sees them as targets, and a PAD inside a decoder input would be masked
@@ -105,22 +107,13 @@ class Generation(NamedTuple):
   proposed: Array
   accepted: Array
 
-  @property
-  def acceptance_rate(self) -> Array:
-    return self.accepted / jnp.maximum(self.proposed, 1)
-
-  @property
-  def tokens_per_call(self) -> Array:
-    """Generated tokens per row per counted pass; 1 for one-token searches, up to k + 1
-    (plus the prefill's share) for speculative decoding."""
-    return jnp.sum(self.tokens_BxO != PAD_ID) / jnp.maximum(self.row_calls, 1)
-
 
 class Search(Protocol):
-  """One way of generating: `decode(model, params, prompts, search, ...)` calls run."""
+  """One way of generating: `decode(model, params, prompts, search, ...)` calls run with
+  the model's incremental side, its layers ready for decoding (IncrementalModel.prepare)."""
 
   def run(
-    self, model, params, prompts: Prompts, rng: Array | None, draft_params: Any, use_cache: bool
+    self, model: IncrementalModel, params, prompts: Prompts, rng: Array | None, draft_params: Any
   ) -> Generation: ...
 
 
@@ -149,42 +142,52 @@ class StepSearch(Protocol):
     ...
 
 
+def cache_segments(cache_len: int, first: int = 16) -> tuple[int, ...]:
+  """Slot counts a search's cache grows through: doubling from `first`, then cache_len.
+
+  Step t writes slot t, so until step 16 a cache of 16 slots holds everything written.
+  Every step reorders its whole cache by parent beam and attends over all its slots, so
+  running steps [0, 16) on 16 slots, [16, 32) on 32 and so on moves about a third fewer
+  bytes than running them all on cache_len slots when a search runs to its end, and
+  far fewer when it stops early, as translation does well before source length + extra.
+  """
+  lengths, length = [], first
+  while length < cache_len:
+    lengths.append(length)
+    length *= 2
+  return tuple(lengths) + (cache_len,)
+
+
 class _Loop(NamedTuple):
   search: Any
-  decoder: cache_lib.DecoderState
+  decoder: Any  # the model's decoder state
   row_calls: Array
 
 
 def run_steps(
-  search: StepSearch, model, params, prompts: Prompts, rng: Array | None, use_cache: bool
+  search: StepSearch, model: IncrementalModel, params, prompts: Prompts, rng: Array | None
 ) -> Generation:
   """Prefill, then one token per hypothesis per step until every row is done."""
-  model, params = cache_lib.unrolled(model, params)
   prompt_len = prompts.prompt_BxP.shape[1]
   # Output t is fed at slot (prompt length + t); the last output is never fed.
   cache_len = prompt_len + prompts.out_len - 1
-  segments = tuple(s for s in cache_lib.cache_segments(cache_len) if s > prompt_len)
+  segments = tuple(s for s in cache_segments(cache_len) if s > prompt_len)
   segments = segments or (cache_len,)
-  prefilled = cache_lib.prefill(
-    model,
-    params,
-    prompts.prompt_BxP,
-    cache_len=segments[0],
-    source_BxS=prompts.source_BxS,
-    use_cache=use_cache,
+  prefilled = model.prefill(
+    params, prompts.prompt_BxP, cache_len=segments[0], source_BxS=prompts.source_BxS
   )
   state = search.start(prefilled.logits_BxV, prompts, rng)
   decoder = prefilled.state
   if search.width > 1:
-    decoder = cache_lib.repeat_rows(decoder, search.width)
+    decoder = model.repeat_rows(decoder, search.width)
 
   def body(loop: _Loop) -> _Loop:
     row_calls = loop.row_calls + jnp.sum(~search.done_B(loop.search), dtype=jnp.int32)
     token_Nx1 = search.newest_N(loop.search)[:, None]
-    logits_Nx1xV, decoder = cache_lib.feed(model, params, loop.decoder, token_Nx1)
+    logits_Nx1xV, decoder = model.feed(params, loop.decoder, token_Nx1)
     state, parent_N = search.step(loop.search, logits_Nx1xV[:, 0])
     if parent_N is not None:
-      decoder = cache_lib.reorder_rows(decoder, parent_N)
+      decoder = model.reorder_rows(decoder, parent_N)
     return _Loop(state, decoder, row_calls)
 
   def going(loop: _Loop, slots: int) -> Array:
@@ -198,18 +201,10 @@ def run_steps(
   loop = _Loop(state, decoder, jnp.array(0, jnp.int32))
   for i, slots in enumerate(segments):
     if i:
-      loop = loop._replace(decoder=cache_lib.grow(loop.decoder, slots))
+      loop = loop._replace(decoder=model.grow(loop.decoder, slots))
     loop = jax.lax.while_loop(functools.partial(going, slots=slots), body, loop)
   tokens_BxO, scores_B = search.finish(loop.search)
   zero = jnp.array(0, jnp.int32)
   return Generation(
     tokens_BxO, scores_B, jnp.maximum(loop.search.step - 1, 0), loop.row_calls, zero, zero
   )
-
-
-def ended(tokens_BxO: Array, budget_B: Array) -> Array:
-  """tokens_BxO with PAD after each row's first EOS and beyond its budget."""
-  slot_O = jnp.arange(tokens_BxO.shape[1])
-  is_eos = tokens_BxO == EOS_ID
-  after_eos = (jnp.cumsum(is_eos, axis=1) - is_eos) > 0
-  return jnp.where(after_eos | (slot_O >= budget_B[:, None]), PAD_ID, tokens_BxO)

@@ -6,7 +6,8 @@ J + 1 tokens. Each row keeps the longest prefix the target agrees with, plus one
 of the target's own (its correction at the first disagreement, or a bonus token when
 all J agree), so every target call yields 1 .. J + 1 tokens. Rows accept different
 amounts: each keeps its own cache position, and rolling a row back is setting its
-position back (cache.set_positions); nothing is recomputed.
+position back (the model's set_positions, transformer/model/incremental.py); nothing is
+recomputed.
 
 The output is exactly the target's own decoding whatever the draft: `Greedy` token for
 token (up to float rounding in near-ties: multi-token calls round differently from
@@ -17,9 +18,8 @@ Two kinds of draft work. An independent model of the target's kind (same vocabul
 encodes the source for itself. A draft whose `reads_target_encoding` attribute is True
 has no encoder of its own: its decoder cross-attends to the target's encoder output
 (same d_model), which the target's prefill computes once for both. Either kind is a
-flax module with a `config` (vocab_size, d_model, decoder_only) and Transformer's
-`decode(encoded, source, tokens, use_cache=True)` (transformer/model/transformer.py),
-whose cache keeps its position at cache['decoder']['position'].
+flax model with a `config` (vocab_size, d_model, decoder_only), driven through its
+incremental side (transformer/model/incremental.py) as the target is.
 
 After both prefills (search.Prompts: an encoder-decoder's prompt is BOS), with the
 pending (generated, not yet fed) token `last` at position p and the token before it
@@ -38,23 +38,23 @@ lockstep and emit PAD. Shape letters: transformer/model/primitives.py; J1 = J + 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from transformer.config import EOS_ID, PAD_ID
-from transformer.model.decoding import cache as cache_lib
+from transformer.model import incremental
 from transformer.model.decoding import search as search_lib
 from transformer.model.decoding.sampling import Greedy, Sampling
+from transformer.model.incremental import IncrementalModel
 from transformer.model.primitives import Array
 
 
 def reads_target_encoding(draft_model) -> bool:
   """True for a draft without an encoder of its own, reading the target's encoder output;
   a model says so with a `reads_target_encoding = True` attribute."""
-  return bool(getattr(draft_model, "reads_target_encoding", False))
+  return incremental.of(draft_model).reads_target_encoding
 
 
 def tokens_per_round(acceptance: float, draft_len: int) -> float:
@@ -81,8 +81,8 @@ class _Round(NamedTuple):
   finished_B: Array  # EOS emitted
   tokens_BxO: Array  # O + J + 1 slots: a round writes J + 1 behind generated_B
   logprob_B: Array  # log P(tokens) under the target
-  target: cache_lib.DecoderState
-  draft: cache_lib.DecoderState
+  target: Any  # the target's decoder state
+  draft: Any  # the draft's
   calls: Array
   proposed: Array
   accepted: Array
@@ -99,7 +99,8 @@ class Speculative:
   search: Greedy = Greedy()
 
   def check(self, model) -> None:
-    """ValueError unless the draft can serve this target."""
+    """ValueError unless the draft can serve this target (a flax model or its
+    incremental side)."""
     draft_config = self.draft_model.config
     if self.draft_len < 1:
       raise ValueError(f"draft_len must be >= 1, got {self.draft_len}")
@@ -115,20 +116,16 @@ class Speculative:
 
   def run(
     self,
-    model,
+    model: IncrementalModel,
     params,
     prompts: search_lib.Prompts,
     rng: Array | None,
     draft_params: Any,
-    use_cache: bool = True,
   ) -> search_lib.Generation:
     self.check(model)
-    model, params = cache_lib.unrolled(model, params)
-    draft_model, draft_params = cache_lib.unrolled(self.draft_model, draft_params)
+    draft_model, draft_params = incremental.of(self.draft_model).prepare(draft_params)
     init_rng, rounds_rng = jax.random.split(rng) if rng is not None else (None, None)
-    s, prompt_len_B = self._start(
-      model, params, draft_model, draft_params, prompts, init_rng, use_cache
-    )
+    s, prompt_len_B = self._start(model, params, draft_model, draft_params, prompts, init_rng)
     budget_B = prompts.budget_B
     active = lambda s: ~s.finished_B & (s.generated_B < budget_B)
 
@@ -142,7 +139,7 @@ class Speculative:
         draft_model, draft_params, s, position_B, draft_rng
       )
       fed_BxJ1 = jnp.concatenate([s.last_B[:, None], drafts_BxJ], axis=1)
-      logits_BxJ1xV, target = cache_lib.feed(model, params, s.target, fed_BxJ1, position_B)
+      logits_BxJ1xV, target = model.feed(params, s.target, fed_BxJ1, position_B)
       if isinstance(self.search, Sampling):
         # A sampling search has an rng, and its draft gives its log-probs.
         assert logq_BxJxV is not None and verify_rng is not None
@@ -166,28 +163,26 @@ class Speculative:
 
   def _start(
     self,
-    model,
+    model: IncrementalModel,
     params,
-    draft_model,
+    draft_model: IncrementalModel,
     draft_params,
     prompts: search_lib.Prompts,
     rng: Array | None,
-    use_cache: bool,
   ) -> tuple[_Round, Array]:
     """Both prefills and the first token, from the target's prefill logits."""
     prompt_BxP, j = prompts.prompt_BxP, self.draft_len
     batch, prompt_len = prompt_BxP.shape
     cache_len = prompt_len + prompts.out_len + j
-    prefill = functools.partial(
-      cache_lib.prefill,
-      prompt_BxP=prompt_BxP,
+    target = model.prefill(params, prompt_BxP, cache_len=cache_len, source_BxS=prompts.source_BxS)
+    shared = target.encoded_BxSxD if draft_model.reads_target_encoding else None
+    draft = draft_model.prefill(
+      draft_params,
+      prompt_BxP,
       cache_len=cache_len,
       source_BxS=prompts.source_BxS,
-      use_cache=use_cache,
+      encoded_BxSxD=shared,
     )
-    target = prefill(model, params)
-    shared = target.encoded_BxSxD if reads_target_encoding(self.draft_model) else None
-    draft = prefill(draft_model, draft_params, encoded_BxSxD=shared)
     first_B = self.search.choose(target.logits_BxV, jnp.array(0), rng)
     has_budget_B = prompts.budget_B >= 1
     first_B = jnp.where(has_budget_B, first_B, PAD_ID).astype(jnp.int32)
@@ -202,7 +197,6 @@ class Speculative:
     ]
     zero = jnp.array(0, jnp.int32)
     # Rows roll back by different amounts: a position per row from here on.
-    per_row = lambda state: cache_lib.set_positions(state, target.prompt_len_B)
     s = _Round(
       has_budget_B.astype(jnp.int32),
       first_B,
@@ -210,15 +204,17 @@ class Speculative:
       first_B == EOS_ID,
       tokens_BxO,
       logprob_B,
-      per_row(target.state),
-      per_row(draft.state),
+      model.set_positions(target.state, target.prompt_len_B),
+      draft_model.set_positions(draft.state, target.prompt_len_B),
       zero,
       zero,
       zero,
     )
     return s, target.prompt_len_B
 
-  def _propose(self, draft_model, draft_params, s: _Round, position_B: Array, rng: Array | None):
+  def _propose(
+    self, draft_model: IncrementalModel, draft_params, s: _Round, position_B: Array, rng
+  ):
     """The draft's J tokens [B, J] (and, sampling, its log-probs [B, J, V])."""
     sampling = self.search if isinstance(self.search, Sampling) else None
     batch, j = s.last_B.shape[0], self.draft_len
@@ -230,8 +226,8 @@ class Speculative:
       token_B = jax.random.categorical(jax.random.fold_in(rng, index), logq_BxV, axis=-1)
       return token_B.astype(jnp.int32), logq_BxV
 
-    logits_Bx2xV, draft = cache_lib.feed(
-      draft_model, draft_params, s.draft, jnp.stack([s.prev_B, s.last_B], axis=1), position_B - 1
+    logits_Bx2xV, draft = draft_model.feed(
+      draft_params, s.draft, jnp.stack([s.prev_B, s.last_B], axis=1), position_B - 1
     )
     token_B, logq_BxV = choose(logits_Bx2xV[:, 1], 0)
     drafts_BxJ = jnp.zeros((batch, j), jnp.int32).at[:, 0].set(token_B)
@@ -244,9 +240,7 @@ class Speculative:
     def step(i, carry):
       draft, drafts_BxJ, logq_BxJxV = carry
       # The draft's own counter has advanced to proposal i - 1's slot.
-      logits_Bx1xV, draft = cache_lib.feed(
-        draft_model, draft_params, draft, drafts_BxJ[:, i - 1][:, None]
-      )
+      logits_Bx1xV, draft = draft_model.feed(draft_params, draft, drafts_BxJ[:, i - 1][:, None])
       token_B, logq_BxV = choose(logits_Bx1xV[:, 0], i)
       drafts_BxJ = drafts_BxJ.at[:, i].set(token_B)
       if logq_BxJxV is not None:

@@ -27,8 +27,7 @@ import numpy as np
 
 from transformer import config as config_lib
 from transformer.config import BOS_ID
-from transformer.model import decoding
-from transformer.model.decoding import cache as cache_lib
+from transformer.model import decoding, incremental
 from transformer.model.decoding import speculative as speculative_lib
 from transformer.training import sharding
 
@@ -52,7 +51,7 @@ def _cached_passes(model, params, state, tokens_BxL, position, *, calls: int):
 
   def body(_, carry):
     state, tokens_BxL = carry
-    logits_BxLxV, state = cache_lib.feed(model, params, state, tokens_BxL, position)
+    logits_BxLxV, state = model.feed(params, state, tokens_BxL, position)
     return state, jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32)
 
   return jax.lax.fori_loop(0, calls, body, (state, tokens_BxL))[1]
@@ -68,9 +67,9 @@ def _pass_costs(
   bos_Bx1 = jnp.full((batch, 1), BOS_ID, jnp.int32)
   cache_len = source_BxS.shape[1] + extra + draft_len + 1
   row_position_B = jnp.ones((batch,), jnp.int32)  # speculative decoding's, one per row
-  prefill = jax.jit(cache_lib.prefill, static_argnames=("model", "cache_len"))
-  target_model, target_params = cache_lib.unrolled(target.model, target.params)
-  draft_model, draft_params = cache_lib.unrolled(draft.model, draft.params)
+  prefill = jax.jit(incremental.IncrementalModel.prefill, static_argnames=("self", "cache_len"))
+  target_model, target_params = incremental.of(target.model).prepare(target.params)
+  draft_model, draft_params = incremental.of(draft.model).prepare(draft.params)
   encoded_BxSxD = prefill(
     target_model, target_params, bos_Bx1, cache_len=cache_len, source_BxS=source_BxS
   ).encoded_BxSxD
@@ -90,7 +89,7 @@ def _pass_costs(
       encoded_BxSxD=shared if name == "draft" else None,
     ).state
     position = jnp.array(1, jnp.int32) if name == "target" else row_position_B
-    state = cache_lib.set_positions(state, position)  # the loop carries its kind
+    state = model.set_positions(state, position)  # the loop carries its kind
     tokens_BxL = jnp.full((batch, tokens), 5, jnp.int32)
     runs[name] = functools.partial(
       _cached_passes, model, params, state, tokens_BxL, position, calls=calls
