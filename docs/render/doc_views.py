@@ -824,10 +824,17 @@ def _launch_mesh(record: dict[str, Any]) -> str:
 
 
 def before_you_launch() -> str:
-  """compile_check's records: each WMT model on each slice, with the config's mesh, any
-  other mesh recorded and the best of --search_mesh, every figure a prediction of XLA's
-  TPU compiler."""
+  """compile_check's records: each WMT model on each slice, with the config's mesh and
+  the best of --search_mesh (or a --mesh recorded where no search was), every figure a
+  prediction of XLA's TPU compiler."""
   records = latest(read_records("compile_check"), key=_launch_key)
+  searched = {key[:3] + key[4:] for key in map(_launch_key, records) if key[3] == "search"}
+  records = [  # a search compiled each mesh a --mesh record would show
+    r
+    for r in records
+    if _launch_key(r)[3] in (None, "search")
+    or _launch_key(r)[:3] + _launch_key(r)[4:] not in searched
+  ]
 
   def order(record):
     model, topology, slices, asked, batch = _launch_key(record)
