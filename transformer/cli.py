@@ -145,10 +145,9 @@ def program_flags(module_name: str) -> flags.FlagValues:
   return flags.FLAGS if module_name == "__main__" else flags.FlagValues()
 
 
-def run(main) -> None:
-  # Process-wide settings belong to the command, not to an import of the package, and
-  # go before JAX starts a backend and its threads (host_memory.py).
-  host_memory.retain_freed_memory()
+def quiet_tensorflow_start() -> None:
+  """Environment defaults that TensorFlow reads as it is imported (a user's own settings
+  win); a command sets them before its imports load TensorFlow."""
   # TensorFlow (the input pipeline, gs:// files) loads Keras 3 as it is imported, and
   # Keras loads matplotlib's pyplot: about 1 s of every command's start, for a library
   # nothing here uses. Told to use the legacy tf_keras package instead, which is not
@@ -162,6 +161,13 @@ def run(main) -> None:
   # errors still show.
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+
+def run(main) -> None:
+  # Process-wide settings belong to the command, not to an import of the package, and
+  # go before JAX starts a backend and its threads (host_memory.py).
+  host_memory.retain_freed_memory()
+  quiet_tensorflow_start()
 
   def quiet_main(argv):
     quiet_library_logs()

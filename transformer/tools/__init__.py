@@ -10,3 +10,10 @@ compare_ctranslate2  the run's decoding beside its CTranslate2 export: outputs, 
 compile_check        the training and decoding steps compiled for a named TPU slice, on a CPU
 memory               per-device memory of the compiled training step, mesh by mesh
 """
+
+from transformer import cli
+
+# Each tool runs as `python -m transformer.tools.NAME`, which imports this package before
+# the tool's own imports load TensorFlow (the input pipeline, tfds): its start-up lines
+# are silenced here, as cli.run does for train.py, eval.py and generate.py.
+cli.quiet_tensorflow_start()
