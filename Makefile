@@ -75,7 +75,7 @@ test: lint $(LIBTPU)
 # ruff (lint, then formatting, checked not applied) and mypy, configured in pyproject.toml,
 # over transformer/, the three commands, configs/ and docs/render/. `$(VENV)/bin/ruff
 # format` and `$(VENV)/bin/ruff check --fix` apply what they can.
-LINT_PATHS := transformer train.py eval.py generate.py configs docs/render
+LINT_PATHS := transformer train.py eval.py generate.py configs docs/render tests
 # All three run, and any finding fails the target.
 lint: install
 	@status=0; \

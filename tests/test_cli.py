@@ -30,11 +30,14 @@ def test_filter_passes_project_info_and_every_warning():
   assert not keep(_record(os.path.join(REPO, ".venv", "lib", "orbax", "x.py"), logging.INFO))
 
 
-@pytest.mark.parametrize("spec,expected", [
+@pytest.mark.parametrize(
+  "spec,expected",
+  [
     ("configs/wmt14.py:big,en-fr", os.path.join(REPO, "configs", "wmt14.py") + ":big,en-fr"),
     ("configs/default.py", os.path.join(REPO, "configs", "default.py")),
     ("configs/missing.py", "configs/missing.py"),  # left for config_flags to report
-])
+  ],
+)
 def test_config_flag_resolves_against_the_repository(tmp_path, monkeypatch, spec, expected):
   monkeypatch.chdir(tmp_path)
   assert cli.resolve_config_arg(["prog", "--config", spec])[2] == expected
@@ -46,16 +49,26 @@ def test_a_file_in_the_working_directory_wins(tmp_path, monkeypatch):
   (tmp_path / "configs" / "default.py").write_text("")
   monkeypatch.chdir(tmp_path)
   assert cli.resolve_config_arg(["prog", "--config=configs/default.py"]) == [
-      "prog", "--config=configs/default.py"]
+    "prog",
+    "--config=configs/default.py",
+  ]
 
 
 def _train(small_corpus, workdir, *extra):
-  command = [sys.executable, os.path.join(REPO, "train.py"), "--config", "configs/default.py",
-             "--workdir", workdir, *flag_overrides(small_corpus, num_train_steps=2,
-                                                   checkpoint_every_steps=2), *extra]
+  command = [
+    sys.executable,
+    os.path.join(REPO, "train.py"),
+    "--config",
+    "configs/default.py",
+    "--workdir",
+    workdir,
+    *flag_overrides(small_corpus, num_train_steps=2, checkpoint_every_steps=2),
+    *extra,
+  ]
   env = subprocess_env(devices=1)
-  result = subprocess.run(command, cwd=os.path.dirname(workdir), env=env, capture_output=True,
-                          text=True, timeout=600)
+  result = subprocess.run(
+    command, cwd=os.path.dirname(workdir), env=env, capture_output=True, text=True, timeout=600
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return result
 
@@ -75,24 +88,29 @@ def test_training_shows_library_info_only_at_verbosity_1(small_corpus, tmp_path)
 def test_a_command_imports_tensorflow_without_keras():
   """cli.run: TensorFlow's import skips Keras (and matplotlib's pyplot, which Keras
   loads), a second of every command's start; the pipeline's tf.data works as before."""
-  code = ("import sys\nfrom transformer import cli\n"
-          "def main(argv):\n"
-          "  import tensorflow as tf\n"
-          "  print(sorted({'keras', 'matplotlib.pyplot'} & set(sys.modules)),\n"
-          "        [int(x) for x in tf.data.Dataset.range(3).as_numpy_iterator()])\n"
-          "cli.run(main)\n")
+  code = (
+    "import sys\nfrom transformer import cli\n"
+    "def main(argv):\n"
+    "  import tensorflow as tf\n"
+    "  print(sorted({'keras', 'matplotlib.pyplot'} & set(sys.modules)),\n"
+    "        [int(x) for x in tf.data.Dataset.range(3).as_numpy_iterator()])\n"
+    "cli.run(main)\n"
+  )
   env = subprocess_env(devices=1)
   env.pop("TF_USE_LEGACY_KERAS", None)
-  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.split("\n")[0] == "[] [0, 1, 2]"
 
 
 # TensorFlow's C++ start-up lines, as it prints them when nothing silences it.
-TENSORFLOW_START_UP_LINES = ("oneDNN custom operations are on",
-                             "All log messages before absl::InitializeLog()",
-                             "cpu_feature_guard")
+TENSORFLOW_START_UP_LINES = (
+  "oneDNN custom operations are on",
+  "All log messages before absl::InitializeLog()",
+  "cpu_feature_guard",
+)
 
 
 @pytest.mark.slow  # a process of its own that imports TensorFlow
@@ -104,13 +122,19 @@ def test_a_command_that_starts_tensorflow_prints_only_its_own_lines(tmp_path):
   for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS"):
     env.pop(name, None)
   missing = str(tmp_path / "no_such_run")
-  result = subprocess.run([sys.executable, "-X", "importtime", os.path.join(REPO, "eval.py"),
-                           "--workdir", missing], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    [sys.executable, "-X", "importtime", os.path.join(REPO, "eval.py"), "--workdir", missing],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   imports = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
   assert "tensorflow" in {line.split("|")[-1].strip() for line in imports}  # the case tested
   output = result.stdout + "\n".join(
-      line for line in result.stderr.splitlines() if not line.startswith("import time:"))
+    line for line in result.stderr.splitlines() if not line.startswith("import time:")
+  )
   assert result.returncode != 0
   assert output.strip() == f"error: --workdir {missing} does not exist"
   assert not [line for line in TENSORFLOW_START_UP_LINES if line in output]
@@ -124,15 +148,21 @@ def test_a_tool_that_imports_tensorflow_first_prints_none_of_its_start_up_lines(
   env = subprocess_env(devices=1)
   for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS"):
     env.pop(name, None)
-  result = subprocess.run([sys.executable, "-X", "importtime", "-m", f"transformer.tools.{tool}",
-                           "--help"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+  result = subprocess.run(
+    [sys.executable, "-X", "importtime", "-m", f"transformer.tools.{tool}", "--help"],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   imports = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
   assert "tensorflow" in {line.split("|")[-1].strip() for line in imports}  # the case tested
   # absl's --help exits 1, argparse's 0: either way the tool's own help is shown.
   assert "--workdir" in result.stdout or "--config" in result.stdout, result.stderr[-2000:]
   output = result.stdout + "\n".join(
-    line for line in result.stderr.splitlines() if not line.startswith("import time:"))
+    line for line in result.stderr.splitlines() if not line.startswith("import time:")
+  )
   assert not [line for line in TENSORFLOW_START_UP_LINES if line in output]
 
 
@@ -141,14 +171,16 @@ def test_a_config_files_own_error_is_one_line_without_its_traceback():
   its traceback; the user sees the flag and the config file's message."""
   from absl import flags
   from ml_collections import config_flags
+
   registry = flags.FlagValues()
   config_flags.DEFINE_config_file("config", flag_values=registry)
   path = os.path.join(REPO, "configs/wmt14.py")
   with pytest.raises(flags.Error) as error:
     registry(["prog", f"--config={path}:huge"])
   assert cli.flag_error_line(error.value) == (
-      f"error: flag --config={path}:huge: configs/wmt14.py: argument 'huge' must be "
-      "base|big[,en-de|,en-fr]")
+    f"error: flag --config={path}:huge: configs/wmt14.py: argument 'huge' must be "
+    "base|big[,en-de|,en-fr]"
+  )
 
 
 def test_usage_texts_keep_their_backslash_continued_example_lines():
@@ -156,14 +188,20 @@ def test_usage_texts_keep_their_backslash_continued_example_lines():
   line's end joins the next line into a run of spaces, so such docstrings are raw."""
   import ast
   import glob
+
   joined = []
   for path in glob.glob(os.path.join(REPO, "transformer", "**", "*.py"), recursive=True) + [
-      os.path.join(REPO, name) for name in ("train.py", "eval.py", "generate.py")]:
+    os.path.join(REPO, name) for name in ("train.py", "eval.py", "generate.py")
+  ]:
     with open(path, encoding="utf-8") as f:
       source = f.read()
     tree = ast.parse(source)
-    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(
-        tree.body[0].value, ast.Constant) and isinstance(tree.body[0].value.value, str):
+    if (
+      tree.body
+      and isinstance(tree.body[0], ast.Expr)
+      and isinstance(tree.body[0].value, ast.Constant)
+      and isinstance(tree.body[0].value.value, str)
+    ):
       literal = ast.get_source_segment(source, tree.body[0].value)
       # An odd number of backslashes at a line's end: a continuation (an even one is text).
       if re.search(r"(?<!\\)(?:\\\\)*\\\n", literal) and not literal.startswith(("r", "R")):

@@ -14,33 +14,41 @@ from transformer.data import batching as batching_lib
 from transformer.data import pipeline
 from transformer.evaluation import translate
 from transformer.model import decoding
-from transformer.training import loop
 from transformer.tools.decoding_speed import Recomputing
+from transformer.training import loop
 
 MAX_LEN = 8  # with clipping, decoder-only rows of 2 * 8 tokens fill the top bucket
 
 
 @pytest.mark.parametrize("batching", ["tokens", "packed"])
 @pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
-def test_decoder_only_trains_and_decodes_as_the_uncached_model(small_corpus, tmp_path,
-                                                               positional, batching):
+def test_decoder_only_trains_and_decodes_as_the_uncached_model(
+  small_corpus, tmp_path, positional, batching
+):
   config = tiny_run.make_config(
-      small_corpus, num_train_steps=3, checkpoint_every_steps=3, max_len=MAX_LEN,
-      drop_long_examples=False, max_decode_extra_len=4, batching=batching,
-      eval_batch_size=16, **{"model.decoder_only": True, "model.positional": positional})
+    small_corpus,
+    num_train_steps=3,
+    checkpoint_every_steps=3,
+    max_len=MAX_LEN,
+    drop_long_examples=False,
+    max_decode_extra_len=4,
+    batching=batching,
+    eval_batch_size=16,
+    **{"model.decoder_only": True, "model.positional": positional},
+  )
   workdir = str(tmp_path / "run")
   loop.train_and_evaluate(config, workdir)
   losses = [r["loss"] for r in tiny_run.read_metrics(workdir)]
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
 
-  translator = translate.Translator(config, workdir,
-                                    settings=translate.SearchSettings("greedy"))
+  translator = translate.Translator(config, workdir, settings=translate.SearchSettings("greedy"))
   source = pipeline.make_eval_batches(config, translator.tokenizer, "test")[-1]["source"]
   assert source.shape[1] == MAX_LEN  # prompts of 1 + 8 tokens and 8 + 4 outputs
   cached = translator.generate(source)
   prompts = decoding.translation_prompts(source, config.max_decode_extra_len, True)
-  uncached = decoding.decode(Recomputing(translator.model), translator.params, prompts,
-                             decoding.Greedy())
+  uncached = decoding.decode(
+    Recomputing(translator.model), translator.params, prompts, decoding.Greedy()
+  )
   np.testing.assert_array_equal(cached, uncached.tokens_BxO)
   assert np.all(np.isfinite(uncached.scores_B))
 
@@ -70,8 +78,7 @@ def test_no_config_can_look_past_the_learned_position_table():
         for extra in (1, 5, 50):
           config = config_lib.base_config()
           config.model.positional, config.model.decoder_only = "learned", decoder_only
-          config.batching, config.max_len, config.max_decode_extra_len = (batching, max_len,
-                                                                          extra)
+          config.batching, config.max_len, config.max_decode_extra_len = (batching, max_len, extra)
           config_lib.validate(config)
           table = config_lib.position_table_size(config)
           used = positions_used(config)
@@ -79,7 +86,7 @@ def test_no_config_can_look_past_the_learned_position_table():
           # What the data pipeline builds: length buckets or packed rows, and evaluation
           # batches padded geometrically, capped at the longest row.
           row = (2 if decoder_only else 1) * max_len
-          built = (row if batching == "packed" else batching_lib.bucket_lengths(row)[-1])
+          built = row if batching == "packed" else batching_lib.bucket_lengths(row)[-1]
           assert built == used["training rows"]
           assert batching_lib.geometric_length(row, row) == used["evaluation rows"]
 
@@ -92,8 +99,10 @@ def test_a_continuation_past_the_learned_table_is_refused_in_one_line():
   translate.check_generation_length(config, prompt, table - prompt)
   with pytest.raises(config_lib.ConfigError) as error:
     translate.check_generation_length(config, prompt, table - prompt + 1)
-  assert str(error.value) == (f"max_new_tokens: {table - prompt + 1} after a prompt of up to "
-                              f"{prompt} tokens passes the {table} learned positions; use at "
-                              f"most {table - prompt}")
+  assert str(error.value) == (
+    f"max_new_tokens: {table - prompt + 1} after a prompt of up to "
+    f"{prompt} tokens passes the {table} learned positions; use at "
+    f"most {table - prompt}"
+  )
   config.model.positional = "rope"  # no table: any length
   translate.check_generation_length(config, prompt, 10 * table)

@@ -18,8 +18,8 @@ import tokenize
 
 import pytest
 
-from transformer import config as config_lib
 from docs.render import render_docs
+from transformer import config as config_lib
 
 ROOT = config_lib.REPO_ROOT
 TOP_LEVEL = ("transformer/", "configs/", "docs/", "tests/", "bench/", "data/")
@@ -41,14 +41,16 @@ def _read(relative: str) -> str:
 
 def _markdown_files() -> list[str]:
   return ["README.md"] + sorted(
-      os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+  )
 
 
 def _python_files() -> list[str]:
   found = list(ENTRY_POINTS)
   for pattern in ("configs/**/*.py", "transformer/**/*.py", "docs/render/*.py"):
-    found += sorted(os.path.relpath(p, ROOT)
-                    for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+    found += sorted(
+      os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+    )
   return found
 
 
@@ -78,7 +80,7 @@ def _comments(relative: str) -> str:
       elif char in "\"'":
         quote = char
       elif char == "#":
-        comments.append(line[i + 1:].strip())
+        comments.append(line[i + 1 :].strip())
         break
   return "\n".join(comments)
 
@@ -134,7 +136,7 @@ def _modules_by_basename() -> dict[str, list[str]]:
   for path in glob.glob(os.path.join(ROOT, "transformer", "**", "*.py"), recursive=True):
     relative = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
     if relative.endswith(".__init__"):
-      relative = relative[:-len(".__init__")]
+      relative = relative[: -len(".__init__")]
     found.setdefault(relative.split(".")[-1], []).append(relative)
   return found
 
@@ -155,8 +157,13 @@ def _resolves(dotted: str) -> bool:
     node = names[rest[0]]
     if len(rest) > 1 and isinstance(node, ast.ClassDef):
       members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-      members |= {t.id for n in node.body if isinstance(n, ast.AnnAssign)
-                  for t in [n.target] if isinstance(t, ast.Name)}
+      members |= {
+        t.id
+        for n in node.body
+        if isinstance(n, ast.AnnAssign)
+        for t in [n.target]
+        if isinstance(t, ast.Name)
+      }
       return rest[1] in members
     return True
   return False
@@ -169,12 +176,14 @@ _ARGPARSE = re.compile(r"add_argument\(\s*\"--(\w+)\"")
 # A search's options (transformer/evaluation/searches.py), which the commands make flags.
 _SEARCH_OPTION = re.compile(r"\bOption\(\s*\"(\w+)\"")
 _IMPORT = re.compile(
-    r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))", re.MULTILINE)
+  r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))", re.MULTILINE
+)
 
 
 @functools.cache
 def _absl_builtin_flags() -> frozenset:
   from absl import app, flags, logging  # noqa: F401  (each defines its own flags)
+
   # --help and its kin are added when a command starts (absl's app.run, argparse).
   return frozenset(flags.FLAGS) | {"help", "helpfull", "helpshort"}
 
@@ -193,8 +202,11 @@ def _flags_of(entry: str) -> frozenset:
     names |= set(_DEFINE.findall(text)) | set(_ARGPARSE.findall(text))
     names |= set(_SEARCH_OPTION.findall(text))
     for package, imported, module in _IMPORT.findall(text):
-      candidates = [module] if module else [package] + [
-          f"{package}.{name.strip()}" for name in imported.split(",")]
+      candidates = (
+        [module]
+        if module
+        else [package] + [f"{package}.{name.strip()}" for name in imported.split(",")]
+      )
       for candidate in candidates:
         found = _module_path(candidate)
         if found:
@@ -245,7 +257,7 @@ def _config_key_exists(key: str) -> bool:
 def _flag_problem(flag: str, known: frozenset) -> str | None:
   name = flag.split("=")[0]
   if name.startswith("config."):
-    key = name[len("config."):]
+    key = name[len("config.") :]
     return None if _config_key_exists(key) else f"--{name}: no config key {key}"
   if name in known or (name.startswith("no") and name[2:] in known):
     return None
@@ -257,8 +269,9 @@ def _flag_problem(flag: str, known: frozenset) -> str | None:
 _CODE_BLOCK = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 _BACKTICKS = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
-_PATH = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)*[\w.-]*\w\.(?:" + "|".join(FILE_SUFFIXES) +
-                   r"))(?![\w/-]|\.\w)")
+_PATH = re.compile(
+  r"(?<![\w./<>-])((?:[\w.-]+/)*[\w.-]*\w\.(?:" + "|".join(FILE_SUFFIXES) + r"))(?![\w/-]|\.\w)"
+)
 _DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\*?)")
 _FLAG = re.compile(r"^--([a-z][\w.]*)")
 _PLACEHOLDER = re.compile(r"\b[A-Z]{2,}\b")  # NAME, ARG, FILE: stands for any value
@@ -277,16 +290,25 @@ def _code(text: str, is_markdown: bool) -> list[str]:
       spans += block.replace("\\\n", " ").splitlines()
     text = _CODE_BLOCK.sub("", text)
   else:
-    spans += [line for line in text.replace("\\\n", " ").splitlines()
-              if re.match(r"\s*(python|make|bash|XLA_FLAGS|TRANSFORMER_)", line)]
+    spans += [
+      line
+      for line in text.replace("\\\n", " ").splitlines()
+      if re.match(r"\s*(python|make|bash|XLA_FLAGS|TRANSFORMER_)", line)
+    ]
   spans += _BACKTICKS.findall(text)
   return [span for span in spans if not _ERROR_QUOTE.search(span)]
 
 
 def _file_exists(path: str, relative: str) -> bool:
   """A repository path, or one relative to the package or to the naming file's folder."""
-  return any(os.path.exists(os.path.join(base, path)) for base in (
-      ROOT, os.path.join(ROOT, "transformer"), os.path.join(ROOT, os.path.dirname(relative))))
+  return any(
+    os.path.exists(os.path.join(base, path))
+    for base in (
+      ROOT,
+      os.path.join(ROOT, "transformer"),
+      os.path.join(ROOT, os.path.dirname(relative)),
+    )
+  )
 
 
 @functools.cache
@@ -294,8 +316,9 @@ def _repository_basenames() -> frozenset:
   """The names of the repository's files (not those the commands write)."""
   names = set()
   for top in ("transformer", "configs", "tests", "bench", "docs", "data"):
-    names |= {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, top, "**", "*"),
-                                                     recursive=True)}
+    names |= {
+      os.path.basename(p) for p in glob.glob(os.path.join(ROOT, top, "**", "*"), recursive=True)
+    }
   return frozenset(names | set(ENTRY_POINTS))
 
 
@@ -310,18 +333,26 @@ def _problems(relative: str, text: str) -> list[str]:
   # Files.
   for span in code + [text]:
     for path in _PATH.findall(span):
-      if (_PLACEHOLDER.search(path) and not path.endswith(".md")  # README.md is no placeholder
-          or path.startswith(GENERATED)):
+      if (
+        _PLACEHOLDER.search(path)
+        and not path.endswith(".md")  # README.md is no placeholder
+        or path.startswith(GENERATED)
+      ):
         continue
-      if path.startswith(TOP_LEVEL) or path in (*ENTRY_POINTS, "README.md",
-                                                 "pyproject.toml"):
+      if path.startswith(TOP_LEVEL) or path in (*ENTRY_POINTS, "README.md", "pyproject.toml"):
         if not _file_exists(path, relative):
           problems.append(f"file {path}")
-      elif "/" not in path and path.endswith(".py") and path not in basenames:
-        problems.append(f"file {path}")
-      elif "/" not in path and path.endswith(".md") and not any(
+      elif (
+        "/" not in path
+        and path.endswith(".py")
+        and path not in basenames
+        or "/" not in path
+        and path.endswith(".md")
+        and not any(
           os.path.exists(os.path.join(ROOT, base, path))
-          for base in ("", "docs", os.path.dirname(relative))):
+          for base in ("", "docs", os.path.dirname(relative))
+        )
+      ):
         problems.append(f"file {path}")
   # Links.
   if is_markdown:
@@ -329,8 +360,11 @@ def _problems(relative: str, text: str) -> list[str]:
       if re.match(r"[a-z]+:", target):
         continue
       path, _, anchor = target.partition("#")
-      full = os.path.normpath(os.path.join(ROOT, os.path.dirname(relative), path)) if path else (
-          os.path.join(ROOT, relative))
+      full = (
+        os.path.normpath(os.path.join(ROOT, os.path.dirname(relative), path))
+        if path
+        else (os.path.join(ROOT, relative))
+      )
       if not os.path.exists(full):
         problems.append(f"link {target}")
       elif anchor and full.endswith(".md"):
@@ -342,20 +376,24 @@ def _problems(relative: str, text: str) -> list[str]:
   # Modules and names in them.
   for span in code:
     for dotted in _DOTTED.findall(span):
-      if _PLACEHOLDER.search(dotted) or dotted.split(".")[-1] in FILE_SUFFIXES or dotted.endswith(
-          tuple("." + s for s in FILE_SUFFIXES)):
+      if (
+        _PLACEHOLDER.search(dotted)
+        or dotted.split(".")[-1] in FILE_SUFFIXES
+        or dotted.endswith(tuple("." + s for s in FILE_SUFFIXES))
+      ):
         continue
       first = dotted.split(".")[0]
       if dotted.startswith(CONFIG_PREFIXES) or first == "config":
-        key = dotted[len("config."):] if first == "config" else dotted
+        key = dotted[len("config.") :] if first == "config" else dotted
         if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
           problems.append(f"config key {key}")
       elif dotted.startswith(PYTHON_MODULES):
         if not _resolves(dotted):
           problems.append(f"module or name {dotted}")
-      elif first in _modules_by_basename():
-        if not any(_resolves(m + dotted[len(first):]) for m in _modules_by_basename()[first]):
-          problems.append(f"module or name {dotted}")
+      elif first in _modules_by_basename() and not any(
+        _resolves(m + dotted[len(first) :]) for m in _modules_by_basename()[first]
+      ):
+        problems.append(f"module or name {dotted}")
   # In the prose of docstrings and comments, `module.name` (a module of the package) or a
   # config key is a reference when the name looks like code, with an underscore or a
   # capital: decoding.set_positions and config.vocab_from are, tatoeba.org is not.
@@ -369,7 +407,8 @@ def _problems(relative: str, text: str) -> list[str]:
         if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
           problems.append(f"config key {key}")
       elif first in _modules_by_basename() and not any(
-          _resolves(m + "." + rest) for m in _modules_by_basename()[first]):
+        _resolves(m + "." + rest) for m in _modules_by_basename()[first]
+      ):
         problems.append(f"module or name {dotted}")
   # Flags: checked against the command they follow, else against every command's flags.
   for span in code:
@@ -419,14 +458,18 @@ def test_the_check_reads_comments_and_pyproject(tmp_path):
   """A stale path in a code comment or in pyproject.toml's comments, and a stale
   `module.name` in a docstring's prose, are found."""
   code = tmp_path / "code.py"
-  code.write_text('"""Rolls back with decoding.no_such_function."""\n'
-                  '# The fake lives in tests/no_such_fake.py.\nx = "# not a comment"\n')
+  code.write_text(
+    '"""Rolls back with decoding.no_such_function."""\n'
+    '# The fake lives in tests/no_such_fake.py.\nx = "# not a comment"\n'
+  )
   toml = tmp_path / "pyproject.toml"
   toml.write_text('# the local GCS (tests/no_such_gcs.py)\nname = "a # in a string"\n')
   assert _comments(str(code)) == "The fake lives in tests/no_such_fake.py."
   assert _comments(str(toml)) == "the local GCS (tests/no_such_gcs.py)"
   assert _problems("code.py", _named_text(str(code))) == [
-      "file tests/no_such_fake.py", "module or name decoding.no_such_function"]
+    "file tests/no_such_fake.py",
+    "module or name decoding.no_such_function",
+  ]
   assert _problems("pyproject.toml", _named_text(str(toml))) == ["file tests/no_such_gcs.py"]
 
 
@@ -444,13 +487,21 @@ make no_such_target
 The paper's values (PAPER.md). Started as README ("No such section") says.
 """
   found = "\n".join(_problems("README.md", text))
-  for expected in ("file speed.py", "file model.py", "flag --no_such_flag",
-                   "--config.model.no_key", "config configs/default.py:nosuch",
-                   "module or name transformer.tools.no_such_tool",
-                   "flag --no_such_render_flag (docs/render/render_docs.py)",
-                   "module or name docs.render.no_such_renderer",
-                   "module or name decoding.no_such_name", "config key model.no_such_key",
-                   "make no_such_target", "link docs/no_such_page.md", "file PAPER.md",
-                   "README section No such section",
-                   "link docs/data.md#no-such-heading"):
+  for expected in (
+    "file speed.py",
+    "file model.py",
+    "flag --no_such_flag",
+    "--config.model.no_key",
+    "config configs/default.py:nosuch",
+    "module or name transformer.tools.no_such_tool",
+    "flag --no_such_render_flag (docs/render/render_docs.py)",
+    "module or name docs.render.no_such_renderer",
+    "module or name decoding.no_such_name",
+    "config key model.no_such_key",
+    "make no_such_target",
+    "link docs/no_such_page.md",
+    "file PAPER.md",
+    "README section No such section",
+    "link docs/data.md#no-such-heading",
+  ):
     assert expected in found

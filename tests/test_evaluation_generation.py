@@ -4,6 +4,7 @@ encoder-decoder (beam search continuing a prompt, validation BLEU), and generate
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -13,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.processes import subprocess_env
 from tests.helpers import tiny_run
 from tests.helpers.model_helpers import SOURCE, make_model, strip
-from transformer.config import ConfigError, EOS_ID, PAD_ID
+from tests.helpers.processes import subprocess_env
+from transformer.config import EOS_ID, PAD_ID, ConfigError
 from transformer.data import pipeline
 from transformer.evaluation import score, translate
 from transformer.evaluation.validation import ValidationWithBleu
@@ -33,8 +34,9 @@ def draft_run(small_corpus, tmp_path_factory):
   """A 2-step encoder-decoder run with another seed: trained_run's draft (same
   vocabulary, from the shared cache)."""
   workdir = str(tmp_path_factory.mktemp("draft"))
-  loop.train_and_evaluate(tiny_run.make_config(small_corpus, num_train_steps=2, seed=7,
-                                               max_decode_extra_len=5), workdir)
+  loop.train_and_evaluate(
+    tiny_run.make_config(small_corpus, num_train_steps=2, seed=7, max_decode_extra_len=5), workdir
+  )
   return workdir
 
 
@@ -42,33 +44,48 @@ def draft_run(small_corpus, tmp_path_factory):
 def decoder_only_run(small_corpus, tmp_path_factory):
   """(config, workdir) of a 2-step decoder-only run, validated with BLEU at its end."""
   workdir = str(tmp_path_factory.mktemp("decoder_only"))
-  config = tiny_run.make_config(small_corpus, num_train_steps=2, eval_every_steps=2,
-                                eval_bleu_sentences=4, max_decode_extra_len=5,
-                                eval_batch_size=SPLIT_BATCH,
-                                **{"model.decoder_only": True})
+  config = tiny_run.make_config(
+    small_corpus,
+    num_train_steps=2,
+    eval_every_steps=2,
+    eval_bleu_sentences=4,
+    max_decode_extra_len=5,
+    eval_batch_size=SPLIT_BATCH,
+    **{"model.decoder_only": True},
+  )
   loop.train_and_evaluate(config, workdir, validation=ValidationWithBleu)
   return config, workdir
 
 
-def _translator(workdir, search="beam", draft_workdir=None, eval_batch_size=None,
-                **settings):
+def _translator(workdir, search="beam", draft_workdir=None, eval_batch_size=None, **settings):
   config = checkpoints.load_run_config(workdir)
   config.eval_batch_size = eval_batch_size or config.eval_batch_size
-  return translate.Translator(config, workdir,
-                              settings=translate.SearchSettings(search, **settings),
-                              draft_workdir=draft_workdir)
+  return translate.Translator(
+    config,
+    workdir,
+    settings=translate.SearchSettings(search, **settings),
+    draft_workdir=draft_workdir,
+  )
 
 
 def _read(stem):
-  files = {s: open(f"{stem}.{s}.txt", encoding="utf-8").read().split("\n")[:-1]
-           for s in ("src", "ref", "hyp")}
-  return files, json.load(open(f"{stem}.json"))
+  files = {
+    s: pathlib.Path(f"{stem}.{s}.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    for s in ("src", "ref", "hyp")
+  }
+  return files, json.loads(pathlib.Path(f"{stem}.json").read_text())
 
 
 def _run(script, *args):
   env = subprocess_env(devices=1)
-  return subprocess.run([sys.executable, script, *args], cwd=tiny_run.REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
+  return subprocess.run(
+    [sys.executable, script, *args],
+    cwd=tiny_run.REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 # ----------------------------------------------------------------------------------
@@ -89,8 +106,9 @@ def test_decoder_only_beam_of_one_is_greedy_and_scores_its_output():
   # model (prompt and output read at once, no cache) over the length penalty, and no
   # row exceeds its own budget.
   budget = np.array([3, 8, 5, 2], np.int32)
-  out = decoding.decode(model, params, prompts.replace(budget_B=jnp.asarray(budget)),
-                        decoding.BeamSearch(3, 0.6))
+  out = decoding.decode(
+    model, params, prompts.replace(budget_B=jnp.asarray(budget)), decoding.BeamSearch(3, 0.6)
+  )
   tokens, scores = np.asarray(out.tokens_BxO), np.asarray(out.scores_B)
   for row in range(len(budget)):
     output = strip(tokens[row])
@@ -110,8 +128,9 @@ def test_decoder_only_beam_of_one_is_greedy_and_scores_its_output():
 
 def test_speculative_greedy_split_is_the_greedy_split(trained_run, draft_run):
   _, workdir = trained_run
-  spec = _translator(workdir, "greedy", draft_workdir=draft_run, draft_len=3,
-                     eval_batch_size=SPLIT_BATCH)
+  spec = _translator(
+    workdir, "greedy", draft_workdir=draft_run, draft_len=3, eval_batch_size=SPLIT_BATCH
+  )
   results = score.evaluate_split(spec, "test")
   assert results["path"].endswith(os.path.join("eval", f"test-{spec.step}-greedy-spec.json"))
   files, saved = _read(results["path"].removesuffix(".json"))
@@ -142,16 +161,22 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(trained_run, draft_run):
   assert translator.translate_lines(SENTENCES) == greedy and translator.stats.proposed > 0
 
   translator.draft = None
-  sample = lambda seed: (setattr(translator, "settings", translate.SearchSettings(
-      "sample", seed=seed, temperature=3.0)), translator.translate_lines(SENTENCES * 4))[1]
+  sample = lambda seed: (
+    setattr(translator, "settings", translate.SearchSettings("sample", seed=seed, temperature=3.0)),
+    translator.translate_lines(SENTENCES * 4),
+  )[1]
   first = sample(1)
   assert sample(1) == first and sample(2) != first
 
 
 def test_bad_search_settings_fail_in_one_line_before_restoring(trained_run, tmp_path):
   _, workdir = trained_run
-  for settings in (dict(search="beam", draft_workdir=workdir), dict(search="sample", top_p=0),
-                   dict(search="greedy", draft_len=0), dict(search="nucleus")):
+  for settings in (
+    dict(search="beam", draft_workdir=workdir),
+    dict(search="sample", top_p=0),
+    dict(search="greedy", draft_len=0),
+    dict(search="nucleus"),
+  ):
     with pytest.raises(ConfigError) as error:
       _translator(workdir, **settings)
     assert "\n" not in str(error.value)
@@ -176,8 +201,7 @@ def test_generate_py_continue_on_an_encoder_decoder_suggests_translate(trained_r
 # Decoder-only runs: the same evaluation as the encoder-decoder, and --prompt.
 
 
-def test_decoder_only_run_is_validated_and_evaluated_like_the_encoder_decoder(
-    decoder_only_run):
+def test_decoder_only_run_is_validated_and_evaluated_like_the_encoder_decoder(decoder_only_run):
   config, workdir = decoder_only_run
   [record] = tiny_run.read_metrics(workdir, kind="validation")
   assert 0 <= record["bleu"] <= 100  # ValidationWithBleu no longer skips decoder-only
@@ -203,8 +227,17 @@ def test_decoder_only_run_is_validated_and_evaluated_like_the_encoder_decoder(
 
 def test_speculative_decoder_only_split_and_continuation(decoder_only_run):
   _, workdir = decoder_only_run
-  result = _run("eval.py", "--workdir", workdir, "--search", "greedy", "--draft_workdir",
-                workdir, "--draft_len", "2")
+  result = _run(
+    "eval.py",
+    "--workdir",
+    workdir,
+    "--search",
+    "greedy",
+    "--draft_workdir",
+    workdir,
+    "--draft_len",
+    "2",
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.splitlines()[-1].startswith("sacreBLEU")
   files, saved = _read(os.path.join(workdir, "eval", "test-2-greedy-spec"))
@@ -214,8 +247,7 @@ def test_speculative_decoder_only_split_and_continuation(decoder_only_run):
   assert plain == files["hyp"][:16]
 
   translator = _translator(workdir, "greedy")
-  expected, = translator.continue_text(["I like"], max_new_tokens=6)
-  result = _run("generate.py", "continue", "--workdir", workdir, "I like",
-                "--max_new_tokens", "6")
+  (expected,) = translator.continue_text(["I like"], max_new_tokens=6)
+  result = _run("generate.py", "continue", "--workdir", workdir, "I like", "--max_new_tokens", "6")
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.splitlines() == [expected]

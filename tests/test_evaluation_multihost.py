@@ -18,11 +18,26 @@ def _evaluate(workdir, num_processes, devices_per_process, order):
   """(scores printed by process 0, hypotheses) of tests/helpers/multihost_eval.py."""
   env = subprocess_env(devices_per_process)
   port = free_port()
-  processes = [subprocess.Popen(
-      [sys.executable, "tests/helpers/multihost_eval.py", workdir, "test", str(i),
-       str(num_processes), str(port), order],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(num_processes)]
+  processes = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "tests/helpers/multihost_eval.py",
+        workdir,
+        "test",
+        str(i),
+        str(num_processes),
+        str(port),
+        order,
+      ],
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(num_processes)
+  ]
   outputs = [p.communicate(timeout=300)[0] for p in processes]
   for p, output in zip(processes, outputs):
     assert p.returncode == 0, output[-3000:]
@@ -56,7 +71,8 @@ def test_two_processes_on_an_interleaved_mesh_match_one_process(trained_run, tmp
 @pytest.mark.slow  # two eval.py (or generate.py) processes
 @pytest.mark.parametrize("entry_point", ["eval.py", "generate.py"])
 def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(
-    trained_run, small_corpus, tmp_path, entry_point):
+  trained_run, small_corpus, tmp_path, entry_point
+):
   """jax.distributed's handler takes SIGTERM on several processes. Sent to process 1
   once it has searched its second batch, both processes stop after the same batch, in
   one line each, and nothing is written: no scores or output file from eval.py, no
@@ -66,8 +82,9 @@ def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(
   shutil.copytree(trained, workdir)
   shutil.rmtree(workdir / "eval", ignore_errors=True)  # what other tests evaluated
   marker = tmp_path / "notice"
-  env = subprocess_env(1, FAULT_NOTICE_PROCESS="1", FAULT_NOTICE_AFTER_BATCH="2",
-                       FAULT_NOTICE_MARKER=str(marker))
+  env = subprocess_env(
+    1, FAULT_NOTICE_PROCESS="1", FAULT_NOTICE_AFTER_BATCH="2", FAULT_NOTICE_MARKER=str(marker)
+  )
   port = free_port()
   cluster = [f"--coordinator_address=localhost:{port}", "--num_processes=2"]
   if entry_point == "eval.py":
@@ -76,13 +93,33 @@ def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(
     sources = tmp_path / "sources.txt"
     with open(small_corpus[0], encoding="utf-8") as f:
       sources.write_text("".join(line.split("\t")[0] + "\n" for line, _ in zip(f, range(143))))
-    job = ["translate", "--workdir", str(workdir), "--input_file", str(sources),
-           "--search", "greedy"]
-  processes = [subprocess.Popen(
-      [sys.executable, "tests/helpers/fault_injection.py", entry_point, *cluster,
-       f"--process_id={i}", *job],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
+    job = [
+      "translate",
+      "--workdir",
+      str(workdir),
+      "--input_file",
+      str(sources),
+      "--search",
+      "greedy",
+    ]
+  processes = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "tests/helpers/fault_injection.py",
+        entry_point,
+        *cluster,
+        f"--process_id={i}",
+        *job,
+      ],
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     outputs = [p.communicate(timeout=300) for p in processes]
   finally:
@@ -97,6 +134,8 @@ def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(
     assert "BLEU" not in stdout and len(stdout.splitlines()) < 100, stdout[-3000:]
   # 143 sentences in batches of 16: nine. The agreed batch is the second or the third.
   assert last_lines[0] == last_lines[1] and last_lines[0] in [
-      f"error: stopped by SIGTERM (a preemption notice) after {n} batches; nothing was "
-      "written: rerun the same command" for n in (2, 3)], last_lines
+    f"error: stopped by SIGTERM (a preemption notice) after {n} batches; nothing was "
+    "written: rerun the same command"
+    for n in (2, 3)
+  ], last_lines
   assert not (workdir / "eval").exists() or os.listdir(workdir / "eval") == []

@@ -24,8 +24,11 @@ class Repeat(searches.SearchKind):
 
   name = "repeat"
   help = "the first token over and over"
-  options = (searches.Option("repeats", int, 2, "How often the first token comes.",
-                             lambda n: n >= 1, "must be >= 1"),)
+  options = (
+    searches.Option(
+      "repeats", int, 2, "How often the first token comes.", lambda n: n >= 1, "must be >= 1"
+    ),
+  )
   repeats: int = 2
 
   def build(self, config, values):
@@ -33,12 +36,16 @@ class Repeat(searches.SearchKind):
 
   def run(self, model, params, prompts, rng, draft_params):
     prompt_BxP = prompts.prompt_BxP
-    prefilled = model.prefill(params, prompt_BxP, cache_len=prompt_BxP.shape[1],
-                              source_BxS=prompts.source_BxS)
+    prefilled = model.prefill(
+      params, prompt_BxP, cache_len=prompt_BxP.shape[1], source_BxS=prompts.source_BxS
+    )
     first_B = jnp.argmax(decoding.search.forbid_special(prefilled.logits_BxV), axis=-1)
     slot_O = jnp.arange(prompts.out_len)
-    tokens_BxO = jnp.where(slot_O < self.repeats, first_B[:, None].astype(jnp.int32),
-                           jnp.where(slot_O == self.repeats, EOS_ID, PAD_ID))
+    tokens_BxO = jnp.where(
+      slot_O < self.repeats,
+      first_B[:, None].astype(jnp.int32),
+      jnp.where(slot_O == self.repeats, EOS_ID, PAD_ID),
+    )
     zero = jnp.array(0, jnp.int32)
     batch = prompt_BxP.shape[0]
     return decoding.Generation(tokens_BxO, jnp.zeros((batch,)), zero, zero, zero, zero)
@@ -56,13 +63,21 @@ def with_repeat(monkeypatch):
 
 def test_a_registered_search_is_offered_by_generate_py():
   """`generate.py translate --help` in a process that registered the toy search first."""
-  program = ("import runpy, sys\n"
-             "from tests.test_evaluation_searches import register_repeat\n"
-             "register_repeat()\n"
-             "sys.argv = ['generate.py', 'translate', '--help']\n"
-             "runpy.run_path('generate.py', run_name='__main__')\n")
-  result = subprocess.run([sys.executable, "-c", program], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)
+  program = (
+    "import runpy, sys\n"
+    "from tests.test_evaluation_searches import register_repeat\n"
+    "register_repeat()\n"
+    "sys.argv = ['generate.py', 'translate', '--help']\n"
+    "runpy.run_path('generate.py', run_name='__main__')\n"
+  )
+  result = subprocess.run(
+    [sys.executable, "-c", program],
+    cwd=REPO,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr
   help_text = " ".join(result.stdout.split())
   assert "--search {beam,greedy,sample,repeat}" in help_text
@@ -73,9 +88,12 @@ def test_a_registered_search_is_offered_by_generate_py():
 def test_a_registered_search_checks_its_options_and_decodes(with_repeat):
   with pytest.raises(ConfigError, match=r"^repeats: must be >= 1, got 0$"):
     translate.SearchSettings("repeat", repeats=0).check()
-  with pytest.raises(ConfigError, match=r"^draft_workdir: speculative decoding is offered "
-                                        r"for greedy, sample \(--search=greedy\|sample\), "
-                                        r"not repeat$"):
+  with pytest.raises(
+    ConfigError,
+    match=r"^draft_workdir: speculative decoding is offered "
+    r"for greedy, sample \(--search=greedy\|sample\), "
+    r"not repeat$",
+  ):
     translate.SearchSettings("repeat").check(with_draft=True)
   settings = translate.SearchSettings("repeat", repeats=3)
   settings.check()
@@ -94,6 +112,7 @@ def test_an_option_declared_two_ways_or_a_name_taken_twice_is_refused(with_repea
   class Other(Repeat):
     name = "other"
     options = (searches.Option("repeats", int, 5, "Another default."),)
+
   with pytest.raises(ValueError, match="--repeats of search 'other' differs"):
     searches.register(Other)
   with pytest.raises(ValueError, match="a search named 'repeat' is already registered"):
@@ -102,10 +121,14 @@ def test_an_option_declared_two_ways_or_a_name_taken_twice_is_refused(with_repea
 
 def test_every_search_option_and_no_other_reaches_the_settings():
   settings = translate.SearchSettings("sample", top_k=3)
-  assert settings.values == dict(temperature=1.0, top_k=3, top_p=1.0, seed=0,
-                                 draft_workdir=None, draft_len=4)
+  assert settings.values == dict(
+    temperature=1.0, top_k=3, top_p=1.0, seed=0, draft_workdir=None, draft_len=4
+  )
   with pytest.raises(ConfigError, match=r"^search 'greedy' takes no option beam_size$"):
     translate.SearchSettings("greedy", beam_size=4)
-  with pytest.raises(ConfigError, match=r"^search: 'nucleus' is not one of beam, greedy, "
-                                        r"sample$"):
+  with pytest.raises(
+    ConfigError,
+    match=r"^search: 'nucleus' is not one of beam, greedy, "
+    r"sample$",
+  ):
     translate.SearchSettings("nucleus").check()

@@ -13,9 +13,8 @@ import pytest
 from tests.helpers.model_helpers import SOURCE as SPEC_SOURCE
 from tests.helpers.model_helpers import make_model
 from transformer.config import BOS_ID, EOS_ID, PAD_ID
-from transformer.model import decoding
+from transformer.model import ModelConfig, Transformer, decoding, incremental, stack_layer_params
 from transformer.model.decoding import beam as beam_lib
-from transformer.model import ModelConfig, Transformer, incremental, stack_layer_params
 from transformer.tools.decoding_speed import Recomputing
 
 VOCAB = 6  # PAD, EOS, BOS, UNK and two words: EOS, UNK, 4 and 5 can be generated
@@ -27,8 +26,18 @@ SOURCE = jnp.array([[4, 5, 1, 0], [1, 0, 0, 0], [5, 3, 4, 1]], jnp.int32)
 
 @pytest.fixture(scope="module")
 def model():
-  return Transformer(ModelConfig(vocab_size=VOCAB, max_position=32, num_layers=2, d_model=16,
-                                 d_ff=32, num_heads=2, d_k=8, d_v=8))
+  return Transformer(
+    ModelConfig(
+      vocab_size=VOCAB,
+      max_position=32,
+      num_layers=2,
+      d_model=16,
+      d_ff=32,
+      num_heads=2,
+      d_k=8,
+      d_v=8,
+    )
+  )
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +64,28 @@ def constant_output_params(params, eos_logit):
 @pytest.fixture(scope="module")
 def sequence_logprobs(model, params):
   """log P(output | source) for each output (a list of token lists), by full forward."""
-  forward = jax.jit(lambda source, decoder_input: model.apply({"params": params}, source,
-                                                             decoder_input))
+  forward = jax.jit(
+    lambda source, decoder_input: model.apply({"params": params}, source, decoder_input)
+  )
 
   def logprobs(source_1xS, outputs):
     # One shape for every call (128 outputs of 8 tokens), so it compiles once.
     targets = np.zeros((128, 8), np.int32)
     for i, o in enumerate(outputs):
-      targets[i, :len(o)] = o
+      targets[i, : len(o)] = o
     decoder_input = np.concatenate([np.full((128, 1), BOS_ID), targets[:, :-1]], axis=1)
     decoder_input = np.where((targets != PAD_ID), decoder_input, PAD_ID)
     logits = forward(jnp.repeat(source_1xS, 128, axis=0), jnp.asarray(decoder_input))
     token_logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)
     per_output = jnp.sum(jnp.where(targets != PAD_ID, token_logprobs[..., 0], 0.0), axis=1)
-    return np.asarray(per_output)[:len(outputs)]
+    return np.asarray(per_output)[: len(outputs)]
+
   return logprobs
 
 
 def gnmt_penalty(length, alpha):
   """The paper's length penalty, written out independently of the code under test."""
-  return ((5.0 + length) / 6.0)**alpha
+  return ((5.0 + length) / 6.0) ** alpha
 
 
 def translate(model, params, source, search, extra=EXTRA, use_cache=True, rng=None):
@@ -87,8 +98,9 @@ def translate(model, params, source, search, extra=EXTRA, use_cache=True, rng=No
 
 
 def beam(model, params, source=SOURCE, beam_size=4, alpha=0.6, early_stop=True, **kwargs):
-  return translate(model, params, source, decoding.BeamSearch(beam_size, alpha, early_stop),
-                   **kwargs)
+  return translate(
+    model, params, source, decoding.BeamSearch(beam_size, alpha, early_stop), **kwargs
+  )
 
 
 def greedy(model, params, source=SOURCE, **kwargs):
@@ -98,7 +110,7 @@ def greedy(model, params, source=SOURCE, **kwargs):
 def strip(tokens):
   """Token list up to and including the first EOS (or all of it)."""
   tokens = [int(t) for t in tokens if t != PAD_ID]
-  return tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+  return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
 
 
 def test_cached_decoding_equals_full_recompute(model, params):
@@ -136,8 +148,9 @@ def test_prefill_keeps_cross_attention_per_sentence_and_repeats_the_rest(model, 
   chex.assert_shape(layer["self_attention"]["key"], (12, 2, 8, 16))  # [N, H, K, C]
   chex.assert_shape(layer["cross_attention"]["cross_key"], (3, 2, 8, 4))  # [B, H, K, S]
   grown = seam.grow(state, 24)
-  chex.assert_shape(grown.cache["decoder"]["layer_1"]["self_attention"]["value"],
-                    (12, 2, 24, 8))  # [N, H, C, E]
+  chex.assert_shape(
+    grown.cache["decoder"]["layer_1"]["self_attention"]["value"], (12, 2, 24, 8)
+  )  # [N, H, C, E]
 
 
 def test_a_long_search_grows_its_cache_as_the_recomputing_search():
@@ -159,21 +172,23 @@ def test_beam_scores_are_penalized_logprobs_of_the_hypotheses(model, params, seq
   out = beam(model, params, alpha=0.6)
   outputs = [strip(row) for row in np.asarray(out.tokens_BxO)]
   for b in range(SOURCE.shape[0]):
-    expected = sequence_logprobs(SOURCE[b:b + 1], [outputs[b]]) / gnmt_penalty(
-        len(outputs[b]), 0.6)
+    expected = sequence_logprobs(SOURCE[b : b + 1], [outputs[b]]) / gnmt_penalty(
+      len(outputs[b]), 0.6
+    )
     np.testing.assert_allclose(out.scores_B[b], expected[0], rtol=1e-5)
   # Greedy and sampling report log P itself.
   out = translate(model, params, SOURCE, decoding.Greedy())
   for b, row in enumerate(np.asarray(out.tokens_BxO)):
-    expected = sequence_logprobs(SOURCE[b:b + 1], [strip(row)])[0]
+    expected = sequence_logprobs(SOURCE[b : b + 1], [strip(row)])[0]
     np.testing.assert_allclose(out.scores_B[b], expected, rtol=1e-5)
 
 
 def test_beam_size_one_is_greedy(model, params):
   # alpha = 0: with a length penalty a finished hypothesis can lose to a longer one that
   # greedy never looks at.
-  np.testing.assert_array_equal(beam(model, params, beam_size=1, alpha=0.0).tokens_BxO,
-                                greedy(model, params))
+  np.testing.assert_array_equal(
+    beam(model, params, beam_size=1, alpha=0.0).tokens_BxO, greedy(model, params)
+  )
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 3.0])
@@ -185,10 +200,13 @@ def test_wide_beam_finds_the_exhaustive_best(model, params, sequence_logprobs, a
   tokens, scores = out.tokens_BxO, out.scores_B
   for b, budget in enumerate([4, 3]):
     # Every output that ends with EOS within the budget, or fills it without EOS.
-    outputs = [list(words) + [EOS_ID] for n in range(budget)
-               for words in itertools.product((3, 4, 5), repeat=n)]
+    outputs = [
+      list(words) + [EOS_ID]
+      for n in range(budget)
+      for words in itertools.product((3, 4, 5), repeat=n)
+    ]
     outputs += [list(words) for words in itertools.product((3, 4, 5), repeat=budget)]
-    logprobs = sequence_logprobs(source[b:b + 1], outputs)
+    logprobs = sequence_logprobs(source[b : b + 1], outputs)
     penalized = logprobs / np.array([gnmt_penalty(len(o), alpha) for o in outputs])
     best = int(np.argmax(penalized))
     assert strip(tokens[b]) == outputs[best]
@@ -198,8 +216,10 @@ def test_wide_beam_finds_the_exhaustive_best(model, params, sequence_logprobs, a
 def test_output_stops_at_source_length_plus_extra_when_eos_never_comes(model, params):
   never_eos = constant_output_params(params, eos_logit=-30.0)
   budgets = np.sum(np.asarray(SOURCE) != PAD_ID, axis=1) + EXTRA
-  for tokens in (np.asarray(beam(model, never_eos).tokens_BxO),
-                 np.asarray(greedy(model, never_eos))):
+  for tokens in (
+    np.asarray(beam(model, never_eos).tokens_BxO),
+    np.asarray(greedy(model, never_eos)),
+  ):
     assert not np.any(tokens == EOS_ID)
     np.testing.assert_array_equal(np.sum(tokens != PAD_ID, axis=1), budgets)
     assert np.all(tokens[np.arange(tokens.shape[1]) >= budgets[:, None]] == PAD_ID)
@@ -230,9 +250,13 @@ def test_early_stop_bound_uses_the_penalty_at_the_maximum_length():
   # A live hypothesis at log P = -4 may grow to the sentence's maximum length of 10 and
   # then score -4 / penalty(10) = -2.31 (alpha 0.6) or better.
   state = beam_lib.BeamState(
-      step=jnp.array(2), live_seqs_BxWxO1=None, live_logprobs_BxW=jnp.array([[-4.0], [-4.0]]),
-      finished_seqs_BxWxO1=None, finished_scores_BxW=jnp.array([[-1.5], [-2.5]]),
-      budget_B=jnp.array([10, 10]))
+    step=jnp.array(2),
+    live_seqs_BxWxO1=None,
+    live_logprobs_BxW=jnp.array([[-4.0], [-4.0]]),
+    finished_seqs_BxWxO1=None,
+    finished_scores_BxW=jnp.array([[-1.5], [-2.5]]),
+    budget_B=jnp.array([10, 10]),
+  )
   assert -4.0 / gnmt_penalty(10, 0.6) == pytest.approx(-2.31, abs=0.01)
   np.testing.assert_array_equal(beam_lib.is_done(state, 0.6, early_stop=True), [True, False])
   np.testing.assert_array_equal(beam_lib.is_done(state, 0.6, early_stop=False), [False, False])
@@ -240,9 +264,11 @@ def test_early_stop_bound_uses_the_penalty_at_the_maximum_length():
 
 def test_sampling_with_top_k_one_or_tiny_top_p_is_greedy(model, params):
   expected = greedy(model, params)
-  sample = lambda **kw: translate(model, params, SOURCE,
-                                  decoding.Sampling(temperature=5.0, **kw),
-                                  rng=jax.random.PRNGKey(7)).tokens_BxO
+  sample = lambda **kw: (
+    translate(
+      model, params, SOURCE, decoding.Sampling(temperature=5.0, **kw), rng=jax.random.PRNGKey(7)
+    ).tokens_BxO
+  )
   np.testing.assert_array_equal(sample(top_k=1, top_p=1.0), expected)
   np.testing.assert_array_equal(sample(top_k=0, top_p=1e-6), expected)
   # A hot unfiltered sampler does wander off the greedy path.
@@ -306,5 +332,6 @@ def test_best_tokens_are_the_top_of_the_log_softmax_without_pad_and_bos():
   reference[:, [PAD_ID, BOS_ID]] = -np.inf
   want_tokens = np.argsort(-reference, axis=1, kind="stable")[:, :8]
   np.testing.assert_array_equal(tokens, want_tokens)
-  np.testing.assert_allclose(logprobs, np.take_along_axis(reference, want_tokens, axis=1),
-                             rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(
+    logprobs, np.take_along_axis(reference, want_tokens, axis=1), rtol=1e-6, atol=1e-5
+  )

@@ -9,20 +9,40 @@ PACKAGE = os.path.join(REPO, "transformer")
 FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
 # What each layer may import from the package, besides itself (the rest is upward).
 ALLOWED = {
-    "messages": set(),
-    "host_memory": set(),
-    "versions": set(),
-    "config": {"messages"},
-    "storage": {"messages"},
-    "cli": {"config", "messages", "host_memory"},
-    "model": {"config", "messages"},
-    "data": {"config", "messages", "storage"},
-    "training": {"config", "messages", "storage", "versions", "model", "data"},
-    "evaluation": {"config", "messages", "storage", "versions", "model", "data", "training"},
-    "sweeps": {"config", "messages", "storage", "versions", "cli", "model", "data", "training",
-               "evaluation"},
-    "tools": {"config", "messages", "storage", "versions", "cli", "host_memory", "model", "data",
-              "training", "evaluation", "sweeps"},
+  "messages": set(),
+  "host_memory": set(),
+  "versions": set(),
+  "config": {"messages"},
+  "storage": {"messages"},
+  "cli": {"config", "messages", "host_memory"},
+  "model": {"config", "messages"},
+  "data": {"config", "messages", "storage"},
+  "training": {"config", "messages", "storage", "versions", "model", "data"},
+  "evaluation": {"config", "messages", "storage", "versions", "model", "data", "training"},
+  "sweeps": {
+    "config",
+    "messages",
+    "storage",
+    "versions",
+    "cli",
+    "model",
+    "data",
+    "training",
+    "evaluation",
+  },
+  "tools": {
+    "config",
+    "messages",
+    "storage",
+    "versions",
+    "cli",
+    "host_memory",
+    "model",
+    "data",
+    "training",
+    "evaluation",
+    "sweeps",
+  },
 }
 
 
@@ -87,19 +107,27 @@ def _imported_modules(path: str, known: set[str]) -> set[str]:
 
 
 def test_no_module_imports_itself_in_a_circle():
-  paths = [os.path.join(root, name) for root, _, files in os.walk(PACKAGE)
-           for name in files if name.endswith(".py")]
+  paths = [
+    os.path.join(root, name)
+    for root, _, files in os.walk(PACKAGE)
+    for name in files
+    if name.endswith(".py")
+  ]
   known = {_module_name(p) for p in paths}
   # Package __init__ files only document and re-export: an import of `transformer.model`
   # stands for the modules it re-exports, whose own imports the graph already holds.
-  graph = {_module_name(p): set() if p.endswith("__init__.py") else
-           _imported_modules(p, known) - {_module_name(p)} for p in paths}
+  graph = {
+    _module_name(p): set()
+    if p.endswith("__init__.py")
+    else _imported_modules(p, known) - {_module_name(p)}
+    for p in paths
+  }
   visiting, done = [], set()
 
   def visit(module):
     if module in done:
       return
-    assert module not in visiting, " -> ".join(visiting[visiting.index(module):] + [module])
+    assert module not in visiting, " -> ".join(visiting[visiting.index(module) :] + [module])
     visiting.append(module)
     for imported in sorted(graph.get(module, ())):
       visit(imported)
@@ -120,7 +148,8 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 
 
 def _private_names_used_across_modules(
-    path: str, packages: tuple[str, ...] = ("transformer",)) -> list[str]:
+  path: str, packages: tuple[str, ...] = ("transformer",)
+) -> list[str]:
   """`from transformer.x import _name`, or `module._name` on a module of the package
   imported as `module`: another module's private names (of `packages`)."""
   with open(path, encoding="utf-8") as f:
@@ -131,33 +160,48 @@ def _private_names_used_across_modules(
       found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
       module_aliases |= {a.asname or a.name for a in node.names}
     elif isinstance(node, ast.Import):
-      module_aliases |= {a.asname for a in node.names
-                         if a.asname and a.name.startswith(packages)}
+      module_aliases |= {a.asname for a in node.names if a.asname and a.name.startswith(packages)}
   for node in ast.walk(tree):
-    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        and node.value.id in module_aliases and node.attr.startswith("_")
-        and not node.attr.startswith("__")):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in module_aliases
+      and node.attr.startswith("_")
+      and not node.attr.startswith("__")
+    ):
       found.append(f"{node.value.id}.{node.attr}")
   return found
 
 
 def test_no_module_uses_another_modules_private_names(tmp_path):
-  used = {os.path.relpath(os.path.join(root, name), PACKAGE): names
-          for root, _, files in os.walk(PACKAGE) for name in files if name.endswith(".py")
-          for names in [_private_names_used_across_modules(os.path.join(root, name))] if names}
+  used = {
+    os.path.relpath(os.path.join(root, name), PACKAGE): names
+    for root, _, files in os.walk(PACKAGE)
+    for name in files
+    if name.endswith(".py")
+    for names in [_private_names_used_across_modules(os.path.join(root, name))]
+    if names
+  }
   assert not used, used
   module = tmp_path / "speculative.py"  # the checker sees both forms
-  module.write_text("from transformer.model.decoding import _cached_call\n"
-                    "from transformer.model.decoding import cache\ncache._slot_axis(1)\n")
+  module.write_text(
+    "from transformer.model.decoding import _cached_call\n"
+    "from transformer.model.decoding import cache\ncache._slot_axis(1)\n"
+  )
   assert _private_names_used_across_modules(str(module)) == [
-      "transformer.model.decoding._cached_call", "cache._slot_axis"]
+    "transformer.model.decoding._cached_call",
+    "cache._slot_axis",
+  ]
 
 
 def _function_lengths(path: str) -> dict[str, int]:
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read())
-  return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
-          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  return {
+    node.name: node.end_lineno - node.lineno + 1
+    for node in ast.walk(tree)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+  }
 
 
 def test_functions_read_in_one_screen():
@@ -169,11 +213,17 @@ def test_functions_read_in_one_screen():
       if name.endswith(".py"):
         path = os.path.join(root, name)
         relative = os.path.relpath(path, PACKAGE)
-        limit = 60 if relative.startswith((os.path.join("model", "decoding"),
-                                           "evaluation")) else 100
-        too_long += [f"{relative}:{function} ({lines} lines)"
-                     for function, lines in _function_lengths(path).items() if lines > limit]
+        limit = (
+          60 if relative.startswith((os.path.join("model", "decoding"), "evaluation")) else 100
+        )
+        too_long += [
+          f"{relative}:{function} ({lines} lines)"
+          for function, lines in _function_lengths(path).items()
+          if lines > limit
+        ]
   assert not too_long, too_long
+
+
 def _imported_test_modules(path: str) -> set[str]:
   """What `path` imports from the `tests` package, as dotted module names."""
   with open(path, encoding="utf-8") as f:
@@ -194,19 +244,27 @@ def test_test_files_share_code_only_through_helpers():
   """A test file imports tests.helpers, never another test file: each runs alone, and
   moving a test never breaks a second file."""
   tests_dir = os.path.join(REPO, "tests")
-  crossing = [f"{name} imports {module}"
-              for name in sorted(os.listdir(tests_dir)) if name.endswith(".py")
-              for module in sorted(_imported_test_modules(os.path.join(tests_dir, name)))
-              if not (module == "tests.helpers" or module.startswith("tests.helpers."))]
+  crossing = [
+    f"{name} imports {module}"
+    for name in sorted(os.listdir(tests_dir))
+    if name.endswith(".py")
+    for module in sorted(_imported_test_modules(os.path.join(tests_dir, name)))
+    if not (module == "tests.helpers" or module.startswith("tests.helpers."))
+  ]
   assert not crossing, crossing
 
 
 def test_the_checker_sees_a_test_file_importing_another(tmp_path):
   module = tmp_path / "test_a.py"
-  module.write_text("from tests.test_config import load_config\nfrom tests import test_b\n"
-                    "from tests.helpers import tiny_run\n")
+  module.write_text(
+    "from tests.test_config import load_config\nfrom tests import test_b\n"
+    "from tests.helpers import tiny_run\n"
+  )
   assert _imported_test_modules(str(module)) == {
-      "tests.test_config", "tests.test_b", "tests.helpers"}
+    "tests.test_config",
+    "tests.test_b",
+    "tests.helpers",
+  }
 
 
 def test_importing_every_module_leaves_absl_flags_to_the_programs():
@@ -219,13 +277,15 @@ def test_importing_every_module_leaves_absl_flags_to_the_programs():
   from absl import flags
 
   before = set(flags.FLAGS)
-  modules = sorted(_module_name(os.path.join(root, name))
-                   for root, _, files in os.walk(PACKAGE) for name in files
-                   if name.endswith(".py") and name != "__main__.py")
+  modules = sorted(
+    _module_name(os.path.join(root, name))
+    for root, _, files in os.walk(PACKAGE)
+    for name in files
+    if name.endswith(".py") and name != "__main__.py"
+  )
   for module in modules:
     importlib.import_module(module)
-  added = {name: flags.FLAGS.find_module_defining_flag(name)
-           for name in set(flags.FLAGS) - before}
+  added = {name: flags.FLAGS.find_module_defining_flag(name) for name in set(flags.FLAGS) - before}
   assert not {name: m for name, m in added.items() if m and m.startswith("transformer")}, added
 
 
@@ -234,35 +294,66 @@ def _private_modules_imported(path: str) -> list[str]:
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read())
   modules = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-  modules += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-              for a in node.names]
-  return [m for m in modules
-          if any(part.startswith("_") and not part.startswith("__") for part in m.split("."))]
+  modules += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+  return [
+    m
+    for m in modules
+    if any(part.startswith("_") and not part.startswith("__") for part in m.split("."))
+  ]
 
 
 def test_tests_use_private_names_only_through_their_helpers(tmp_path):
   """A test file reaches no private name of the package, of docs/render or of a
   library; what must is wrapped once in tests/helpers/."""
   tests_dir = os.path.dirname(os.path.abspath(__file__))
-  used = {name: found for name in sorted(os.listdir(tests_dir)) if name.endswith(".py")
-          for found in [_private_names_used_across_modules(
-              os.path.join(tests_dir, name), ("transformer", "docs.render"))
-              + _private_modules_imported(os.path.join(tests_dir, name))] if found}
+  used = {
+    name: found
+    for name in sorted(os.listdir(tests_dir))
+    if name.endswith(".py")
+    for found in [
+      _private_names_used_across_modules(
+        os.path.join(tests_dir, name), ("transformer", "docs.render")
+      )
+      + _private_modules_imported(os.path.join(tests_dir, name))
+    ]
+    if found
+  }
   assert not used, used
   module = tmp_path / "test_x.py"  # the checker sees each form
-  module.write_text("from jax._src import xla_bridge\nfrom docs.render import doc_views\n"
-                    "doc_views._acceptance_for(1.0, 3)\n")
+  module.write_text(
+    "from jax._src import xla_bridge\nfrom docs.render import doc_views\n"
+    "doc_views._acceptance_for(1.0, 3)\n"
+  )
   assert _private_names_used_across_modules(str(module), ("transformer", "docs.render")) == [
-      "doc_views._acceptance_for"]
+    "doc_views._acceptance_for"
+  ]
   assert _private_modules_imported(str(module)) == ["jax._src"]
 
 
 # What only the model's incremental side (model/incremental.py) may know of the decoding
 # cache: the names of its leaves and collections, and the scanned stack's layout.
-CACHE_LEAVES = {"cache", "decoder", "position", "key", "value", "cross_key", "cross_value",
-                "layers", "tokens", "self_attention", "cross_attention"}
-MODEL_INSIDES = {"scan_layers", "unstack_layer_params", "stack_layer_params", "apply",
-                 "mutable", "use_cache", "clone"}
+CACHE_LEAVES = {
+  "cache",
+  "decoder",
+  "position",
+  "key",
+  "value",
+  "cross_key",
+  "cross_value",
+  "layers",
+  "tokens",
+  "self_attention",
+  "cross_attention",
+}
+MODEL_INSIDES = {
+  "scan_layers",
+  "unstack_layer_params",
+  "stack_layer_params",
+  "apply",
+  "mutable",
+  "use_cache",
+  "clone",
+}
 
 
 def _model_insides_named(path: str) -> set[str]:
@@ -270,16 +361,27 @@ def _model_insides_named(path: str) -> set[str]:
   model's insides among its names, attributes and keywords."""
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read())
-  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
-                and node.body and isinstance(node.body[0], ast.Expr)}
+  docstrings = {
+    id(node.body[0].value)
+    for node in ast.walk(tree)
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+    and node.body
+    and isinstance(node.body[0], ast.Expr)
+  }
   named = set()
   for node in ast.walk(tree):
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-      if id(node) not in docstrings and node.value in CACHE_LEAVES:
-        named.add(repr(node.value))
-    for name in (getattr(node, "id", None), getattr(node, "attr", None),
-                 getattr(node, "arg", None)):
+    if (
+      isinstance(node, ast.Constant)
+      and isinstance(node.value, str)
+      and id(node) not in docstrings
+      and node.value in CACHE_LEAVES
+    ):
+      named.add(repr(node.value))
+    for name in (
+      getattr(node, "id", None),
+      getattr(node, "attr", None),
+      getattr(node, "arg", None),
+    ):
       if name in MODEL_INSIDES:
         named.add(name)
   return named
@@ -289,10 +391,21 @@ def test_decoding_never_names_a_cache_leaf_or_the_scan_layout():
   """The searches drive the model through model/incremental.py alone, so a new kind of
   model or cache changes that module and no search."""
   folder = os.path.join(PACKAGE, "model", "decoding")
-  named = {name: found for name in sorted(os.listdir(folder)) if name.endswith(".py")
-           for found in [_model_insides_named(os.path.join(folder, name))] if found}
+  named = {
+    name: found
+    for name in sorted(os.listdir(folder))
+    if name.endswith(".py")
+    for found in [_model_insides_named(os.path.join(folder, name))]
+    if found
+  }
   assert not named, named
   # The checker sees them where they are: in the model's own incremental side.
-  assert {"'cross_key'", "'layers'", "'key'", "'value'", "scan_layers", "apply",
-          "unstack_layer_params"} <= _model_insides_named(
-              os.path.join(PACKAGE, "model", "incremental.py"))
+  assert {
+    "'cross_key'",
+    "'layers'",
+    "'key'",
+    "'value'",
+    "scan_layers",
+    "apply",
+    "unstack_layer_params",
+  } <= _model_insides_named(os.path.join(PACKAGE, "model", "incremental.py"))

@@ -65,10 +65,14 @@ def _make_train_shape() -> dict:
   """configs/default.py's checkpoints, as many as on a `make train` run, three steps apart
   (its own interval is 100): the layout `eval.py --average_last` meets there."""
   from transformer import config as config_lib
+
   default = config_lib.load_config("configs/default.py")
   saves = -(-default.num_train_steps // default.checkpoint_every_steps)  # the last included
-  return {"num_train_steps": 3 * saves, "checkpoint_every_steps": 3,
-          "keep_checkpoints": default.keep_checkpoints}
+  return {
+    "num_train_steps": 3 * saves,
+    "checkpoint_every_steps": 3,
+    "keep_checkpoints": default.keep_checkpoints,
+  }
 
 
 _FAKE_BENCH = """#!/bin/bash
@@ -93,7 +97,8 @@ while [ "${1#--}" != "$1" ]; do
   esac
   shift
 done
-[ -n "$tasks" ] && [ "$tasks" = "$gpus" ] || { echo "error: $tasks tasks for $gpus GPUs" >&2; exit 3; }
+[ -n "$tasks" ] && [ "$tasks" = "$gpus" ] ||
+  { echo "error: $tasks tasks for $gpus GPUs" >&2; exit 3; }
 exec "$@" --dry_run
 """
 
@@ -111,22 +116,32 @@ def place(small_corpus, tmp_path_factory):
   (tmp / "pairs.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in pairs))
   (tmp / "news.en").write_text("".join(s + "\n" for s, _ in pairs[:5]))
   (tmp / "news.es").write_text("".join(t + "\n" for _, t in pairs[:5]))
-  env = subprocess_env(devices=1, PATH=f"{tmp / 'bin'}:{os.environ['PATH']}",
-                       REAL_PYTHON=sys.executable)
+  env = subprocess_env(
+    devices=1, PATH=f"{tmp / 'bin'}:{os.environ['PATH']}", REAL_PYTHON=sys.executable
+  )
   return tmp, env
 
 
 def shrink(command: str, tmp, small_corpus) -> tuple[list[str], dict]:
   """README's command as argv to run here, smaller, and extra environment variables."""
   words = shlex.split(command)
-  places = {"workdirs/mine": str(tmp / "mine"), "W": str(tmp / "sweep"),
-            "pairs.tsv": str(tmp / "pairs.tsv"), "news.en": str(tmp / "news.en"),
-            "news.es": str(tmp / "news.es"), "mine-ct2": str(tmp / "mine-ct2")}
+  places = {
+    "workdirs/mine": str(tmp / "mine"),
+    "W": str(tmp / "sweep"),
+    "pairs.tsv": str(tmp / "pairs.tsv"),
+    "news.en": str(tmp / "news.en"),
+    "news.es": str(tmp / "news.es"),
+    "mine-ct2": str(tmp / "mine-ct2"),
+  }
   words = [places.get(w, w) for w in words]
-  words = [w.replace("tsv:pairs.tsv", f"tsv:{tmp / 'pairs.tsv'}")
-           .replace("gs://B/tfds", str(tmp / "tfds")) for w in words]
-  words = ["configs/default.py" if w.startswith("configs/wmt14.py") and "--dry_run" not in words
-           else w for w in words]
+  words = [
+    w.replace("tsv:pairs.tsv", f"tsv:{tmp / 'pairs.tsv'}").replace("gs://B/tfds", str(tmp / "tfds"))
+    for w in words
+  ]
+  words = [
+    "configs/default.py" if w.startswith("configs/wmt14.py") and "--dry_run" not in words else w
+    for w in words
+  ]
   if words[0] == "python":
     words[0] = sys.executable
   elif words[0] == "srun":
@@ -148,8 +163,11 @@ def shrink(command: str, tmp, small_corpus) -> tuple[list[str], dict]:
       return words, {}
     only = words.index("--only") + 1  # one row of those named
     words[only] = words[only].split(",")[0]
-    return words + tiny + ["--config.num_train_steps=2", "--config.eval_every_steps=2",
-                           "--nofinal_eval"], {}
+    return words + tiny + [
+      "--config.num_train_steps=2",
+      "--config.eval_every_steps=2",
+      "--nofinal_eval",
+    ], {}
   if program == "-m transformer.tools.bench":
     return words + tiny + ["--steps=1", "--warmup=0", "--only=train_step"], {}
   if program == "-m transformer.tools.memory":
@@ -162,8 +180,12 @@ def shrink(command: str, tmp, small_corpus) -> tuple[list[str], dict]:
   if program == "-m transformer.tools.prepare_data":
     # The bundled tfds dataset, built into the data_dir; a small vocabulary.
     return words + ["--config.vocab_size=256", "--config.vocab_max_sentences=2000"], {}
-  if (program.startswith(("eval.py", "generate.py")) or program == "-m transformer.tools.export"
-      or words[0] == "srun" or "--dry_run" in words):
+  if (
+    program.startswith(("eval.py", "generate.py"))
+    or program == "-m transformer.tools.export"
+    or words[0] == "srun"
+    or "--dry_run" in words
+  ):
     return words, {}
   raise AssertionError(f"no rule shrinks README's command: {command}")
 
@@ -180,8 +202,9 @@ def test_every_readme_command_runs_as_printed(place, small_corpus):
       continue
     argv, extra_env = shrink(command, tmp, small_corpus)
     started = time.time()
-    result = subprocess.run(argv, cwd=REPO, env={**env, **extra_env}, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+      argv, cwd=REPO, env={**env, **extra_env}, capture_output=True, text=True, timeout=600
+    )
     print(f"{time.time() - started:5.1f} s  {command}")
     assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
     ran.append((command, result))
@@ -195,27 +218,46 @@ def test_every_readme_command_runs_as_printed(place, small_corpus):
   steps = _make_train_shape()["num_train_steps"]
   assert os.path.exists(tmp / "mine" / "eval" / f"test-{steps}-avg5.json")
   assert len(output("python generate.py translate").strip().splitlines()) == 1
-  assert json.loads(output("python train.py --config configs/wmt14.py:base --dry_run")
-                    .strip().splitlines()[-1])["num_params"] > 60e6
+  assert (
+    json.loads(
+      output("python train.py --config configs/wmt14.py:base --dry_run").strip().splitlines()[-1]
+    )["num_params"]
+    > 60e6
+  )
   assert os.listdir(tmp / "sweep" / "base" / "checkpoints") == ["2"]
   assert os.path.exists(tmp / "sweep" / "table3_small.png")
   assert "| 2 | 1 | 1 |" in output("python -m transformer.tools.memory")
   assert os.path.isdir(tmp / "tfds" / "tatoeba_en_es")
   import ctranslate2
+
   assert ctranslate2.Translator(str(tmp / "mine-ct2")).model_is_loaded
   if compile_check.tpu_library_path() is not None:
     assert "TPU v5 lite" in output("python -m transformer.tools.compile_check")
-  assert [json.loads(line)["label"] for line in open(tmp / "bench" / "cpu.jsonl")][:2] == [
-      "base", "base-unscanned"]
+  assert [
+    json.loads(line)["label"] for line in (tmp / "bench" / "cpu.jsonl").read_text().splitlines()
+  ][:2] == [
+    "base",
+    "base-unscanned",
+  ]
 
 
 def test_bench_cpu_sh_fails_when_a_run_fails(place):
   tmp, env = place
-  result = subprocess.run(["bash", "bench/cpu.sh"], cwd=REPO, capture_output=True, text=True,
-                          env={**env, "PYTHON": str(tmp / "bin" / "python-bench"),
-                               "OUT": str(tmp / "bench-failing"), "FAIL_LABEL": "big"},
-                          timeout=120)
+  result = subprocess.run(
+    ["bash", "bench/cpu.sh"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    env={
+      **env,
+      "PYTHON": str(tmp / "bin" / "python-bench"),
+      "OUT": str(tmp / "bench-failing"),
+      "FAIL_LABEL": "big",
+    },
+    timeout=120,
+  )
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
-      "error: 1 runs of bench/cpu.sh failed (FAILED above)")
+    "error: 1 runs of bench/cpu.sh failed (FAILED above)"
+  )
   assert "big  FAILED (see the log above)" in result.stdout

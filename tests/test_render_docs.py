@@ -254,11 +254,14 @@ def test_every_shown_record_is_as_new_as_the_code_it_measures():
   problems, reason = record_sources.check()
   if reason:
     pytest.skip(reason)
-  stale_files = {line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl")
-                 for line in problems}
-  unexpected = [line for line in problems
-                if line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl")
-                not in AWAITING_RERUN]
+  stale_files = {
+    line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl") for line in problems
+  }
+  unexpected = [
+    line
+    for line in problems
+    if line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl") not in AWAITING_RERUN
+  ]
   assert not unexpected, "rerun these records:\n" + "\n".join(unexpected)
   fresh = sorted(set(AWAITING_RERUN) - stale_files)
   assert not fresh, f"fresh again, drop them from AWAITING_RERUN: {fresh}"

@@ -167,9 +167,20 @@ def _tiny_sweep(tmp_path):
 @pytest.mark.slow
 def test_a_sweeps_check_as_json_is_each_rows_report_with_its_row(tmp_path):
   result = subprocess.run(
-    [sys.executable, "-m", "transformer.sweeps", "--sweep", str(_tiny_sweep(tmp_path)),
-     "--compile_check", "v5e-4", "--json"],
-    capture_output=True, text=True, env=subprocess_env(1), timeout=600,
+    [
+      sys.executable,
+      "-m",
+      "transformer.sweeps",
+      "--sweep",
+      str(_tiny_sweep(tmp_path)),
+      "--compile_check",
+      "v5e-4",
+      "--json",
+    ],
+    capture_output=True,
+    text=True,
+    env=subprocess_env(1),
+    timeout=600,
   )
   assert result.returncode == 0, result.stderr[-2000:]
   fits, two_rows = [json.loads(line) for line in result.stdout.splitlines()]
@@ -186,10 +197,24 @@ def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_ru
   sweep_file = _tiny_sweep(tmp_path)
   workdir = tmp_path / "runs"
   result = subprocess.run(
-    [sys.executable, "-m", "transformer.sweeps", "--sweep", str(sweep_file), "--workdir",
-     str(workdir), "--launch", "tpu", "--compile_check", "v5e-4",
-     "--config.data_dir=gs://bucket/tfds"],  # the prepared data every worker reads
-    capture_output=True, text=True, env=subprocess_env(1), timeout=600,
+    [
+      sys.executable,
+      "-m",
+      "transformer.sweeps",
+      "--sweep",
+      str(sweep_file),
+      "--workdir",
+      str(workdir),
+      "--launch",
+      "tpu",
+      "--compile_check",
+      "v5e-4",
+      "--config.data_dir=gs://bucket/tfds",
+    ],  # the prepared data every worker reads
+    capture_output=True,
+    text=True,
+    env=subprocess_env(1),
+    timeout=600,
   )
   assert result.returncode == 0, result.stderr[-2000:]
   # The table: each row with its changes, parameters, bytes, verdict, step time and MFU.
@@ -209,8 +234,14 @@ def test_launch_tpu_checks_every_row_and_writes_no_script_for_one_that_cannot_ru
 def test_two_slices_with_a_mesh_that_splits_a_physical_axis_compile():
   """2 x v5e-16 (4x4 chips each) with 8 data shards per slice: 8 is no product of the
   slice's axes (4, 4), so the hybrid mesh must split one, as the one-slice mesh does."""
-  result = _run("--topology=v5e-16", "--num_slices=2", "--mesh=8,1,2", "--json",
-                "--config.eval_batch_size=16", "--decode_batch=16")
+  result = _run(
+    "--topology=v5e-16",
+    "--num_slices=2",
+    "--mesh=8,1,2",
+    "--json",
+    "--config.eval_batch_size=16",
+    "--decode_batch=16",
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   report = json.loads(result.stdout)
   assert (report["chips"], report["mesh"]) == (32, {"data": 16, "fsdp": 1, "tensor": 2})
@@ -224,7 +255,10 @@ def test_the_mesh_search_refuses_what_cannot_run_and_picks_the_shortest_step_tha
   and a batch of 2 rows not over 4 row shards, so only 2,1,2 and 1,2,2 compile."""
   tiny_without_mesh = [a for a in TINY if not a.startswith("--mesh")]
   result = _run(
-    "--search_mesh", "--json", "--config.vocab_size=1026", "--config.tokens_per_batch=64",
+    "--search_mesh",
+    "--json",
+    "--config.vocab_size=1026",
+    "--config.tokens_per_batch=64",
     base=tiny_without_mesh,
   )
   assert result.returncode == 0, result.stderr[-2000:]
@@ -259,8 +293,13 @@ def test_a_batch_with_fewer_rows_than_hosts_names_the_hosts_and_the_batch_it_nee
   """2 x v5e-16 is 8 hosts; mesh 2,1,8 has 4 row shards; 6 rows of 32 split over neither
   the hosts nor their multiple 8, and fewer row shards cannot help."""
   result = _run(
-    "--topology=v5e-16", "--num_slices=2", "--mesh=2,1,8", "--config.model.num_heads=8",
-    "--config.model.d_k=16", "--config.model.d_v=16", "--config.tokens_per_batch=192",
+    "--topology=v5e-16",
+    "--num_slices=2",
+    "--mesh=2,1,8",
+    "--config.model.num_heads=8",
+    "--config.model.d_k=16",
+    "--config.model.d_v=16",
+    "--config.tokens_per_batch=192",
   )
   assert result.returncode == 1
   lines = result.stderr.strip().splitlines()
@@ -275,11 +314,17 @@ def test_a_batch_with_fewer_rows_than_hosts_names_the_hosts_and_the_batch_it_nee
 def test_a_search_where_no_mesh_can_run_is_one_line_with_the_last_reason():
   tiny_without_mesh = [a for a in TINY if not a.startswith("--mesh")]
   # One row of 32 splits over no mesh with row shards; 1026 tokens not over 4 chips.
-  result = _run("--search_mesh", "--config.tokens_per_batch=32", "--config.vocab_size=1026",
-                base=tiny_without_mesh)
+  result = _run(
+    "--search_mesh",
+    "--config.tokens_per_batch=32",
+    "--config.vocab_size=1026",
+    base=tiny_without_mesh,
+  )
   assert result.returncode == 1
   last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: none of the 5 meshes searched fits (each one's reason is in "
-                         "the search); the last, 1,1,4: config.vocab_size: 1026 does not split")
+  assert last.startswith(
+    "error: none of the 5 meshes searched fits (each one's reason is in "
+    "the search); the last, 1,1,4: config.vocab_size: 1026 does not split"
+  )
   assert result.stderr.count("fewer than the") == 4  # a line per refused candidate
   assert "Traceback" not in result.stderr

@@ -17,8 +17,18 @@ VOCAB, BATCH, SOURCE_LEN, STEPS, BEAM = 16, 3, 5, 9, 2
 
 @pytest.fixture(scope="module")
 def model_and_params():
-  model = Transformer(ModelConfig(vocab_size=VOCAB, max_position=32, num_layers=1, d_model=16,
-                                  d_ff=32, num_heads=2, d_k=8, d_v=8))
+  model = Transformer(
+    ModelConfig(
+      vocab_size=VOCAB,
+      max_position=32,
+      num_layers=1,
+      d_model=16,
+      d_ff=32,
+      num_heads=2,
+      d_k=8,
+      d_v=8,
+    )
+  )
   source = _source()
   variables = jax.jit(model.init)(jax.random.PRNGKey(0), source[:1], source[:1, :2])
   return model, nn.unbox(variables["params"])
@@ -26,8 +36,11 @@ def model_and_params():
 
 def _source():
   """BATCH random sentences of SOURCE_LEN tokens, no padding, ending in EOS."""
-  return jax.random.randint(jax.random.PRNGKey(1), (BATCH, SOURCE_LEN), 4, VOCAB,
-                            jnp.int32).at[:, -1].set(EOS_ID)
+  return (
+    jax.random.randint(jax.random.PRNGKey(1), (BATCH, SOURCE_LEN), 4, VOCAB, jnp.int32)
+    .at[:, -1]
+    .set(EOS_ID)
+  )
 
 
 @pytest.fixture
@@ -49,8 +62,11 @@ def searched_steps(monkeypatch):
             out = compiled(*args)
             seen.append(((search, prompts.out_len, cached), int(out.calls) + 1))
             return out
+
           return run
+
       return Lowered()
+
   monkeypatch.setattr(decoding, "decode", Recording())
   return seen
 
@@ -60,10 +76,16 @@ def test_rates_agree_with_the_run_time(model_and_params, searched_steps, use_cac
   """sentences/s * run time = the batch; output tokens = sentences * steps; hypothesis
   tokens = that times the beam; the search ran `steps` steps without early stopping."""
   model, params = model_and_params
-  r = decoding_speed.time_beam_search(model, params, _source(), beam_size=BEAM, steps=STEPS,
-                                      use_cache=use_cache)
-  assert set(r) == {"compile_s", "run_s", "sentences_per_s", "tokens_per_s",
-                    "hypothesis_tokens_per_s"}
+  r = decoding_speed.time_beam_search(
+    model, params, _source(), beam_size=BEAM, steps=STEPS, use_cache=use_cache
+  )
+  assert set(r) == {
+    "compile_s",
+    "run_s",
+    "sentences_per_s",
+    "tokens_per_s",
+    "hypothesis_tokens_per_s",
+  }
   assert r["compile_s"] > 0 and r["run_s"] > 0
   assert r["sentences_per_s"] * r["run_s"] == pytest.approx(BATCH)
   assert r["tokens_per_s"] * r["run_s"] == pytest.approx(BATCH * STEPS)
@@ -82,5 +104,6 @@ def test_a_search_that_ends_early_is_not_timed_as_a_full_one(model_and_params):
   padded = _source().at[:, 2:].set(PAD_ID).at[:, 1].set(EOS_ID)
   # Budgets of 2 source tokens + (STEPS - SOURCE_LEN) = 6 steps.
   with pytest.raises(RuntimeError, match=rf"^beam search ran 6 steps, expected {STEPS}$"):
-    decoding_speed.time_beam_search(model, params, padded, beam_size=BEAM, steps=STEPS,
-                                    use_cache=True)
+    decoding_speed.time_beam_search(
+      model, params, padded, beam_size=BEAM, steps=STEPS, use_cache=True
+    )

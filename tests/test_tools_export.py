@@ -39,14 +39,20 @@ SUPPRESS = [[TOKENS[i]] for i in export.NEVER_GENERATED]
 # Every option the engine can compute, cheaply: the paper's model, then the others
 # two or three at a time, and decoder-only models for the engine's Generator.
 VARIANTS = [
-    pytest.param(dict(), id="paper-postLN-relu-sinusoidal-tied"),
-    pytest.param(dict(norm="pre", activation="gelu", positional="learned", tie_embeddings=False),
-                 id="preLN-gelu-learned-untied"),
-    pytest.param(dict(activation="swiglu", positional="rope", d_k=6, d_v=6, scan_layers=True),
-                 id="swiglu-rope-head6-scanned"),
-    pytest.param(dict(decoder_only=True), id="decoder_only-postLN-sinusoidal"),
-    pytest.param(dict(decoder_only=True, norm="pre", positional="rope", tie_embeddings=False,
-                      activation="gelu"), id="decoder_only-preLN-rope-untied"),
+  pytest.param(dict(), id="paper-postLN-relu-sinusoidal-tied"),
+  pytest.param(
+    dict(norm="pre", activation="gelu", positional="learned", tie_embeddings=False),
+    id="preLN-gelu-learned-untied",
+  ),
+  pytest.param(
+    dict(activation="swiglu", positional="rope", d_k=6, d_v=6, scan_layers=True),
+    id="swiglu-rope-head6-scanned",
+  ),
+  pytest.param(dict(decoder_only=True), id="decoder_only-postLN-sinusoidal"),
+  pytest.param(
+    dict(decoder_only=True, norm="pre", positional="rope", tie_embeddings=False, activation="gelu"),
+    id="decoder_only-preLN-rope-untied",
+  ),
 ]
 
 
@@ -99,14 +105,24 @@ def _engine_greedy(engine, cfg, sources):
     budget = length + 1 + EXTRA
     if cfg.decoder_only:
       prompts = [[TOKENS[BOS_ID], *p, TOKENS[EOS_ID]] for p in pieces]
-      results = engine.generate_batch(prompts, beam_size=1, include_prompt_in_result=False,
-                                      max_length=budget, end_token=TOKENS[EOS_ID],
-                                      suppress_sequences=SUPPRESS)
+      results = engine.generate_batch(
+        prompts,
+        beam_size=1,
+        include_prompt_in_result=False,
+        max_length=budget,
+        end_token=TOKENS[EOS_ID],
+        suppress_sequences=SUPPRESS,
+      )
       hypotheses = [r.sequences[0] for r in results]
     else:
       # min_decoding_length: the engine's default (1) forbids an empty output.
-      results = engine.translate_batch(pieces, beam_size=1, max_decoding_length=budget,
-                                       min_decoding_length=0, suppress_sequences=SUPPRESS)
+      results = engine.translate_batch(
+        pieces,
+        beam_size=1,
+        max_decoding_length=budget,
+        min_decoding_length=0,
+        suppress_sequences=SUPPRESS,
+      )
       hypotheses = [r.hypotheses[0] for r in results]
     for i, hypothesis in zip(rows, hypotheses):
       outputs[i] = [TOKENS.index(t) for t in hypothesis]
@@ -125,21 +141,24 @@ def _ours_logprobs(cfg, params, sources, targets):
     source = data.pad_batch([s + [EOS_ID] for s in sources], rows=len(sources))
     scored = [t + [EOS_ID] for t in targets]
     decoder_input = data.pad_batch([[BOS_ID, *t] for t in targets], rows=len(targets))
-    logits = Transformer(cfg).apply({"params": params}, jnp.asarray(source),
-                                    jnp.asarray(decoder_input))
+    logits = Transformer(cfg).apply(
+      {"params": params}, jnp.asarray(source), jnp.asarray(decoder_input)
+    )
   logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
   return [logprobs[i, np.arange(len(s)), s] for i, s in enumerate(scored)]
 
 
 def _engine_logprobs(engine, cfg, sources, targets):
   if cfg.decoder_only:
-    sequences = [[TOKENS[t] for t in [BOS_ID, *s, EOS_ID, *t, EOS_ID]]
-                 for s, t in zip(sources, targets)]
+    sequences = [
+      [TOKENS[t] for t in [BOS_ID, *s, EOS_ID, *t, EOS_ID]] for s, t in zip(sources, targets)
+    ]
     results = engine.score_batch(sequences)  # every token after the first
   else:
     # The engine appends EOS to the source (add_source_eos) and to the target.
-    results = engine.score_batch([[TOKENS[t] for t in s] for s in sources],
-                                 [[TOKENS[t] for t in t] for t in targets])
+    results = engine.score_batch(
+      [[TOKENS[t] for t in s] for s in sources], [[TOKENS[t] for t in t] for t in targets]
+    )
   return [np.asarray(r.log_probs) for r in results]
 
 
@@ -153,15 +172,18 @@ def test_engine_decodes_and_scores_as_the_model(options, tmp_path):
   ours = _ours_greedy(cfg, params, sources)
   theirs = _engine_greedy(engine, cfg, sources)
   differing = [i for i in range(SENTENCES) if ours[i] != theirs[i]]
-  assert not differing, (f"{len(differing)} differ, e.g. {ours[differing[0]]} (ours) vs "
-                        f"{theirs[differing[0]]}")
+  assert not differing, (
+    f"{len(differing)} differ, e.g. {ours[differing[0]]} (ours) vs {theirs[differing[0]]}"
+  )
   # The outputs are real tests of the search: long and short, ended by EOS or the budget.
   lengths = {len(o) for o in ours}
   assert len(lengths) > 3, lengths
 
   targets = _sources(seed=2)[:32]
-  for mine, engines in zip(_ours_logprobs(cfg, params, sources[:32], targets),
-                           _engine_logprobs(engine, cfg, sources[:32], targets)):
+  for mine, engines in zip(
+    _ours_logprobs(cfg, params, sources[:32], targets),
+    _engine_logprobs(engine, cfg, sources[:32], targets),
+  ):
     assert len(engines) == len(mine)
     np.testing.assert_allclose(engines, mine, atol=1e-4, rtol=0)
 
@@ -181,28 +203,42 @@ def _engine_translate(out, lines, max_len, extra, beam_size=1):
   translator = ctranslate2.Translator(out, device="cpu", intra_threads=1)
   sources = [sp.encode(line, out_type=str)[: max_len - 1] for line in lines]
   results = translator.translate_batch(
-      sources, beam_size=beam_size, max_decoding_length=max(map(len, sources)) + 1 + extra,
-      min_decoding_length=0, suppress_sequences=[["<pad>"], ["<s>"]], return_scores=True)
+    sources,
+    beam_size=beam_size,
+    max_decoding_length=max(map(len, sources)) + 1 + extra,
+    min_decoding_length=0,
+    suppress_sequences=[["<pad>"], ["<s>"]],
+    return_scores=True,
+  )
   return [sp.decode(r.hypotheses[0]) for r in results], results
 
 
 @pytest.mark.slow
-def test_command_writes_a_directory_the_engine_translates_text_with(trained_run, tmp_path,
-                                                                    monkeypatch, capsys):
+def test_command_writes_a_directory_the_engine_translates_text_with(
+  trained_run, tmp_path, monkeypatch, capsys
+):
   config, workdir = trained_run
   out = str(tmp_path / "ct2")
   exported = export.export_run(workdir, out)
   assert exported.step == TRAINED_RUN_STEPS[1] and not exported.decoder_only
-  assert {"model.bin", "config.json", "shared_vocabulary.json", "README.md", "export.json",
-          export.SENTENCEPIECE_NAME} <= set(os.listdir(out))
-  with open(os.path.join(workdir, "vocab.model"), "rb") as a, \
-       open(os.path.join(out, export.SENTENCEPIECE_NAME), "rb") as b:
+  assert {
+    "model.bin",
+    "config.json",
+    "shared_vocabulary.json",
+    "README.md",
+    "export.json",
+    export.SENTENCEPIECE_NAME,
+  } <= set(os.listdir(out))
+  with (
+    open(os.path.join(workdir, "vocab.model"), "rb") as a,
+    open(os.path.join(out, export.SENTENCEPIECE_NAME), "rb") as b,
+  ):
     assert a.read() == b.read()
   with open(os.path.join(out, "shared_vocabulary.json"), encoding="utf-8") as f:
     tokens = json.load(f)
   sp = spm.SentencePieceProcessor(model_file=os.path.join(workdir, "vocab.model"))
   assert len(tokens) == config.vocab_size
-  assert tokens[:sp.get_piece_size()] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+  assert tokens[: sp.get_piece_size()] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
   with open(os.path.join(out, "export.json"), encoding="utf-8") as f:
     record = json.load(f)
   assert record["step"] == exported.step and record["quantization"] == "float32"
@@ -221,8 +257,9 @@ def test_command_writes_a_directory_the_engine_translates_text_with(trained_run,
   cfg = ours.model.config
   mine = _ours_logprobs(cfg, jax.device_get(ours.params), source_ids, target_ids)
   scored = ctranslate2.Translator(out, device="cpu", intra_threads=1).score_batch(
-      [[sp.id_to_piece(i) for i in ids] for ids in source_ids],
-      [[sp.id_to_piece(i) for i in ids] for ids in target_ids])
+    [[sp.id_to_piece(i) for i in ids] for ids in source_ids],
+    [[sp.id_to_piece(i) for i in ids] for ids in target_ids],
+  )
   for a, b in zip(mine, scored):
     np.testing.assert_allclose(b.log_probs, a, atol=1e-4, rtol=0)
 
@@ -280,12 +317,27 @@ def test_bad_input_is_refused_in_one_line_before_anything_loads(tmp_path):
 @pytest.mark.slow
 def test_command_line_error_is_one_line(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "transformer.tools.export", "--workdir", str(tmp_path),
-       "--out", str(tmp_path / "out"), "--quantization", "int3"],
-      cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    [
+      sys.executable,
+      "-m",
+      "transformer.tools.export",
+      "--workdir",
+      str(tmp_path),
+      "--out",
+      str(tmp_path / "out"),
+      "--quantization",
+      "int3",
+    ],
+    cwd=REPO,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == (
-      f"error: --quantization: 'int3' is not one of {', '.join(export.QUANTIZATIONS)}")
+    f"error: --quantization: 'int3' is not one of {', '.join(export.QUANTIZATIONS)}"
+  )
 
 
 @pytest.mark.slow
@@ -293,13 +345,17 @@ def test_comparison_tool_on_a_trained_run(trained_run):
   """compare_ctranslate2's record: every system's outputs on the split, the engine's
   float32 greedy identical to ours, and a speed for each system, search and batch."""
   from transformer.tools import compare_ctranslate2
+
   _, workdir = trained_run
-  record = compare_ctranslate2.compare(workdir, limit=12, batch1_sentences=3, batch_size=4,
-                                       rounds=1, threads=1)
+  record = compare_ctranslate2.compare(
+    workdir, limit=12, batch1_sentences=3, batch_size=4, rounds=1, threads=1
+  )
   assert record["num_sentences"] == 12
   assert record["greedy_identical"] == 12 and record["greedy_differing"] == []
-  assert set(record["bleu"]) == {f"{s}_{k}" for s in ("ours", "float32", "int8")
-                                 for k in ("greedy", "beam")}
+  assert set(record["bleu"]) == {
+    f"{s}_{k}" for s in ("ours", "float32", "int8") for k in ("greedy", "beam")
+  }
   assert {(r["system"], r["search"], r["batch"]) for r in record["speed"]} == {
-      (s, k, b) for s in ("ours", "float32", "int8") for k in ("greedy", "beam") for b in (1, 4)}
+    (s, k, b) for s in ("ours", "float32", "int8") for k in ("greedy", "beam") for b in (1, 4)
+  }
   assert all(r["sentences_per_sec"] > 0 for r in record["speed"])

@@ -22,8 +22,7 @@ def test_default_config_draft_variant_has_one_layer_per_stack_and_the_same_vocab
   config_lib.validate(draft)
   assert (default.model.num_layers, draft.model.num_layers) == (3, 1)
   # Only the layer count differs: the draft reads the target's ids and embeds them alike.
-  changed = {k for k, v in config_lib.flatten(draft).items()
-             if config_lib.flatten(default)[k] != v}
+  changed = {k for k, v in config_lib.flatten(draft).items() if config_lib.flatten(default)[k] != v}
   assert changed == {"model.num_layers"}
   with pytest.raises(ValueError, match="must be empty, 'draft' or 'shallow_draft'"):
     config_lib.load_config("configs/default.py:big")
@@ -45,12 +44,19 @@ def test_default_config_shallow_draft_variant_keeps_the_targets_model():
 
 
 def test_a_draft_trained_with_vocab_from_gets_the_targets_vocabulary_bytes(
-    small_corpus, trained_run, tmp_path):
+  small_corpus, trained_run, tmp_path
+):
   from transformer.training import loop
+
   _, target_workdir = trained_run
   # A different size: trained, or taken from the cache, this vocabulary would differ.
-  config = tiny_run.make_config(small_corpus, num_train_steps=1, checkpoint_every_steps=1,
-                                vocab_from=target_workdir, vocab_size=300)
+  config = tiny_run.make_config(
+    small_corpus,
+    num_train_steps=1,
+    checkpoint_every_steps=1,
+    vocab_from=target_workdir,
+    vocab_size=300,
+  )
   config_lib.validate(config)
   loop.train_and_evaluate(config, str(tmp_path / "draft"))
   target_vocab = (tmp_path / "draft" / "vocab.model").read_bytes()
@@ -68,12 +74,16 @@ def test_vocab_from_a_workdir_without_a_vocabulary_is_a_one_line_error(small_cor
 def test_lm_loss_is_validated_in_one_line():
   config = config_lib.base_config()
   config.lm_loss = "source"
-  with pytest.raises(config_lib.ConfigError,
-                     match=r"^config.lm_loss: 'source' is not one of target, sequence$"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"^config.lm_loss: 'source' is not one of target, sequence$"
+  ):
     config_lib.validate(config)
   config.lm_loss = "sequence"  # an encoder-decoder model has only a target loss
-  with pytest.raises(config_lib.ConfigError, match=r"^config.lm_loss: 'sequence' needs "
-                                                   r"model.decoder_only=True"):
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=r"^config.lm_loss: 'sequence' needs "
+    r"model.decoder_only=True",
+  ):
     config_lib.validate(config)
   config.model.decoder_only = True
   config_lib.validate(config)
@@ -112,6 +122,7 @@ def test_lm_loss_target_zeroes_the_source_and_sequence_keeps_it(small_corpus):
 def test_matched_parameter_sweep_rows_are_within_ten_percent():
   from transformer.sweeps.spec import load_sweep, row_config
   from transformer.training import state
+
   sweep = load_sweep(SWEEP)
   assert [row.name for row in sweep.rows] == ["encoder_decoder", "decoder_only"]
   counts = {}

@@ -6,7 +6,6 @@ LayerNorm scales and biases are not their trivial initial values, so the compari
 against `numpy_reference` exercise them.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -25,16 +24,24 @@ VOCAB, D_MODEL, NUM_HEADS, D_K, D_V, D_FF = 13, 8, 2, 4, 6, 12  # d_k != d_v on 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
 # Every position kind with an encoder, and the decoder-only model with rope.
 POSITION_VARIANTS = [
-    pytest.param("sinusoidal", False, id="sinusoidal"),
-    pytest.param("learned", False, id="learned"),
-    pytest.param("rope", False, id="rope"),
-    pytest.param("rope", True, id="rope-decoder_only"),
+  pytest.param("sinusoidal", False, id="sinusoidal"),
+  pytest.param("learned", False, id="learned"),
+  pytest.param("rope", False, id="rope"),
+  pytest.param("rope", True, id="rope-decoder_only"),
 ]
 
 
 def tiny_config(**overrides) -> ModelConfig:
-  fields = dict(vocab_size=VOCAB, max_position=16, num_layers=2, d_model=D_MODEL, d_ff=D_FF,
-                num_heads=NUM_HEADS, d_k=D_K, d_v=D_V)
+  fields = dict(
+    vocab_size=VOCAB,
+    max_position=16,
+    num_layers=2,
+    d_model=D_MODEL,
+    d_ff=D_FF,
+    num_heads=NUM_HEADS,
+    d_k=D_K,
+    d_v=D_V,
+  )
   fields.update(overrides)
   return ModelConfig(**fields)
 
@@ -76,8 +83,9 @@ def run(cfg: ModelConfig, params, *args, **kwargs):
 
 
 def boxed_params(variables) -> list[nn.LogicallyPartitioned]:
-  return jax.tree_util.tree_leaves(variables["params"],
-                                   is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  return jax.tree_util.tree_leaves(
+    variables["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+  )
 
 
 def param_shapes(variables) -> dict[str, tuple[int, ...]]:
@@ -96,13 +104,19 @@ def packed_batch(decoder_only: bool):
   source_positions = jnp.array([[0, 1, 2, 0, 1, 2, 0], [0, 1, 2, 3, 4, 0, 0]], jnp.int32)
   target_segment_ids = jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]], jnp.int32)
   target_positions = jnp.array([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 0]], jnp.int32)
-  batch = dict(decoder_input=random_tokens(3, (BATCH, TARGET_LEN)),
-               target_segment_ids=target_segment_ids, target_positions=target_positions)
+  batch = dict(
+    decoder_input=random_tokens(3, (BATCH, TARGET_LEN)),
+    target_segment_ids=target_segment_ids,
+    target_positions=target_positions,
+  )
   if decoder_only:
     batch["source"] = None
   else:
-    batch.update(source=random_tokens(2, (BATCH, SOURCE_LEN)),
-                 source_segment_ids=source_segment_ids, source_positions=source_positions)
+    batch.update(
+      source=random_tokens(2, (BATCH, SOURCE_LEN)),
+      source_segment_ids=source_segment_ids,
+      source_positions=source_positions,
+    )
   return batch
 
 
@@ -110,25 +124,39 @@ def packed_batch(decoder_only: bool):
 # points, and models whose outputs differ from row to row.
 
 # Sentences of 3, 1, 5 and 2 tokens (with EOS): budgets of 7, 5, 9 and 6 output tokens.
-SOURCE = jnp.array([[4, 5, 1, 0, 0], [1, 0, 0, 0, 0], [5, 3, 4, 6, 1], [7, 1, 0, 0, 0]],
-                   jnp.int32)
+SOURCE = jnp.array([[4, 5, 1, 0, 0], [1, 0, 0, 0, 0], [5, 3, 4, 6, 1], [7, 1, 0, 0, 0]], jnp.int32)
 EXTRA = 4
 # As small as training configs make the learned position table (max_len + extra + 1):
 # speculative rounds near the budget overrun it with draft tokens they never emit.
 MAX_POSITION = SOURCE.shape[1] + EXTRA + 1
 
 
-def make_model(seed, *, scan_layers=False, decoder_only=False, num_layers=2, d_model=8,
-               vocab_size=13, positional=None, max_position=MAX_POSITION):
+def make_model(
+  seed,
+  *,
+  scan_layers=False,
+  decoder_only=False,
+  num_layers=2,
+  d_model=8,
+  vocab_size=13,
+  positional=None,
+  max_position=MAX_POSITION,
+):
   """A tiny model with random weights far from init's near-uniform outputs.
 
   Untied embeddings: tied ones make random models repeat their input token forever.
   The same seed gives the same function scanned or not.
   """
   positional = positional or ("rope" if decoder_only else "sinusoidal")
-  cfg = tiny_config(vocab_size=vocab_size, max_position=max_position, num_layers=num_layers,
-                    d_model=d_model, decoder_only=decoder_only, positional=positional,
-                    tie_embeddings=False)
+  cfg = tiny_config(
+    vocab_size=vocab_size,
+    max_position=max_position,
+    num_layers=num_layers,
+    d_model=d_model,
+    decoder_only=decoder_only,
+    positional=positional,
+    tie_embeddings=False,
+  )
   params = random_params(cfg, seed)
   if scan_layers:
     cfg = dataclasses.replace(cfg, scan_layers=True)
@@ -139,7 +167,7 @@ def make_model(seed, *, scan_layers=False, decoder_only=False, num_layers=2, d_m
 def strip(tokens):
   """Token list up to and including the first EOS (or all of it)."""
   tokens = [int(t) for t in tokens if t != PAD_ID]
-  return tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+  return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
 
 
 def acceptance_rate(out) -> float:
