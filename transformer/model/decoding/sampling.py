@@ -55,6 +55,24 @@ class Greedy:
   def choose(self, logits_BxV: Array, step: Array, rng: Array | None) -> Array:
     return jnp.argmax(search_lib.forbid_special(logits_BxV), axis=-1).astype(jnp.int32)
 
+  # Speculative decoding reproduces a search through these two: the draft proposes as
+  # the search would choose, and the target verifies so that the output is the search's.
+
+  def propose(self, logits_BxV: Array, index, rng: Array | None) -> tuple[Array, Array | None]:
+    """The draft's token_B for proposal `index`, and the log-probs [B, V] it was drawn
+    from (None: this search draws nothing)."""
+    return self.choose(logits_BxV, index, None), None
+
+  def verify(
+    self, logits_BxJ1xV: Array, drafts_BxJ: Array, logq_BxJxV: Array | None, rng: Array | None
+  ) -> tuple[Array, Array]:
+    """(accepted count n_B in 0..J, the target's own next token_B): the proposals the
+    target's argmax agrees with, up to the first that it does not."""
+    choice_BxJ1 = jnp.argmax(search_lib.forbid_special(logits_BxJ1xV), axis=-1).astype(jnp.int32)
+    agree_BxJ = drafts_BxJ == choice_BxJ1[:, :-1]
+    n_B = jnp.sum(jnp.cumprod(agree_BxJ.astype(jnp.int32), axis=1), axis=1)
+    return n_B, jnp.take_along_axis(choice_BxJ1, n_B[:, None], axis=1)[:, 0]
+
   def run(
     self,
     model: IncrementalModel,
@@ -89,6 +107,39 @@ class Sampling(Greedy):
     return jax.random.categorical(
       jax.random.fold_in(rng, step), self.filtered_logprobs(logits_BxV), axis=-1
     ).astype(jnp.int32)
+
+  def propose(self, logits_BxV: Array, index, rng: Array | None) -> tuple[Array, Array | None]:
+    assert rng is not None  # Speculative splits decode()'s rng, which choose() demanded
+    logq_BxV = self.filtered_logprobs(logits_BxV)
+    token_B = jax.random.categorical(jax.random.fold_in(rng, index), logq_BxV, axis=-1)
+    return token_B.astype(jnp.int32), logq_BxV
+
+  def verify(
+    self, logits_BxJ1xV: Array, drafts_BxJ: Array, logq_BxJxV: Array | None, rng: Array | None
+  ) -> tuple[Array, Array]:
+    """Accepts d_j with probability min(1, p(d_j) / q(d_j)): the output then follows p
+    (Leviathan et al., Theorem 1) whatever q is. (n_B, the target's own next token_B)."""
+    assert logq_BxJxV is not None and rng is not None  # proposed by propose() above
+    batch, j = drafts_BxJ.shape
+    uniform_key, residual_key = jax.random.split(rng)
+    logp_BxJ1xV = self.filtered_logprobs(logits_BxJ1xV)
+    pick_drafts = lambda x_BxJxV: jnp.take_along_axis(x_BxJxV, drafts_BxJ[..., None], axis=-1)[
+      ..., 0
+    ]
+    logp_drafts_BxJ, logq_drafts_BxJ = pick_drafts(logp_BxJ1xV[:, :j]), pick_drafts(logq_BxJxV)
+    uniform_BxJ = jax.random.uniform(uniform_key, (batch, j))
+    accept_BxJ = uniform_BxJ < jnp.exp(logp_drafts_BxJ - logq_drafts_BxJ)
+    n_B = jnp.sum(jnp.cumprod(accept_BxJ.astype(jnp.int32), axis=1), axis=1)
+    # On rejection at n resample from normalise(max(0, p_n - q_{n+1})); with all J
+    # accepted, sample the bonus from p_J: q padded with a zero distribution at J.
+    pick = lambda x_BxJ1xV: jnp.take_along_axis(x_BxJ1xV, n_B[:, None, None], axis=1)[:, 0]
+    p_BxV = jnp.exp(pick(logp_BxJ1xV))
+    q_padded_BxJ1xV = jnp.concatenate([jnp.exp(logq_BxJxV), jnp.zeros_like(p_BxV)[:, None]], 1)
+    residual_BxV = jnp.maximum(p_BxV - pick(q_padded_BxJ1xV), 0.0)
+    # Rounding can reject where p <= q everywhere (p = q): then p itself is the answer.
+    residual_BxV = jnp.where(jnp.sum(residual_BxV, axis=-1, keepdims=True) > 0, residual_BxV, p_BxV)
+    token_B = jax.random.categorical(residual_key, jnp.log(residual_BxV), axis=-1)
+    return n_B, token_B.astype(jnp.int32)
 
 
 class _OneHypothesis:

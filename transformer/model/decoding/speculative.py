@@ -12,7 +12,9 @@ recomputed.
 The output is exactly the target's own decoding whatever the draft: `Greedy` token for
 token (up to float rounding in near-ties: multi-token calls round differently from
 one-token calls), and for `Sampling` its distribution (the accept / resample rule in
-`_verify_sampled`).
+`Sampling.verify`). The search owns both halves: `propose` draws the draft's tokens as
+it would choose, `verify` keeps what the target's own choice allows, so a search that
+defines the two runs speculatively with no change here.
 
 Two kinds of draft work. An independent model of the target's kind (same vocabulary)
 encodes the source for itself. A draft whose `reads_target_encoding` attribute is True
@@ -46,7 +48,7 @@ import jax.numpy as jnp
 from transformer.config import EOS_ID, PAD_ID
 from transformer.model import incremental
 from transformer.model.decoding import search as search_lib
-from transformer.model.decoding.sampling import Greedy, Sampling
+from transformer.model.decoding.sampling import Greedy
 from transformer.model.incremental import IncrementalModel
 from transformer.model.primitives import Array
 
@@ -90,9 +92,9 @@ class _Round(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Speculative:
-  """The target's own `search`, Greedy() or a Sampling, reproduced exactly with
-  draft_len tokens of `draft_model` checked per target pass. `decode` passes the
-  draft's parameters as draft_params."""
+  """The target's own `search` (one with `propose` and `verify`: Greedy() or a
+  Sampling), reproduced exactly with draft_len tokens of `draft_model` checked per
+  target pass. `decode` passes the draft's parameters as draft_params."""
 
   draft_model: Any
   draft_len: int = 4
@@ -140,14 +142,7 @@ class Speculative:
       )
       fed_BxJ1 = jnp.concatenate([s.last_B[:, None], drafts_BxJ], axis=1)
       logits_BxJ1xV, target = model.feed(params, s.target, fed_BxJ1, position_B)
-      if isinstance(self.search, Sampling):
-        # A sampling search has an rng, and its draft gives its log-probs.
-        assert logq_BxJxV is not None and verify_rng is not None
-        n_B, next_B = _verify_sampled(
-          self.search, logits_BxJ1xV, drafts_BxJ, logq_BxJxV, verify_rng
-        )
-      else:
-        n_B, next_B = _verify_greedy(logits_BxJ1xV, drafts_BxJ)
+      n_B, next_B = self.search.verify(logits_BxJ1xV, drafts_BxJ, logq_BxJxV, verify_rng)
       s = s._replace(target=target, draft=draft)
       return _emit(s, active(s), budget_B, fed_BxJ1, n_B, next_B, jax.nn.log_softmax(logits_BxJ1xV))
 
@@ -216,16 +211,8 @@ class Speculative:
     self, draft_model: IncrementalModel, draft_params, s: _Round, position_B: Array, rng
   ):
     """The draft's J tokens [B, J] (and, sampling, its log-probs [B, J, V])."""
-    sampling = self.search if isinstance(self.search, Sampling) else None
     batch, j = s.last_B.shape[0], self.draft_len
-
-    def choose(logits_BxV, index):
-      if sampling is None:
-        return self.search.choose(logits_BxV, index, None), None
-      logq_BxV = sampling.filtered_logprobs(logits_BxV)
-      token_B = jax.random.categorical(jax.random.fold_in(rng, index), logq_BxV, axis=-1)
-      return token_B.astype(jnp.int32), logq_BxV
-
+    choose = lambda logits_BxV, index: self.search.propose(logits_BxV, index, rng)
     logits_Bx2xV, draft = draft_model.feed(
       draft_params, s.draft, jnp.stack([s.prev_B, s.last_B], axis=1), position_B - 1
     )
@@ -233,7 +220,7 @@ class Speculative:
     drafts_BxJ = jnp.zeros((batch, j), jnp.int32).at[:, 0].set(token_B)
     logq_BxJxV = (
       None
-      if sampling is None
+      if logq_BxV is None
       else jnp.zeros((batch, j) + logq_BxV.shape[1:]).at[:, 0].set(logq_BxV)
     )
 
@@ -250,39 +237,6 @@ class Speculative:
     if j > 1:  # J = 1 traces (and compiles) no second draft call
       draft, drafts_BxJ, logq_BxJxV = jax.lax.fori_loop(1, j, step, (draft, drafts_BxJ, logq_BxJxV))
     return draft, drafts_BxJ, logq_BxJxV
-
-
-def _verify_greedy(logits_BxJ1xV: Array, drafts_BxJ: Array) -> tuple[Array, Array]:
-  """(accepted count n_B in 0..J, the target's own next token_B)."""
-  choice_BxJ1 = jnp.argmax(search_lib.forbid_special(logits_BxJ1xV), axis=-1).astype(jnp.int32)
-  agree_BxJ = drafts_BxJ == choice_BxJ1[:, :-1]
-  n_B = jnp.sum(jnp.cumprod(agree_BxJ.astype(jnp.int32), axis=1), axis=1)
-  return n_B, jnp.take_along_axis(choice_BxJ1, n_B[:, None], axis=1)[:, 0]
-
-
-def _verify_sampled(
-  sampling: Sampling, logits_BxJ1xV: Array, drafts_BxJ: Array, logq_BxJxV: Array, rng: Array
-) -> tuple[Array, Array]:
-  """Accepts d_j with probability min(1, p(d_j) / q(d_j)): the output then follows p
-  (Leviathan et al., Theorem 1) whatever q is. (n_B, the target's own next token_B)."""
-  batch, j = drafts_BxJ.shape
-  uniform_key, residual_key = jax.random.split(rng)
-  logp_BxJ1xV = sampling.filtered_logprobs(logits_BxJ1xV)
-  logp_drafts_BxJ = jnp.take_along_axis(logp_BxJ1xV[:, :j], drafts_BxJ[..., None], axis=-1)[..., 0]
-  logq_drafts_BxJ = jnp.take_along_axis(logq_BxJxV, drafts_BxJ[..., None], axis=-1)[..., 0]
-  uniform_BxJ = jax.random.uniform(uniform_key, (batch, j))
-  accept_BxJ = uniform_BxJ < jnp.exp(logp_drafts_BxJ - logq_drafts_BxJ)
-  n_B = jnp.sum(jnp.cumprod(accept_BxJ.astype(jnp.int32), axis=1), axis=1)
-  # On rejection at n resample from normalise(max(0, p_n - q_{n+1})); with all J
-  # accepted, sample the bonus from p_J: q padded with a zero distribution at J.
-  pick = lambda x_BxJ1xV: jnp.take_along_axis(x_BxJ1xV, n_B[:, None, None], axis=1)[:, 0]
-  p_BxV = jnp.exp(pick(logp_BxJ1xV))
-  q_padded_BxJ1xV = jnp.concatenate([jnp.exp(logq_BxJxV), jnp.zeros_like(p_BxV)[:, None]], axis=1)
-  residual_BxV = jnp.maximum(p_BxV - pick(q_padded_BxJ1xV), 0.0)
-  # Rounding can reject where p <= q everywhere (p = q): then p itself is the answer.
-  residual_BxV = jnp.where(jnp.sum(residual_BxV, axis=-1, keepdims=True) > 0, residual_BxV, p_BxV)
-  token_B = jax.random.categorical(residual_key, jnp.log(residual_BxV), axis=-1)
-  return n_B, token_B.astype(jnp.int32)
 
 
 def _emit(
