@@ -240,8 +240,6 @@ AWAITING_RERUN = {
     "speculative",
     "ctranslate2",
     "input_pipeline",
-    "memory",
-    "table3_dry_run",
     "table3_small",
     "decoder_only_vs_encoder_decoder",
   )

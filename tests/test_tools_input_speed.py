@@ -124,3 +124,30 @@ def test_measure_closes_the_stream_when_counting_fails(small_corpus, recorded, m
   with pytest.raises(RuntimeError, match="broken count"):
     input_speed.measure(make_config(small_corpus), 2)
   assert recorded[0].closed == 1
+
+
+def test_the_record_holds_the_view_s_fields_with_the_flags_that_made_the_config(
+  small_corpus, recorded
+):
+  """--json's object: what docs/data.md's padding table reads, from measure's figures."""
+  config = make_config(small_corpus, batching="tokens")
+  r = input_speed.measure(config, 2)
+  record = input_speed.record(config, r, overrides=["--config.batching=tokens"])
+  assert (record["name"], record["flags"], record["batching"]) == (
+    "input_padding",
+    "--config.batching=tokens",
+    "tokens",
+  )
+  assert (record["max_len"], record["tokens_per_batch"]) == (
+    config.max_len,
+    config.tokens_per_batch,
+  )
+  for side in ("source", "target"):
+    assert record[f"{side}_padding_efficiency"] == r[f"{side}_padding_efficiency"]
+    assert record[f"{side}_tokens_per_batch"] == r[f"{side}_tokens_per_batch"]
+  assert (record["shapes_seen"], record["shapes_planned"], record["num_batches"]) == (
+    r["shapes"],
+    r["planned_shapes"],
+    2,
+  )
+  assert record["versions"]["jax"]

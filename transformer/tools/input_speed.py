@@ -2,7 +2,9 @@
 
     python -m transformer.tools.input_speed --config configs/default.py
     python -m transformer.tools.input_speed --config configs/default.py --mock_wmt
+    python -m transformer.tools.input_speed --config configs/default.py --json
 
+--json prints the figures as one JSON object (the padding records of docs/data.md).
 --mock_wmt reads wmt14_translate/de-en through tfds.testing.mock_data (random text, no
 download) at the paper's base settings: max_len 256, 25,000 tokens per batch.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
+import sys
 import time
 
 import numpy as np
@@ -18,7 +22,7 @@ import tensorflow_datasets as tfds
 from absl import flags
 from ml_collections import config_flags
 
-from transformer import cli
+from transformer import cli, versions
 from transformer import config as config_lib
 from transformer.data import pipeline, sources
 from transformer.data import tokenizer as tokenizer_lib
@@ -101,13 +105,16 @@ _MOCK_WMT = flags.DEFINE_bool(
 _NUM_BATCHES = flags.DEFINE_integer(
   "num_batches", 200, "Batches to time (after one warm-up).", flag_values=_FLAG_VALUES
 )
+_JSON = flags.DEFINE_bool(
+  "json", False, "Print the figures as one JSON object.", flag_values=_FLAG_VALUES
+)
 _MOCK_EXAMPLES = flags.DEFINE_integer(
   "mock_examples", 100_000, "Examples per mock split.", flag_values=_FLAG_VALUES
 )
 
 
 def main(argv):
-  del argv
+  del argv  # the --config.* overrides are read from sys.argv for the record
   config = _CONFIG.value
   mock = contextlib.nullcontext()
   if _MOCK_WMT.value:
@@ -116,7 +123,33 @@ def main(argv):
     mock = tfds.testing.mock_data(num_examples=_MOCK_EXAMPLES.value)
   with mock:
     r = measure(config, _NUM_BATCHES.value)
+  if _JSON.value:
+    print(
+      json.dumps(
+        record(config, r, overrides=[a for a in sys.argv[1:] if a.startswith("--config.")])
+      )
+    )
+    return
   print(describe(config, r))
+
+
+def record(config, r: dict[str, float], overrides: list[str]) -> dict:
+  """The figures as docs/results/input_pipeline.jsonl keeps them, by the flags that made
+  the config differ from its file."""
+  return {
+    "name": "input_padding",
+    "flags": " ".join(overrides),
+    "batching": config.batching,
+    "max_len": config.max_len,
+    "tokens_per_batch": config.tokens_per_batch,
+    **{k: r[k] for k in r if k.startswith(("source_", "target_"))},
+    "shapes_seen": r["shapes"],
+    "shapes_planned": r["planned_shapes"],
+    "num_batches": r["batches"],
+    "examples_per_sec": r["examples_per_sec"],
+    "tokens_per_sec": r["tokens_per_sec"],
+    "versions": versions.library_versions(),
+  }
 
 
 if __name__ == "__main__":
