@@ -239,7 +239,6 @@ AWAITING_RERUN = {
     "flax_side_by_side",
     "speculative",
     "ctranslate2",
-    "input_pipeline",
     "table3_small",
     "decoder_only_vs_encoder_decoder",
   )
