@@ -242,7 +242,7 @@ AWAITING_RERUN = {
     "table3_small",
     "decoder_only_vs_encoder_decoder",
   )
-} | {"compile_check": "the TPU compiles, some hours of this CPU, in progress"}
+}
 
 
 def test_every_shown_record_is_as_new_as_the_code_it_measures():
