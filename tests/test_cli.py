@@ -113,27 +113,37 @@ TENSORFLOW_START_UP_LINES = (
 )
 
 
-@pytest.mark.slow  # a process of its own that imports TensorFlow
-def test_a_command_that_starts_tensorflow_prints_only_its_own_lines(tmp_path):
-  """eval.py on a missing workdir imports the input pipeline, and so TensorFlow, before
-  it stops: its output is the project's one error line, with none of TensorFlow's
-  start-up lines (which the environment of the suite would hide: left out here)."""
+def _run_with_tensorflow_unquieted(args: list[str], cwd) -> tuple[object, str]:
+  """Runs `python -X importtime ARGS` without the suite's TensorFlow variables: (the
+  result, its stdout and stderr without the import-time lines). Asserts that the process
+  did import TensorFlow, the case these tests are about."""
   env = subprocess_env(devices=1)
   for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS"):
     env.pop(name, None)
-  missing = str(tmp_path / "no_such_run")
   result = subprocess.run(
-    [sys.executable, "-X", "importtime", os.path.join(REPO, "eval.py"), "--workdir", missing],
-    cwd=tmp_path,
+    [sys.executable, "-X", "importtime", *args],
+    cwd=cwd,
     env=env,
     capture_output=True,
     text=True,
     timeout=300,
   )
   imports = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
-  assert "tensorflow" in {line.split("|")[-1].strip() for line in imports}  # the case tested
+  assert "tensorflow" in {line.split("|")[-1].strip() for line in imports}
   output = result.stdout + "\n".join(
     line for line in result.stderr.splitlines() if not line.startswith("import time:")
+  )
+  return result, output
+
+
+@pytest.mark.slow  # a process of its own that imports TensorFlow
+def test_a_command_that_starts_tensorflow_prints_only_its_own_lines(tmp_path):
+  """eval.py on a missing workdir imports the input pipeline, and so TensorFlow, before
+  it stops: its output is the project's one error line, with none of TensorFlow's
+  start-up lines (which the environment of the suite would hide: left out here)."""
+  missing = str(tmp_path / "no_such_run")
+  result, output = _run_with_tensorflow_unquieted(
+    [os.path.join(REPO, "eval.py"), "--workdir", missing], cwd=tmp_path
   )
   assert result.returncode != 0
   assert output.strip() == f"error: --workdir {missing} does not exist"
@@ -145,24 +155,11 @@ def test_a_command_that_starts_tensorflow_prints_only_its_own_lines(tmp_path):
 def test_a_tool_that_imports_tensorflow_first_prints_none_of_its_start_up_lines(tool):
   """These tools import the input pipeline (and TensorFlow) as they load, before
   cli.run: `--help` shows their help and none of TensorFlow's start-up lines."""
-  env = subprocess_env(devices=1)
-  for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS"):
-    env.pop(name, None)
-  result = subprocess.run(
-    [sys.executable, "-X", "importtime", "-m", f"transformer.tools.{tool}", "--help"],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
+  result, output = _run_with_tensorflow_unquieted(
+    ["-m", f"transformer.tools.{tool}", "--help"], cwd=REPO
   )
-  imports = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
-  assert "tensorflow" in {line.split("|")[-1].strip() for line in imports}  # the case tested
   # absl's --help exits 1, argparse's 0: either way the tool's own help is shown.
   assert "--workdir" in result.stdout or "--config" in result.stdout, result.stderr[-2000:]
-  output = result.stdout + "\n".join(
-    line for line in result.stderr.splitlines() if not line.startswith("import time:")
-  )
   assert not [line for line in TENSORFLOW_START_UP_LINES if line in output]
 
 
