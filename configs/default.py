@@ -12,8 +12,8 @@ Expected result:
 
 <!-- results:make_train_expected -->
 sacreBLEU 27.98 (tokenized BLEU 28.38) on the 1,992-sentence test split, perplexity 9.78
-there; 1,000 steps in 6m49s on a 2-core AMD EPYC CPU, no accelerator, otherwise idle
-(2026-12-03, commit 7d8e468; docs/results/make_train.jsonl).
+there; 1,000 steps in 8m02s on a 2-core AMD EPYC CPU, no accelerator, otherwise idle
+(2026-12-03, commit c53c61a-dirty; docs/results/make_train.jsonl).
 <!-- /results -->
 
 `configs/default.py:draft` is the same model with one encoder and one decoder layer: a

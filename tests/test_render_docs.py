@@ -232,7 +232,6 @@ def test_every_record_file_has_its_producing_paths_and_they_exist():
 AWAITING_RERUN = {
   name: "speed or training figures, rerun on an otherwise idle machine"
   for name in (
-    "make_train",
     "make_test",
     "cpu",
     "host_memory",
