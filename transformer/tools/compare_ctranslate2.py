@@ -133,6 +133,60 @@ def _bleu(tokenizer, outputs: list[list[int]], references: list[str]) -> float:
   return bleu.sacre_bleu([tokenizer.decode(o) for o in outputs], references).score
 
 
+def _compile_every_shape(ours: Ours, ids: list[np.ndarray], batch_size: int) -> None:
+  """Runs ours once on every shape it will meet, so no timed pass compiles: one batch
+  per padded source length, at batch 1 and batch_size, for each search."""
+  by_length: dict[int, np.ndarray] = {}
+  for source in ids:
+    by_length.setdefault(batching.round_up(len(source), batching.LENGTH_MULTIPLE), source)
+  for batch in (1, batch_size):
+    for kind in SEARCHES:
+      for source in by_length.values():
+        ours.run([source] * batch, batch, kind)
+
+
+def _interleaved(
+  runners: dict[str, Any],
+  ids: list[np.ndarray],
+  batch1_sentences: int,
+  batch_size: int,
+  rounds: int,
+):
+  """The systems take turns, `rounds` times: (fastest sentences/s per (system, search,
+  batch), outputs of the last batch_size round per (system, search))."""
+  speed: dict[tuple[str, str, int], float] = {}
+  outputs: dict[tuple[str, str], list[list[int]]] = {}
+  for _ in range(rounds):
+    for batch, sources in ((1, ids[:batch1_sentences]), (batch_size, ids)):
+      for system in SYSTEMS:
+        for kind in SEARCHES:
+          result, seconds = _timed(runners[system], sources, batch, kind)
+          key = (system, kind, batch)
+          speed[key] = max(speed.get(key, 0.0), len(sources) / seconds)
+          if batch == batch_size:
+            outputs[(system, kind)] = result
+  return speed, outputs
+
+
+def _greedy_differences(
+  ours: Ours, ids: list[np.ndarray], ours_greedy: list[list[int]], engine_greedy: list[list[int]]
+) -> list[dict[str, Any]]:
+  """Each sentence whose greedy outputs differ: where they part, and our log-probability
+  of our token there minus that of the engine's (a near-tie shows a tiny gap)."""
+  differing = []
+  for index, (a, b) in enumerate(zip(ours_greedy, engine_greedy)):
+    if a == b:
+      continue
+    at = next((t for t in range(min(len(a), len(b))) if a[t] != b[t]), min(len(a), len(b)))
+    logprobs = ours.logprobs(ids[index], a[:at])
+    ours_next = a[at] if at < len(a) else EOS_ID
+    engine_next = b[at] if at < len(b) else EOS_ID
+    differing.append(
+      dict(index=index, position=at, logprob_gap=float(logprobs[ours_next] - logprobs[engine_next]))
+    )
+  return differing
+
+
 def compare(
   workdir: str,
   *,
@@ -165,44 +219,12 @@ def compare(
       engines[quantization] = Engine(out, tokens, config, threads)
 
     runners: dict[str, Any] = {"ours": ours, **engines}
-    # Every shape ours will meet, compiled before anything is timed: one batch per
-    # padded source length, at both batch sizes.
-    by_length: dict[int, np.ndarray] = {}
-    for source in ids:
-      by_length.setdefault(batching.round_up(len(source), batching.LENGTH_MULTIPLE), source)
-    for batch in (1, batch_size):
-      for kind in SEARCHES:
-        for source in by_length.values():
-          ours.run([source] * batch, batch, kind)
+    _compile_every_shape(ours, ids, batch_size)
+    speed, outputs = _interleaved(runners, ids, batch1_sentences, batch_size, rounds)
 
-    speed: dict[tuple[str, str, int], float] = {}
-    outputs: dict[tuple[str, str], list[list[int]]] = {}
-    for _ in range(rounds):
-      for batch, sources in ((1, ids[:batch1_sentences]), (batch_size, ids)):
-        for system in SYSTEMS:
-          for kind in SEARCHES:
-            result, seconds = _timed(runners[system], sources, batch, kind)
-            rate = len(sources) / seconds
-            key = (system, kind, batch)
-            speed[key] = max(speed.get(key, 0.0), rate)
-            if batch == batch_size:
-              outputs[(system, kind)] = result
-
-  ours_greedy, engine_greedy = outputs[("ours", "greedy")], outputs[("float32", "greedy")]
-  differing = []
-  for index, (a, b) in enumerate(zip(ours_greedy, engine_greedy)):
-    if a != b:
-      at = next((t for t in range(min(len(a), len(b))) if a[t] != b[t]), min(len(a), len(b)))
-      logprobs = ours.logprobs(ids[index], a[:at])
-      ours_next = a[at] if at < len(a) else EOS_ID
-      engine_next = b[at] if at < len(b) else EOS_ID
-      differing.append(
-        dict(
-          index=index,
-          position=at,
-          logprob_gap=float(logprobs[ours_next] - logprobs[engine_next]),
-        )
-      )
+  differing = _greedy_differences(
+    ours, ids, outputs[("ours", "greedy")], outputs[("float32", "greedy")]
+  )
   identical = len(ids) - len(differing)
   return {
     "name": "ctranslate2",
