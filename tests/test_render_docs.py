@@ -226,24 +226,6 @@ def test_every_record_file_has_its_producing_paths_and_they_exist():
   assert missing == []
 
 
-# Record files whose shown records predate code they measure, each with why it is not
-# rerun yet. The list is strict both ways: a file that goes stale and is not here fails
-# the test below, and so does a file here that is fresh again, until its entry goes.
-AWAITING_RERUN = {
-  name: "speed or training figures, rerun on an otherwise idle machine"
-  for name in (
-    "make_test",
-    "cpu",
-    "host_memory",
-    "flax_side_by_side",
-    "speculative",
-    "ctranslate2",
-    "table3_small",
-    "decoder_only_vs_encoder_decoder",
-  )
-}
-
-
 def test_every_shown_record_is_as_new_as_the_code_it_measures():
   """A record the docs show was made at or after the last change to the code that
   produces it (docs/render/record_sources.py); each stale one is named in a line."""
@@ -256,10 +238,11 @@ def test_every_shown_record_is_as_new_as_the_code_it_measures():
   unexpected = [
     line
     for line in problems
-    if line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl") not in AWAITING_RERUN
+    if line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl")
+    not in record_sources.AWAITING_RERUN
   ]
   assert not unexpected, "rerun these records:\n" + "\n".join(unexpected)
-  fresh = sorted(set(AWAITING_RERUN) - stale_files)
+  fresh = sorted(set(record_sources.AWAITING_RERUN) - stale_files)
   assert not fresh, f"fresh again, drop them from AWAITING_RERUN: {fresh}"
 
 

@@ -163,6 +163,26 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Record files whose shown records predate code they measure, each with why it is not
+# rerun yet. The list is strict both ways: a file that goes stale and is not here fails
+# tests/test_render_docs.py, and so does a file here that is fresh again, until its entry
+# goes. It lives here, not in the tests, because `make test`'s own record measures tests/:
+# taking make_test off this list must not make that record stale.
+AWAITING_RERUN = {
+  name: "speed or training figures, rerun on an otherwise idle machine"
+  for name in (
+    "make_test",
+    "cpu",
+    "host_memory",
+    "flax_side_by_side",
+    "speculative",
+    "ctranslate2",
+    "table3_small",
+    "decoder_only_vs_encoder_decoder",
+  )
+}
+
+
 def rendered_records(
   views: dict[str, Callable[[], str]] | None = None,
 ) -> dict[str, list[Record]]:
