@@ -16,7 +16,7 @@ project's commands printed or wrote (`bench --json`, `memory --json`, `sweeps --
   machine   the hardware it ran on, in words
   date      YYYY-MM-DD (UTC)
   commit    the code that ran (`git rev-parse --short HEAD`, `-dirty` if it had changes)
-  command   the command line, as run
+  command   the command line, as run (a row of --from_json that names its own keeps it)
   source    only on a figure that earlier docs quoted and that was turned into a record
             afterwards: where it was quoted
 
@@ -148,11 +148,13 @@ def describe_machine() -> str:
 
 
 def append_records(path: str, records: list[dict[str, Any]], where: dict[str, str]) -> None:
-  """Appends records to a .jsonl file, each with the provenance in `where`."""
+  """Appends records to a .jsonl file, each with the provenance in `where`. A record that
+  names its own command keeps it: a script that runs several commands names each row's."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a", encoding="utf-8") as f:
     for record in records:
-      f.write(json.dumps({**record, **where}) + "\n")
+      own = {"command": record["command"]} if "command" in record else {}
+      f.write(json.dumps({**record, **where, **own}) + "\n")
 
 
 def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
