@@ -16,8 +16,8 @@ direction and rough size of each change, not the values.
 
 <!-- results:table3_small_expected -->
 Expected, as validation perplexity and BLEU (first 500 validation sentences) at the last
-step: base 50.79 and 3.41; A1 70.83 and 1.95; A4 48.35 and 4.50; C1 36.80 and 9.60; D1
-38.47 and 9.99; D3 55.01 and 2.02; E 44.56 and 6.19 (2026-11-29, commit 32993cb;
+step: base 52.88 and 2.89; A1 76.20 and 1.35; A4 47.19 and 3.37; C1 36.58 and 8.83; D1
+39.13 and 8.69; D3 51.76 and 3.04; E 42.88 and 6.91 (2026-12-03, commit 8fc668d;
 docs/results/table3_small.jsonl).
 <!-- /results -->
 """
