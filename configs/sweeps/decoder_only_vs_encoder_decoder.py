@@ -11,8 +11,8 @@ only the architecture differs. docs/reproduce.md has the results.
 
 <!-- results:decoder_only_vs_encoder_decoder_expected -->
 Expected, as validation perplexity and BLEU (first 500 validation sentences) at the last
-step: encoder_decoder 37.16 and 9.50; decoder_only 63.76 and 2.68 (2026-12-01, commit
-99af5a4; docs/results/decoder_only_vs_encoder_decoder.jsonl).
+step: encoder_decoder 39.13 and 8.69; decoder_only 63.76 and 2.68 (2026-12-03, commit
+8fc668d; docs/results/decoder_only_vs_encoder_decoder.jsonl).
 <!-- /results -->
 
   encoder_decoder  the default: 3 encoder + 3 decoder layers, 7,568,384 parameters.

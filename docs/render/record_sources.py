@@ -177,7 +177,6 @@ AWAITING_RERUN = {
     "flax_side_by_side",
     "speculative",
     "ctranslate2",
-    "decoder_only_vs_encoder_decoder",
   )
 }
 
