@@ -175,8 +175,6 @@ AWAITING_RERUN = {
     "cpu",
     "host_memory",
     "flax_side_by_side",
-    "speculative",
-    "ctranslate2",
   )
 }
 
