@@ -242,6 +242,11 @@ def make_test() -> str:
 # docs/performance.md.
 
 
+def _one_sitting(records: list[Record]) -> list[Record]:
+  """The runs made at the newest record's commit, in file order (older ones are history)."""
+  return [r for r in records if r["commit"] == records[-1]["commit"]]
+
+
 # What a bench run reports once, in its "peak" record before its measurements.
 _RUN_WIDE = ("peak_flops_per_sec", "host_memory_retained")
 
@@ -373,12 +378,13 @@ def host_memory() -> str:
   """The base step with freed memory kept and returned: every run of each label at the
   newest record's commit (one sitting), or a record that lists its runs (`KEY_runs`)."""
   records = [r for r in read_records("cpu") if r["name"] == "train_step"]
+  newest_by_label = _by_label("cpu", "train_step")
 
   def sitting(label: str) -> list[Record]:
-    newest = _by_label("cpu", "train_step")[label]
+    newest = newest_by_label[label]
     if "step_time_s_runs" in newest:
       return [newest]
-    return [r for r in records if r["label"] == label and r["commit"] == newest["commit"]]
+    return _one_sitting([r for r in records if r["label"] == label])
 
   def runs(chosen: list[Record], key: str) -> list[float]:
     return [v for r in chosen for v in (r.get(f"{key}_runs") or [r[key]])]
@@ -438,8 +444,7 @@ def host_memory_input_pipeline() -> str:
 
 def train_loop() -> str:
   records = [r for r in read_records("host_memory") if r["name"] == "train_loop"]
-  # One sitting: the runs made at the newest record's commit (older ones are history).
-  records = [r for r in records if r["commit"] == records[-1]["commit"]]
+  records = _one_sitting(records)
   rows = []
   for label, what in (
     ("default-train_loop", "kept (the default on CPU)"),
