@@ -259,7 +259,9 @@ def _parser() -> argparse.ArgumentParser:
     "--wall_time_s", type=float, help="With --from_workdir: how long `make train` took, in seconds."
   )
   parser.add_argument(
-    "--command", help="With --from_json or --from_workdir: the command that wrote the file(s)."
+    "--command",
+    help="With --from_json or --from_workdir: the command that wrote the file(s) (a row "
+    "of --from_json that names its own command keeps it).",
   )
   parser.add_argument(
     "--machine",
