@@ -347,8 +347,7 @@ def cpu_default_beam_search() -> str:
   beam = _by_label("cpu", "beam_search")["default"]
   return (
     f"Beam search on the default model (beam {beam['beam_size']}, {beam['sentences']} "
-    f"sentences, {beam.get('steps', beam.get('decode_steps'))} output tokens each, with "
-    "the cache): "
+    f"sentences, {beam['steps']} output tokens each, with the cache): "
     f"{1e3 * beam['step_time_s']:.0f} ms per step, {_thousands(beam['tokens_per_sec'])} "
     f"output tokens/s, {beam['sentences_per_sec']:.1f} sentences/s.\n\n" + source("cpu", [beam])
   )
@@ -376,18 +375,17 @@ def compile_depth() -> str:
 
 def host_memory() -> str:
   """The base step with freed memory kept and returned: every run of each label at the
-  newest record's commit (one sitting), or a record that lists its runs (`KEY_runs`)."""
-  records = [r for r in read_records("cpu") if r["name"] == "train_step"]
-  newest_by_label = _by_label("cpu", "train_step")
+  newest commit it was measured at (one sitting)."""
+  steps = [r for r in read_records("cpu") if r["name"] == "train_step"]
 
   def sitting(label: str) -> list[Record]:
-    newest = newest_by_label[label]
-    if "step_time_s_runs" in newest:
-      return [newest]
-    return _one_sitting([r for r in records if r["label"] == label])
+    return _one_sitting([r for r in steps if r["label"] == label])
 
   def runs(chosen: list[Record], key: str) -> list[float]:
-    return [v for r in chosen for v in (r.get(f"{key}_runs") or [r[key]])]
+    return [r[key] for r in chosen]
+
+  def median(chosen: list[Record], key: str) -> float:
+    return statistics.median(runs(chosen, key))
 
   def row(what: str, chosen: list[Record]) -> tuple:
     kernel_s = runs(chosen, "host_kernel_s_per_step")
@@ -397,18 +395,14 @@ def host_memory() -> str:
       what,
       _runs(runs(chosen, "step_time_s"), lambda s: _thousands(1e3 * s), "ms"),
       _runs(runs(chosen, "tokens_per_sec"), _thousands),
-      _thousands(statistics.median(runs(chosen, "host_page_faults_per_step"))),
+      _thousands(median(chosen, "host_page_faults_per_step")),
       kernel,
-      f"{statistics.median(runs(chosen, 'peak_rss_bytes')) / 1e9:.2f} GB",
+      f"{median(chosen, 'peak_rss_bytes') / 1e9:.2f} GB",
     )
 
   kept, returned = sitting("base"), sitting("base-glibc_default")
-  gain = 1 - (
-    statistics.median(runs(kept, "step_time_s")) / statistics.median(runs(returned, "step_time_s"))
-  )
-  memory = statistics.median(runs(kept, "peak_rss_bytes")) / statistics.median(
-    runs(returned, "peak_rss_bytes")
-  )
+  gain = 1 - median(kept, "step_time_s") / median(returned, "step_time_s")
+  memory = median(kept, "peak_rss_bytes") / median(returned, "peak_rss_bytes")
   return (
     table(
       (
