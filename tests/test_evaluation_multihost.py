@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, free_port
+from transformer.training import distributed
 
 
 def _evaluate(workdir, num_processes, devices_per_process, order):
@@ -129,7 +130,7 @@ def test_a_notice_to_one_process_stops_both_between_batches_writing_nothing(
   assert marker.exists(), outputs[1][1][-3000:]
   last_lines = [stderr.strip().splitlines()[-1] for _, stderr in outputs]
   for p, (stdout, stderr) in zip(processes, outputs):
-    assert p.returncode == 1, stderr[-3000:]
+    assert p.returncode == distributed.NOTICE_EXIT_CODE, stderr[-3000:]
     # No scores, no translations (of 143 lines; gloo prints that it connected).
     assert "BLEU" not in stdout and len(stdout.splitlines()) < 100, stdout[-3000:]
   # 143 sentences in batches of 16: nine. The agreed batch is the second or the third.

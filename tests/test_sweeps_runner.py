@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers import tiny_run
 from tests.helpers.sweep_helpers import REPO, fake_finished_row, write_sweep
+from transformer import config as config_lib
 from transformer import storage, versions
 from transformer.sweeps import runner, spec
 from transformer.training import checkpoints, loop
@@ -70,9 +71,12 @@ def fake_python(tmp_path):
   return types.SimpleNamespace(path=str(path), behave=behave, calls=calls, dir=directory)
 
 
-def _sweep(*names, base_overrides=None):
+def _sweep(*names, base_overrides=None, num_train_steps=6, grad_accum_steps=1):
   rows = [spec.Row(name, {"model.d_model": 16}) for name in names]
-  configs = {name: types.SimpleNamespace(num_train_steps=6) for name in names}
+  configs = {
+    name: types.SimpleNamespace(num_train_steps=num_train_steps, grad_accum_steps=grad_accum_steps)
+    for name in names
+  }
   return spec.Sweep("s", "configs/default.py", base_overrides or {}, rows), configs
 
 
@@ -261,6 +265,26 @@ def test_run_local_stops_when_training_ends_short_of_the_last_step(tmp_path, fak
   assert [(d["phase"], d["resumed"]) for d in done] == [("train", True), ("eval", False)]
 
 
+def test_with_gradient_accumulation_a_row_is_trained_at_its_last_batch_step(tmp_path, fake_python):
+  """Checkpoint steps count batches: 3 updates of 2 batches each end at step 6. A row
+  that stopped at step 4 (past num_train_steps, short of the last step) resumes rather
+  than being scored half-way, and eval.py scores step 6."""
+  sweep, configs = _sweep("r", num_train_steps=3, grad_accum_steps=2)
+  workdir = str(tmp_path / "runs")
+  fake_python.behave(**{"train.py": {"reach": 4}})
+  with pytest.raises(spec.SweepError, match=r"^row r: stopped before step 6 \(preempted\?\)"):
+    runner.run_local(sweep, sweep.rows, configs, workdir, python=fake_python.path)
+  row_dir = os.path.join(workdir, "r")
+  assert runner.row_state(row_dir, 6, final_eval=True) == "partial"
+  fake_python.behave()
+  done = runner.run_local(sweep, sweep.rows, configs, workdir, python=fake_python.path)
+  assert [(d["phase"], d["resumed"]) for d in done] == [("train", True), ("eval", False)]
+  assert fake_python.calls()[-1][2] == [
+    "--workdir", row_dir, "--split", "validation", "--step", "6"
+  ]  # fmt: skip
+  assert runner.row_state(row_dir, 6, final_eval=True) == "finished"
+
+
 def test_sigterm_is_passed_to_the_child_and_stops_the_sweep(tmp_path, fake_python):
   """SIGTERM to the sweep reaches the running child (so it can checkpoint), the sweep
   stops after it instead of starting the next phase, and the old handler is restored."""
@@ -315,3 +339,17 @@ def test_local_runner_resumes_an_interrupted_row_and_skips_a_finished_one(tmp_pa
   assert storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl")) == lines
   # Asking for the full-split evaluation would now run only eval.py, not training.
   assert runner.row_state(row_dir, 6, final_eval=True) == "trained"
+
+
+def test_a_real_row_with_gradient_accumulation_ends_at_its_final_step(tmp_path, small_corpus):
+  """What config.final_step promises, on a real run: 3 updates of 2 batches save their
+  last checkpoint at step 6, the step the runner and the cluster scripts wait for."""
+  sweep = spec.load_sweep(
+    write_sweep(tmp_path, small_corpus, '[Row("r", {"grad_accum_steps": 2, "num_train_steps": 3})]')
+  )
+  config = spec.row_config(sweep, sweep.rows[0])
+  row_dir = str(tmp_path / "runs" / "r")
+  loop.train_and_evaluate(config, row_dir)
+  assert checkpoints.steps_on_disk(row_dir) == [2, 4, 6]
+  assert config_lib.final_step(config) == 6
+  assert runner.row_state(row_dir, config_lib.final_step(config), final_eval=False) == "finished"

@@ -4,6 +4,7 @@ config, and the train.py / eval.py arguments that reproduce it."""
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 from absl import flags
@@ -265,7 +266,13 @@ def test_train_and_eval_args():
     "--workdir",
     "W/r",
   ]
-  assert spec.eval_args("W/r", 6) == ["--workdir", "W/r", "--split", "validation", "--step", "6"]
+  config = types.SimpleNamespace(num_train_steps=6, grad_accum_steps=1)
+  assert spec.eval_args("W/r", config) == [
+    "--workdir", "W/r", "--split", "validation", "--step", "6"
+  ]  # fmt: skip
+  # With gradient accumulation the final checkpoint is the last batch's step.
+  config.grad_accum_steps = 2
+  assert spec.eval_args("W/r", config)[-2:] == ["--step", "12"]
 
 
 def test_train_args_parse_back_to_the_row_config():

@@ -173,7 +173,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.lm_loss = "target"
 
   # Optimization (transformer/training/optimizer.py).
-  # lr = scale * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5)
+  # lr = scale * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), s counting updates.
+  # num_train_steps and warmup_steps count optimizer updates; every other step of a run
+  # (its checkpoints, metrics, --print_step, eval.py --step, the *_every_steps below)
+  # counts batches, grad_accum_steps of them an update: `final_step(config)`.
   c.num_train_steps = 100_000
   c.warmup_steps = 4000
   c.learning_rate_scale = 1.0
@@ -216,6 +219,13 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = model_config()
   return c
+
+
+def final_step(config: ml_collections.ConfigDict) -> int:
+  """The run's last step, in the steps its checkpoints, metrics, `train.py --print_step`
+  and `eval.py --step` count: batches (micro-steps), grad_accum_steps of them to each of
+  num_train_steps updates. A run is finished when its newest checkpoint is this step."""
+  return config.num_train_steps * config.grad_accum_steps
 
 
 def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict:

@@ -4,12 +4,13 @@ Only command generation: each row's script runs the same `train.py` and `eval.py
 commands as a local sweep, with the repository's `.venv/bin/python`, started the way
 docs/clusters.md starts any multi-host run. Each script first prepares the row's dataset
 and vocabulary once (`transformer.tools.prepare_data`), so the hosts read one copy
-instead of each building its own; trains (JAX reads the SLURM environment or the TPU
-runtime to connect the processes); and beam-searches the validation split only once
-`train.py --print_step` shows the last step, not after a run stopped early. A SLURM job
-stopped by its time limit or a preemption requeues itself; a rerun of any script resumes
-the row from its newest checkpoint, so a stopped job loses at most one checkpoint
-interval.
+instead of each building its own; trains (JAX reads the SLURM environment, or a TPU
+slice's metadata server, to connect the processes); and beam-searches the validation
+split only once `train.py --print_step` shows the row's last step
+(`config.final_step`: batches, not updates), not after a run stopped early. A SLURM job
+stopped by its time limit or a preemption, in training or in its final evaluation,
+requeues itself; a rerun of any script resumes the row from its newest checkpoint, so a
+stopped job loses at most one checkpoint interval.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from absl import flags
 
 from transformer import config as config_lib
 from transformer.sweeps import spec
+from transformer.training import distributed
 
 FLAGS = flags.FLAGS
 
@@ -36,8 +38,9 @@ def define_flags() -> None:
   )
   flags.DEFINE_string(
     "repo_dir",
-    "$HOME/transformer",
-    "--launch: this repository's path on the cluster hosts (the scripts cd there).",
+    "",
+    "--launch: this repository's path on the cluster hosts, where the scripts cd (default: "
+    "this clone's own path, where the sweep command runs: a clone every host sees there).",
   )
   flags.DEFINE_string(
     "python",
@@ -49,7 +52,25 @@ def define_flags() -> None:
   flags.DEFINE_integer(
     "slurm_gpus_per_node", 8, "--launch slurm: GPUs per node, one process (task) each."
   )
+  flags.DEFINE_integer(
+    "slurm_cpus_per_task",
+    8,
+    "--launch slurm: CPU cores per GPU process, for tf.data, SentencePiece and XLA's "
+    "compiler (a cluster that pins tasks to cores gives each one core otherwise).",
+  )
+  flags.DEFINE_string(
+    "slurm_mem_per_gpu", "32G", "--launch slurm: host memory per GPU ('' leaves it out)."
+  )
+  flags.DEFINE_bool(
+    "slurm_exclusive", False, "--launch slurm: the nodes to the job alone (#SBATCH --exclusive)."
+  )
   flags.DEFINE_string("slurm_time", "24:00:00", "--launch slurm: time limit per job.")
+  flags.DEFINE_integer(
+    "slurm_notice_s",
+    120,
+    "--launch slurm: seconds between the SIGTERM notice and the time limit: enough for a "
+    "step, a checkpoint's save and the processes' shutdown (docs/clusters.md).",
+  )
   flags.DEFINE_string(
     "slurm_extra", "", "--launch slurm: extra #SBATCH options, e.g. '--partition=gpu'."
   )
@@ -60,11 +81,15 @@ def define_flags() -> None:
 @dataclasses.dataclass(frozen=True)
 class LaunchOptions:
   script_dir: str = ""  # "" = WORKDIR/launch
-  repo_dir: str = "$HOME/transformer"
+  repo_dir: str = ""  # "" = this clone's path (config_lib.REPO_ROOT)
   python: str = ".venv/bin/python"
   slurm_nodes: int = 1
   slurm_gpus_per_node: int = 8
+  slurm_cpus_per_task: int = 8
+  slurm_mem_per_gpu: str = "32G"
+  slurm_exclusive: bool = False
   slurm_time: str = "24:00:00"
+  slurm_notice_s: int = 120
   slurm_extra: str = ""
   tpu_name: str = "TPU_NAME"
   tpu_zone: str = "ZONE"
@@ -88,12 +113,19 @@ class RowCommands:
   train: str
   evaluate: str
   print_step: str  # prints the newest checkpoint's step
-  last_step: int  # what print_step prints once training is finished
+  last_step: int  # what print_step prints once training is finished (config.final_step)
 
 
 def row_commands(
-  sweep: spec.Sweep, row: spec.Row, config, workdir: str, python: str
+  sweep: spec.Sweep,
+  row: spec.Row,
+  config,
+  workdir: str,
+  python: str,
+  extra_args: tuple[str, ...] = (),
 ) -> RowCommands:
+  """The row's commands; `extra_args` go to its train.py and eval.py (the TPU script's
+  --distributed=on)."""
   row_dir = f"{workdir.rstrip('/')}/{row.name}"
   relative = os.path.relpath(spec.config_file(sweep), config_lib.REPO_ROOT)  # the cluster's clone
   train_args = spec.train_args(sweep, row, row_dir, relative)
@@ -101,49 +133,74 @@ def row_commands(
   return RowCommands(
     row_dir=row_dir,
     prepare=_command(python, "-m transformer.tools.prepare_data", config_args),
-    train=_command(python, "train.py", train_args),
-    evaluate=_command(python, "eval.py", spec.eval_args(row_dir, config.num_train_steps)),
+    train=_command(python, "train.py", train_args + list(extra_args)),
+    evaluate=_command(python, "eval.py", spec.eval_args(row_dir, config) + list(extra_args)),
     print_step=_command(python, "train.py", ["--workdir", row_dir, "--print_step"]),
-    last_step=config.num_train_steps,
+    last_step=config_lib.final_step(config),
   )
+
+
+def _repo_dir(options: LaunchOptions) -> str:
+  """Where the scripts cd on the hosts: --repo_dir, else this clone's own path."""
+  return options.repo_dir or config_lib.REPO_ROOT
 
 
 def _slurm_script(
   sweep, row, commands: RowCommands, script_dir: str, options: LaunchOptions
 ) -> str:
+  gpus, cpus = options.slurm_gpus_per_node, options.slurm_cpus_per_task
+  resources = [f"--cpus-per-task={cpus}"]
+  if options.slurm_mem_per_gpu:
+    resources.append(f"--mem-per-gpu={options.slurm_mem_per_gpu}")
+  if options.slurm_exclusive:
+    resources.append("--exclusive")
   extra = f"#SBATCH {options.slurm_extra}\n" if options.slurm_extra else ""
-  gpus = options.slurm_gpus_per_node
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name}. Submit with: sbatch {script_dir}/{row.name}.sbatch
 #SBATCH --job-name={sweep.name}-{row.name}
 #SBATCH --nodes={options.slurm_nodes} --ntasks-per-node={gpus} --gpus-per-node={gpus}
+#SBATCH {" ".join(resources)}
 #SBATCH --time={options.slurm_time}
 #SBATCH --output={script_dir}/{row.name}-%j.out
-# SIGTERM two minutes before the time limit: train.py saves a checkpoint and exits 0,
-# and the job requeues itself below; the requeued job resumes from that checkpoint, under
-# the same job id, its output appended to the same log.
-#SBATCH --signal=TERM@120 --requeue --open-mode=append
+# SIGTERM {options.slurm_notice_s} s before the time limit, to the job's steps: train.py saves a
+# checkpoint at once (skipping any validation due) and exits 0, and the job requeues
+# itself below; the requeued job resumes from that checkpoint, under the same job id, its
+# output appended to the same log.
+#SBATCH --signal=TERM@{options.slurm_notice_s} --requeue --open-mode=append
 {extra}set -euo pipefail
-cd {options.repo_dir}
+cd {shlex.quote(_repo_dir(options))}
 # The dataset and vocabulary, built once here rather than by every process at once.
 {commands.prepare}
-# One process per GPU; jax.distributed reads the SLURM environment (docs/clusters.md).
-srun {commands.train}
+# One process per GPU, each with its cores (srun does not take --cpus-per-task from
+# #SBATCH since SLURM 22.05); jax.distributed reads the SLURM environment (docs/clusters.md).
+srun --cpus-per-task={cpus} {commands.train}
 # Stopped before the last step (time limit, preemption): back into the queue, to resume.
 step=$({commands.print_step})
 if [ "$step" != {commands.last_step} ]; then
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
-# Beam search is one process's job: the final checkpoint on the whole validation split.
-srun --nodes=1 --ntasks=1 {commands.evaluate}
+# Beam search is one process's job: the final checkpoint on the whole validation split,
+# with every core of the node. A notice stops it between batches, exit status
+# {distributed.NOTICE_EXIT_CODE}: back into the queue, to evaluate again. Other failures fail it.
+status=0
+srun --nodes=1 --ntasks=1 --cpus-per-task={cpus * gpus} {commands.evaluate} || status=$?
+if [ "$status" = {distributed.NOTICE_EXIT_CODE} ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$status"
 """
 
 
 def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> str:
-  log = f"logs/{sweep.name}-{row.name}"  # .log and .pid, in the clone on every worker
-  # Once the job has ended (finished, stopped or failed), each worker's log goes into the
-  # row's workdir as well, as logs/<host>.log: a bucket cannot be appended to while it runs.
+  repo_dir = shlex.quote(_repo_dir(options))
+  # Per worker (the clone may be on a disk every worker shares), kept across restarts: the
+  # log is appended to, and the pid file is the newest start's.
+  log = f"logs/{sweep.name}-{row.name}.$(hostname)"
+  # Once the job has ended (finished, stopped or failed), each worker's log (every start
+  # of the row on that worker) goes into the row's workdir as well, as logs/<host>.log: a
+  # bucket cannot be appended to while it runs.
   saved_log = f"{commands.row_dir}/logs/$(hostname).log"
   if "://" in commands.row_dir:
     keep_log = f"gcloud storage cp {log}.log {saved_log}"
@@ -154,26 +211,28 @@ def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> st
   # that `stop` can SIGTERM the command it runs, train.py or eval.py, and the shell
   # itself goes on to keep the log.
   job = (
-    f"echo $$ > {log}.pid; {commands.train} && "
+    f'echo $$ > {log}.pid; echo "=== $(date -u) start on $(hostname)"; {commands.train} && '
     f'[ "$({commands.print_step})" = {commands.last_step} ] && {commands.evaluate}; '
     f"{keep_log}"
   )
   start = (
-    f"cd {options.repo_dir} && mkdir -p logs && "
-    f"nohup setsid bash -c {shlex.quote(job)} > {log}.log 2>&1 < /dev/null &"
+    f"cd {repo_dir} && mkdir -p logs && "
+    f"nohup setsid bash -c {shlex.quote(job)} >> {log}.log 2>&1 < /dev/null &"
   )
-  prepare = f"cd {options.repo_dir} && {commands.prepare}"
-  watch = f"tail -n 100 -F {options.repo_dir}/{log}.log"
-  stop = f"pkill -TERM -P $(cat {options.repo_dir}/{log}.pid)"
-  running = f"kill -0 $(cat {options.repo_dir}/{log}.pid) 2>/dev/null"
-  finished = f'cd {options.repo_dir} && [ "$({commands.print_step})" = {commands.last_step} ]'
+  prepare = f"cd {repo_dir} && {commands.prepare}"
+  watch = f"cd {repo_dir} && tail -n 100 -F {log}.log"
+  stop = f"cd {repo_dir} && pkill -TERM -P $(cat {log}.pid)"
+  running = f"cd {repo_dir} && kill -0 $(cat {log}.pid) 2>/dev/null"
+  finished = f'cd {repo_dir} && [ "$({commands.print_step})" = {commands.last_step} ]'
   return f"""#!/bin/bash
 # Row {row.name} of sweep {sweep.name} on the TPU slice {options.tpu_name}: every worker
-# runs the same commands, and the TPU runtime connects them (docs/clusters.md).
+# runs the same commands, and jax.distributed connects them (--distributed=on: JAX finds
+# the slice's workers on the metadata server; docs/clusters.md).
 # bash {row.name}.sh start (the default): prepare the dataset once (worker 0), then train
 #   on every worker, detached from ssh; the job evaluates after its last step.
-# bash {row.name}.sh watch: follow worker 0's log, {options.repo_dir}/{log}.log (each
-#   worker's goes to {commands.row_dir}/logs/ when the job ends).
+# bash {row.name}.sh watch: follow worker 0's log, {_repo_dir(options)}/{log}.log
+#   (each worker's own, appended to at every start; each goes to
+#   {commands.row_dir}/logs/ when the job ends).
 # bash {row.name}.sh stop: SIGTERM to every worker, as a preemption: all save and exit.
 # bash {row.name}.sh wait: return once the job has ended, 0 if it reached its last step.
 # Running it again resumes from the newest checkpoint.
@@ -197,12 +256,20 @@ esac
 """
 
 
-def _check_shared_data_dir(row: spec.Row, config) -> None:
-  """A tfds dataset on a pod needs one data_dir every worker reads, or each builds its own."""
-  if not config.dataset.startswith("tsv:") and not config.data_dir:
+def _check_shared_data_dir(kind: str, row: spec.Row, config, options: LaunchOptions) -> None:
+  """A tfds dataset on several hosts needs one data_dir every host reads, where the script
+  prepares it once; otherwise each host without a shared home builds its own."""
+  if config.dataset.startswith("tsv:") or config.data_dir:
+    return
+  if kind == "tpu":
     raise spec.SweepError(
       f"row {row.name}: --launch tpu needs a data_dir every worker reads, where the dataset "
       f"is prepared once: pass --config.data_dir=gs://BUCKET/tfds"
+    )
+  if options.slurm_nodes > 1:
+    raise spec.SweepError(
+      f"row {row.name}: --launch slurm over {options.slurm_nodes} nodes needs a data_dir every "
+      "node reads, where the dataset is prepared once: pass --config.data_dir=/SHARED/tfds"
     )
 
 
@@ -216,12 +283,13 @@ def write_scripts(
       raise spec.SweepError(f"--script_dir is required with --workdir {workdir}")
     script_dir = os.path.join(workdir, "launch")
   os.makedirs(script_dir, exist_ok=True)
-  if kind == "tpu":
-    for row in rows:
-      _check_shared_data_dir(row, configs[row.name])
+  for row in rows:
+    _check_shared_data_dir(kind, row, configs[row.name], options)
+  # A TPU slice's workers must find each other: JAX's detection, and an error if it fails.
+  extra_args = ("--distributed=on",) if kind == "tpu" else ()
   written = []
   for row in rows:
-    commands = row_commands(sweep, row, configs[row.name], workdir, options.python)
+    commands = row_commands(sweep, row, configs[row.name], workdir, options.python, extra_args)
     if kind == "slurm":
       path = os.path.join(script_dir, f"{row.name}.sbatch")
       text = _slurm_script(sweep, row, commands, script_dir, options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 
+from transformer import config as config_lib
 from transformer import storage
 from transformer.messages import format_duration
 from transformer.sweeps import runner, spec
@@ -105,7 +106,7 @@ def collect_rows(
   for row in rows:
     config = configs[row.name]
     results = (
-      runner.final_results(f"{workdir.rstrip('/')}/{row.name}", config.num_train_steps) or {}
+      runner.final_results(f"{workdir.rstrip('/')}/{row.name}", config_lib.final_step(config)) or {}
     )
     if results.get("bleu") is None:
       bleu_on = None

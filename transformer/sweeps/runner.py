@@ -24,14 +24,15 @@ from transformer.training import reporting
 from transformer.training.checkpoints import steps_on_disk
 
 
-def final_results(workdir: str, num_train_steps: int) -> dict | None:
-  """Validation perplexity and BLEU at the final step, or None if not evaluated yet.
+def final_results(workdir: str, final_step: int) -> dict | None:
+  """Validation perplexity and BLEU at the final step (config_lib.final_step), or None if
+  not evaluated yet.
 
   Prefers eval.py's beam search of the whole split (eval/validation-<step>.json); falls
   back to the training run's own last validation record (BLEU of its first
   config.eval_bleu_sentences sentences, if any).
   """
-  report = storage.join(workdir, "eval", f"validation-{num_train_steps}.json")
+  report = storage.join(workdir, "eval", f"validation-{final_step}.json")
   if storage.exists(report):
     found = storage.read_json(report)
     return {
@@ -43,7 +44,7 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
     }
   last = None
   for record in reporting.read_metrics(workdir, kind="validation"):
-    if record.get("step") == num_train_steps:
+    if record.get("step") == final_step:
       last = record
   if last is None:
     return None
@@ -56,14 +57,15 @@ def final_results(workdir: str, num_train_steps: int) -> dict | None:
   }
 
 
-def row_state(workdir: str, num_train_steps: int, final_eval: bool) -> str:
-  """'finished', 'trained' (final eval missing), 'partial' (resumable) or 'new'."""
+def row_state(workdir: str, final_step: int, final_eval: bool) -> str:
+  """'finished', 'trained' (final eval missing), 'partial' (resumable) or 'new', for a row
+  whose last step is `final_step` (config_lib.final_step)."""
   steps = steps_on_disk(workdir)
   if not steps:
     return "new"
-  if steps[-1] < num_train_steps:
+  if steps[-1] < final_step:
     return "partial"
-  results = final_results(workdir, num_train_steps)
+  results = final_results(workdir, final_step)
   if results is None or (final_eval and results["source"] != "eval.py"):
     return "trained"
   return "finished"
@@ -112,7 +114,7 @@ def run_local(
   done: list[dict[str, Any]] = []
   for row in rows:
     row_dir = storage.join(workdir, row.name)
-    steps = configs[row.name].num_train_steps
+    steps = config_lib.final_step(configs[row.name])
     state = row_state(row_dir, steps, final_eval)
     if state == "finished":
       print(f"[{row.name}] finished earlier: skipped", flush=True)
@@ -133,7 +135,8 @@ def run_local(
       phases.append(
         (
           "eval",
-          [python, os.path.join(config_lib.REPO_ROOT, "eval.py")] + eval_args(row_dir, steps),
+          [python, os.path.join(config_lib.REPO_ROOT, "eval.py")]
+          + eval_args(row_dir, configs[row.name]),
         )
       )
     if not phases:

@@ -168,6 +168,7 @@ def train_args(sweep: Sweep, row: Row, workdir: str, config_path: str) -> list[s
   )
 
 
-def eval_args(workdir: str, num_train_steps: int) -> list[str]:
+def eval_args(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
   """eval.py's arguments: the final checkpoint (no averaging, as Table 3) on validation."""
-  return ["--workdir", workdir, "--split", "validation", "--step", str(num_train_steps)]
+  step = config_lib.final_step(config)
+  return ["--workdir", workdir, "--split", "validation", "--step", str(step)]

@@ -1,8 +1,19 @@
-"""Multi-host start-up on JAX's own runtime (`jax.distributed`): TPU pods, SLURM, or flags.
+"""Multi-host start-up on JAX's own runtime (`jax.distributed`): TPU slices, SLURM, or flags.
 
-Every process runs the same command. On a TPU pod or under SLURM, JAX finds the
-coordinator, the process count and this process's id by itself; elsewhere pass
-`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
+Every process runs the same command. On a Cloud TPU VM slice (GCE or GKE) and under SLURM,
+JAX finds the coordinator, the process count and this process's id by itself; elsewhere
+pass `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
+
+Which start a process makes (`how_to_start`, `--distributed`):
+- auto (the default): the flags above if given; a SLURM job step of several tasks; any
+  Cloud TPU VM, where JAX's own detection (`jax.distributed.initialize()` with no
+  arguments) reads the slice's workers from GCE's metadata server, or from GKE's
+  TPU_WORKER_HOSTNAMES. A TPU VM whose slice JAX cannot find (no metadata server, as on
+  a TPU VM not made by `gcloud compute tpus`) runs as one process, with a warning.
+  Nothing else starts it: a laptop, one SLURM task (the final `eval.py` of a job), a GPU
+  box.
+- on: JAX's detection must find a cluster (or the flags must name one), else one line.
+- off: never.
 
 Under SLURM a process drives one GPU, as JAX does by default there: a node with G GPUs
 runs G tasks (`srun --ntasks-per-node=G --gpus-per-node=G`, docs/clusters.md), and task
@@ -30,8 +41,9 @@ def define_flags() -> None:
     "distributed",
     "auto",
     ["auto", "on", "off"],
-    "Start jax.distributed: auto = when flags or a TPU pod / SLURM job "
-    "with several processes are detected.",
+    "Start jax.distributed: auto = with --coordinator_address, in a SLURM job step of "
+    "several tasks, or on a Cloud TPU VM (JAX finds the slice's workers); on = JAX's "
+    "detection must find a cluster; off = never.",
   )
   flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
   flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
@@ -47,11 +59,40 @@ def define_flags() -> None:
   )
 
 
-def _detected_multiprocess() -> bool:
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-    return True
-  # TPU VMs list every worker of the pod slice.
-  return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+def on_cloud_tpu_vm() -> bool:
+  """JAX's own answer, made as `import jax` ran: TPU chips on this machine's PCI bus and
+  libtpu installed (or JAX_FORCE_TPU_INIT set). JAX's TPU cluster detection (GCE and GKE)
+  asks exactly this flag first, so reading it here agrees with JAX by construction; it
+  lives in a private module, and tests/test_training_distributed.py fails if a JAX
+  upgrade moves it."""
+  from jax._src import cloud_tpu_init
+
+  return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+
+
+# How a process joins its job (how_to_start's answers), as the first log line names them.
+FLAGS_START = "--coordinator_address"
+SLURM_START = "SLURM"
+TPU_START = "Cloud TPU VM"
+DETECTED_START = "--distributed=on"
+
+
+def how_to_start(mode: str, explicit: bool, environ, on_tpu_vm: bool) -> str | None:
+  """Which `jax.distributed.initialize` this process makes, or None for none.
+
+  mode: --distributed; explicit: --coordinator_address was given; environ: the process's
+  environment; on_tpu_vm: `on_cloud_tpu_vm()`. FLAGS_START passes the flags, the others
+  leave every argument to JAX's detection (SLURM's variables; a TPU slice's metadata
+  server or GKE's variables)."""
+  if mode == "off":
+    return None
+  if explicit:
+    return FLAGS_START
+  if int(environ.get("SLURM_NTASKS", "1")) > 1:
+    return SLURM_START
+  if on_tpu_vm:
+    return TPU_START
+  return DETECTED_START if mode == "on" else None
 
 
 _SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
@@ -96,9 +137,13 @@ def slurm_local_device_ids(environ) -> list[int] | None:
 
 
 def initialize_from_flags() -> None:
-  explicit = FLAGS.coordinator_address is not None
-  mode = FLAGS.distributed
-  if mode == "off" or (mode == "auto" and not explicit and not _detected_multiprocess()):
+  start = how_to_start(
+    FLAGS.distributed,
+    FLAGS.coordinator_address is not None,
+    os.environ,
+    on_cloud_tpu_vm(),
+  )
+  if start is None:
     return
   # CPU processes (tests, or CPU-only clusters) need a collectives backend.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -108,7 +153,7 @@ def initialize_from_flags() -> None:
   # heartbeats"): a job with a dead host ends instead of waiting in a collective forever.
   # A coordinator that cannot be reached ends the same way after initialization_timeout.
   try:
-    local_device_ids = None if explicit else slurm_local_device_ids(os.environ)
+    local_device_ids = slurm_local_device_ids(os.environ) if start == SLURM_START else None
   except ValueError as e:
     exit_with_error(e, force=True)
   try:
@@ -120,11 +165,21 @@ def initialize_from_flags() -> None:
       initialization_timeout=FLAGS.distributed_init_timeout_s,
       heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_s,
     )
-  except (RuntimeError, ValueError, TypeError) as e:  # bad ids, no coordinator address
+  except (RuntimeError, ValueError, TypeError, OSError) as e:
+    # OSError: the metadata server's requests (requests' errors are OSErrors).
+    if start == TPU_START and FLAGS.distributed == "auto" and not jax.distributed.is_initialized():
+      logging.warning(
+        "jax.distributed: JAX found no TPU slice around this TPU VM (%s); running as one "
+        "process (--distributed=on makes this an error)",
+        first_line(e),
+      )
+      return
+    given = (
+      f"--coordinator_address={FLAGS.coordinator_address}, --process_id={FLAGS.process_id}, "
+      f"--num_processes={FLAGS.num_processes}"
+    )
     exit_with_error(
-      f"cannot start jax.distributed (--coordinator_address={FLAGS.coordinator_address}, "
-      f"--process_id={FLAGS.process_id}, --num_processes={FLAGS.num_processes}): "
-      f"{first_line(e)}",
+      f"cannot start jax.distributed ({given if start == FLAGS_START else start}): {first_line(e)}",
       force=True,
     )
   if jax.process_count() > 1 and jax.default_backend() == "cpu":
@@ -133,17 +188,26 @@ def initialize_from_flags() -> None:
     # waited for peers that never joined it (a 4-process job resumed from a checkpoint
     # failed so every time; the same job without the cache ran).
     jax.config.update("jax_enable_compilation_cache", False)
+  # The first line to read on a new slice or cluster (docs/clusters.md): every host must
+  # say the same process count and global devices, and its own index.
   logging.info(
-    "jax.distributed: process %d of %d, %d local / %d global devices",
+    "jax.distributed (%s): process %d of %d, %d local / %d global devices (%s)",
+    start,
     jax.process_index(),
     jax.process_count(),
     jax.local_device_count(),
     jax.device_count(),
+    jax.devices()[0].device_kind,
   )
 
 
+# The exit status of eval.py or generate.py stopped by a notice (`Stopped`): a shell's for
+# a process that SIGTERM ended, so a cluster script tells it from a failure (and requeues).
+NOTICE_EXIT_CODE = 143
+
+
 def exit_with_error(error, force: bool = False) -> None:
-  """Prints `error: ...` as one line on stderr and exits 1.
+  """Prints `error: ...` as one line on stderr and exits 1 (NOTICE_EXIT_CODE for `Stopped`).
 
   With several processes the exit skips Python's shutdown (os._exit): the normal exit runs
   jax.distributed's shutdown barrier, which waits for every process, so after another
@@ -162,11 +226,12 @@ def exit_with_error(error, force: bool = False) -> None:
       f"from the newest checkpoint): {first_line(error)}"
     )
   print(f"error: {message}", file=sys.stderr, flush=True)  # once: no log line besides it
+  code = NOTICE_EXIT_CODE if isinstance(error, Stopped) else 1
   if several:
     logging.flush()
     sys.stdout.flush()
-    os._exit(1)
-  sys.exit(1)
+    os._exit(code)
+  sys.exit(code)
 
 
 class Stopped(RuntimeError):
