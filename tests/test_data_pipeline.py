@@ -412,6 +412,8 @@ def test_a_data_state_without_a_plan_resumes_with_the_plan_it_was_written_with(s
 
   resumed = from_old_state(skipped)
   assert len(warnings) == 1 and "\n" not in warnings[0] and "format 1" in warnings[0]
+  # It names the row multiple it planned with, this run's: the old mesh's is not saved.
+  assert f"nearest multiple of {multiple} " in warnings[0] and "this run's mesh" in warnings[0]
   # The old code's expression, over the real tokens per row this plan measured.
   then = sorted(round(budget / real / m) * m for budget, real, m in measured)
   assert sorted(resumed.rows_by_length.values()) == then

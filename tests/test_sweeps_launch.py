@@ -490,3 +490,20 @@ def test_print_step_is_the_newest_checkpoint_even_inside_a_slurm_job(trained_run
       timeout=120,
     )
     assert (result.returncode, result.stdout) == (0, step + "\n"), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["slurm", "tpu"])
+def test_every_table3_row_gets_a_script_bash_can_read_that_waits_for_its_final_step(tmp_path, kind):
+  """All of Table 3, as `--launch` writes it: each script parses (`bash -n`) and compares
+  the newest checkpoint with its row's final step (batches, with its grad_accum_steps)."""
+  sweep = dataclasses.replace(
+    spec.load_sweep(TABLE3), command_line_overrides={"data_dir": "gs://b/tfds"}
+  )
+  configs = {row.name: spec.row_config(sweep, row) for row in sweep.rows}
+  options = launch.LaunchOptions(script_dir=str(tmp_path), slurm_nodes=2)
+  written = launch.write_scripts(kind, sweep, sweep.rows, configs, "gs://b/t3", options)
+  assert len(written) == len(sweep.rows) + 1
+  for row, path in zip(sweep.rows, written):
+    assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0, path
+    final = configs[row.name].num_train_steps * configs[row.name].grad_accum_steps
+    assert f"--step {final}" in pathlib.Path(path).read_text()

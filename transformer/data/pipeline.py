@@ -247,7 +247,9 @@ class TrainIterator:
     planned, rows rounded to the nearest multiple of row_multiple, so that its
     batch_in_epoch counts the same batches, and a one-line warning says so: today's
     rounding (down) would make other batches, and skip or replay examples for the rest
-    of the epoch. A format this code does not know is a one-line ConfigError.
+    of the epoch. The state does not say which mesh it ran on, so the plan takes this
+    run's row_multiple: the same batches only on a mesh with the same one, as the warning
+    says. A format this code does not know is a one-line ConfigError.
 
     The saved plan is kept while its rows split over this run's row_multiple, so the
     stream is the uninterrupted run's on any mesh; where they do not, a one-line
@@ -271,9 +273,10 @@ class TrainIterator:
     if saved is None:  # format 1: plan as the code that wrote it did
       self._plan = self._plan_rows(self._row_multiple, nearest=True)
       logging.warning(
-        "the checkpoint's data state (format 1) has no batch plan: batches planned as "
-        "then, rows rounded to the nearest multiple of %d (rows by length %s), so that "
-        "its %d batches of epoch %d are the ones it counted",
+        "the checkpoint's data state (format 1) has no batch plan: batches planned again "
+        "with this run's mesh, rows rounded as its code did, to the nearest multiple of %d "
+        "(rows by length %s); its %d batches of epoch %d are the ones it counted only if "
+        "the mesh it ran on had that row multiple too",
         self._row_multiple,
         self._plan,
         self._batch_in_epoch,

@@ -20,7 +20,11 @@ record of every start. The categories, disjoint, cover a start's time from
 
 A start killed without warning (kill -9, a lost host) loses the time after its last
 checkpoint's record: no record says it. The steps it trained then are trained again by
-the next start, whose `recomputed` counts them. Python's imports before
+the next start, whose `recomputed` counts those up to the highest step the killed start
+logged (every log_every_steps, and at every save); the steps after that log line and
+before the kill left no trace, so the next start counts them as `steps`, overstating
+goodput by up to log_every_steps - 1 steps per kill. A preemption notice loses none:
+the run saves and logs at the step it stops. Python's imports before
 `train_and_evaluate` (a few seconds) are not counted.
 """
 
