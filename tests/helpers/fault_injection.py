@@ -25,6 +25,9 @@ As a launcher it runs an entry point with the fault armed:
   set) as it sends the signal, and prints the counts it saw.
   - FAULT_NOTICE_IN_SAVE=N: once Orbax's CheckpointManager.save of step N has returned,
     its commit in flight (with FAULT_SLOW_SAVE_STEP=N it stays in flight);
+  - FAULT_NOTICE_IN_WAIT=N: once the process first waits for checkpoint N's commit after
+    its save returned (CheckpointManager.wait_until_finished; with FAULT_SLOW_SAVE_STEP=N
+    still in flight): for the last step, the wait after the loop has ended;
   - FAULT_NOTICE_AFTER_STEP=N: once step N is logged (the metrics writer's `write`,
     which every process calls), and, with FAULT_NOTICE_WAIT_FOR=PATH, once PATH exists
     (a checkpoint's folder: just after it commits);
@@ -151,6 +154,7 @@ def _wait_until_the_notice_is_decided(timeout_s: float = 120.0) -> None:
 def arm_notice(
   process: int,
   in_save: int | None = None,
+  in_wait: int | None = None,
   after_step: int | None = None,
   wait_for: str = "",
   at_compile: bool = False,
@@ -180,6 +184,28 @@ def arm_notice(
       return saved
 
     ocp.CheckpointManager.save = save
+
+  if in_wait is not None:
+    saved_before_wait, original_wait = (
+      ocp.CheckpointManager.save,
+      ocp.CheckpointManager.wait_until_finished,
+    )
+    armed = []
+
+    def save_then_arm(self, step, *args, **kwargs):
+      saved = saved_before_wait(self, step, *args, **kwargs)
+      if step == in_wait and ours():
+        armed.append(step)
+      return saved
+
+    def wait_until_finished(self):
+      if armed:
+        armed.clear()
+        notice_now()
+      return original_wait(self)
+
+    ocp.CheckpointManager.save = save_then_arm
+    ocp.CheckpointManager.wait_until_finished = wait_until_finished
 
   if after_step is not None:
     from transformer.training import reporting
@@ -313,6 +339,7 @@ if __name__ == "__main__":
     arm_notice(
       int(os.environ["FAULT_NOTICE_PROCESS"]),
       in_save=_env_int("FAULT_NOTICE_IN_SAVE"),
+      in_wait=_env_int("FAULT_NOTICE_IN_WAIT"),
       after_step=_env_int("FAULT_NOTICE_AFTER_STEP"),
       wait_for=os.environ.get("FAULT_NOTICE_WAIT_FOR", ""),
       at_compile=bool(os.environ.get("FAULT_NOTICE_AT_COMPILE")),

@@ -58,6 +58,9 @@ class PreemptionSignal:
 
   def __init__(self, several_processes: bool = False):
     self.received = None
+    # Set once the loop has ended (`TrainingRun.train`): a notice then only waits for the
+    # last checkpoint's commit, which the process does anyway before it exits 0.
+    self.finishing = False
     self._several_processes = several_processes
     self._previous = {}
     signals = (signal.SIGINT,) if several_processes else (signal.SIGTERM, signal.SIGINT)
@@ -70,7 +73,15 @@ class PreemptionSignal:
     self.received = signal.Signals(signum).name
     if self._several_processes:  # jax.distributed's handler takes it from here
       os.kill(os.getpid(), signal.SIGTERM)
-    logging.warning("%s received: saving a checkpoint after this step, then exiting", self.received)
+    if self.finishing:
+      logging.warning(
+        "%s received: the run is finishing; exiting once its last checkpoint is written",
+        self.received,
+      )
+    else:
+      logging.warning(
+        "%s received: saving a checkpoint after this step, then exiting", self.received
+      )
 
   def restore(self):
     for sig, handler in self._previous.items():
@@ -276,7 +287,8 @@ def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> data.To
 
 
 class TrainingRun:
-  """One run in a workdir: built (and restored) at construction, then `train()`."""
+  """One run in a workdir: built (and restored) at construction, then `train()`, then
+  `close()` (which the signal handlers `train()` installs last until)."""
 
   def __init__(
     self,
@@ -317,7 +329,7 @@ class TrainingRun:
     self.writer = reporting.MetricsWriter(
       workdir, enabled=self.is_chief, timeout_s=config.storage_timeout_s
     )
-    self.total_steps = config.num_train_steps * config.grad_accum_steps
+    self.total_steps = config_lib.final_step(config)  # batches, grad_accum_steps an update
     peak = flops.total_peak_flops(configured=config.peak_flops_per_device)
     if peak is not None:  # MFU's denominator, and where it came from
       logging.info(
@@ -345,6 +357,10 @@ class TrainingRun:
     self.trained = False  # whether train() ran steps: a goodput line to print
     self.batches: prefetch.Prefetcher  # set by train(): the global batches, built ahead
     self.started = time.time()  # train()'s start, for the progress line's elapsed time
+    # The run's signal handlers, from train()'s loop until close(): they cover the wait
+    # for the last checkpoint's commit (report_goodput, close), which a SIGTERM would
+    # otherwise cut short with the default action (exit 143, and SLURM does not requeue).
+    self.preemption: PreemptionSignal | None = None
     self.last_save_time = time.time()
 
   def _restore_or_init(self) -> state.TrainState:
@@ -365,7 +381,11 @@ class TrainingRun:
 
   def train(self) -> dict[str, Any]:
     """The loop. Metrics stay on device until a log step, so steps run back to back; two
-    global batches are built ahead on a thread (its state is that of the consumed ones)."""
+    global batches are built ahead on a thread (its state is that of the consumed ones).
+
+    Installs the run's SIGTERM/SIGINT handlers (PreemptionSignal), which `close()` gives
+    back once the last save is committed: a notice while it commits must not kill the
+    process (the default action) but let it finish and exit 0."""
     start_step = int(jax.device_get(self.state.step))
     if start_step >= self.total_steps:
       logging.info("already trained to step %d of %d", start_step, self.total_steps)
@@ -378,7 +398,10 @@ class TrainingRun:
       timeout_s=self.config.storage_timeout_s,
       what=f"the training data of {self.config.dataset}",
     )
-    preemption = PreemptionSignal(several_processes=jax.process_count() > 1)
+    if self.preemption is None:
+      self.preemption = PreemptionSignal(several_processes=jax.process_count() > 1)
+    preemption = self.preemption
+    preemption.finishing = False
     self.started = started = time.time()
     eval_metrics: dict[str, Any] = {}
     finished = False
@@ -396,10 +419,16 @@ class TrainingRun:
         is_last = step == self.total_steps
         if step % self.config.log_every_steps == 0 or is_last:
           self._log(step, started)
-        if self.validate and (step % self.config.eval_every_steps == 0 or is_last):
+        # Asked before any validation: after a notice, the time left (SLURM's
+        # --signal=TERM@120) is for the save alone. Every host asks here after every step
+        # and gets the same answer, so all of them skip the validation together; the
+        # last step's can be had from eval.py.
+        preempted = self._preempted(step, start_step, preemption)
+        if (
+          self.validate and not preempted and (step % self.config.eval_every_steps == 0 or is_last)
+        ):
           with self.progress.paused(), clock.timing("eval"):
             eval_metrics = self._evaluate(step)
-        preempted = self._preempted(step, start_step, preemption)
         if self._checkpoint_due(step) or is_last or preempted:
           with self.progress.paused(), clock.timing("checkpoints"):
             self._save(step)
@@ -415,7 +444,8 @@ class TrainingRun:
       finished = True
     finally:
       self.batches.close(close_iterator=finished)  # on an error the process exits right after
-      preemption.restore()
+      # The handlers stay until close(), after the last save's commit.
+      preemption.finishing = True
     return {"step": step, **eval_metrics}
 
   def _step_flops(self, batch) -> int:
@@ -504,7 +534,13 @@ class TrainingRun:
       print(goodput.summary_line(goodput.summed(list(starts.values()))), flush=True)
 
   def close(self) -> None:
+    """Waits for the last save's commit, closes the log, then gives the signals back."""
     try:
-      self.checkpointer.close()
+      try:
+        self.checkpointer.close()
+      finally:
+        self.writer.close()
     finally:
-      self.writer.close()
+      if self.preemption is not None:
+        self.preemption.restore()
+        self.preemption = None
