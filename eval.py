@@ -97,6 +97,7 @@ def main(argv):
   import jax
 
   from transformer import config as config_lib
+  from transformer import storage
   from transformer.evaluation import score, translate
 
   # A SIGTERM ends the run between two batches, on every process alike, in one line;
@@ -117,7 +118,9 @@ def main(argv):
       else:
         results = score.evaluate_split(translator, _SPLIT.value)
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
-    distributed.exit_with_error(e)
+    # After a stalled read its thread is still blocked in the storage client (Orbax's
+    # reader threads are joined at a normal exit, however long the storage stalls).
+    distributed.exit_with_error(e, force=isinstance(e, storage.StorageTimeout))
   # No log line of the whole dict: it is in the printed lines below and in eval/*.json.
   if jax.process_index() != 0:  # the same scores on every process: one prints them
     return

@@ -90,6 +90,7 @@ def main(args: argparse.Namespace) -> None:
   import jax
 
   from transformer import config as config_lib
+  from transformer import storage
 
   # A SIGTERM ends the job between two batches, on every process alike, in one line;
   # the outputs are printed (or written) only once all are generated.
@@ -109,7 +110,9 @@ def main(args: argparse.Namespace) -> None:
       else:
         outputs = [_attention_maps(translator, args)]
   except (config_lib.ConfigError, OSError, RuntimeError) as e:
-    distributed.exit_with_error(e)
+    # After a stalled read its thread is still blocked in the storage client (Orbax's
+    # reader threads are joined at a normal exit, however long the storage stalls).
+    distributed.exit_with_error(e, force=isinstance(e, storage.StorageTimeout))
   if jax.process_index() == 0:
     for output in outputs:
       print(output)

@@ -1,7 +1,7 @@
 """Shared entry-point plumbing for train.py, eval.py, generate.py and the package's
 commands.
 
-`run(main)` is absl's `app.run` with four additions:
+`run(main)` is absl's `app.run` with five additions:
   - the process keeps freed host memory where JAX computes on the CPU (host_memory.py),
     set before anything starts a JAX backend, and TensorFlow skips loading Keras and
     prints none of its C++ start-up lines;
@@ -10,12 +10,15 @@ commands.
     to the repository, so every command works from any directory;
   - a quiet terminal: INFO lines come from this project only; libraries (Orbax, tfds,
     JAX) show their warnings and errors, except Orbax's tracebacks of a failed save,
-    which the project reports in one line. `--verbosity=1` shows everything.
+    which the project reports in one line. `--verbosity=1` shows everything;
+  - a stalled read or write (storage.StorageTimeout) that the command let through ends
+    it in one line, at once (`exit_with_error`), as the commands' own handlers do.
 """
 
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -163,6 +166,25 @@ def quiet_tensorflow_start() -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
+def is_storage_timeout(error: BaseException) -> bool:
+  """True for a storage.StorageTimeout (a checkpoint's CheckpointTimeout too), without
+  importing storage: a process that never loaded it cannot have raised one."""
+  storage = sys.modules.get("transformer.storage")
+  return storage is not None and isinstance(error, storage.StorageTimeout)
+
+
+def exit_with_error(error: BaseException) -> NoReturn:
+  """Ends a command with `error: ...` as one line on stderr and exit code 1
+  (training.distributed.exit_with_error). After a StorageTimeout the exit is immediate
+  (os._exit): the stalled read or write is still blocked in a storage client, on a thread
+  that a normal exit would join (Orbax's own worker threads are joined as the interpreter
+  ends), so the command would wait as long as the storage stalls."""
+  from transformer.training import distributed  # imports JAX: only once a command failed
+
+  distributed.exit_with_error(error, force=is_storage_timeout(error))
+  sys.exit(1)  # not reached: for type checkers
+
+
 def run(main) -> None:
   # Process-wide settings belong to the command, not to an import of the package, and
   # go before JAX starts a backend and its threads (host_memory.py).
@@ -171,6 +193,13 @@ def run(main) -> None:
 
   def quiet_main(argv):
     quiet_library_logs()
-    return main(argv)
+    try:
+      return main(argv)
+    except RuntimeError as e:
+      # A stalled read or write that the command did not report itself still ends in one
+      # line, at once, rather than in a traceback and a wait for the stalled thread.
+      if not is_storage_timeout(e):
+        raise
+      exit_with_error(e)
 
   app.run(quiet_main, flags_parser=_parse_flags)

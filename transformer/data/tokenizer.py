@@ -229,9 +229,15 @@ def vocab_from_run(workdir: str, vocab_size: int) -> Tokenizer:
   return tokenizer
 
 
-def load_workdir_tokenizer(workdir: str) -> Tokenizer:
-  """The vocabulary a run saved in its workdir; a one-line error if it is missing."""
+def load_workdir_tokenizer(workdir: str, timeout_s: float | None = None) -> Tokenizer:
+  """The vocabulary a run saved in its workdir; a one-line error if it is missing.
+  timeout_s (config.storage_timeout_s): the read's bound, storage.StorageTimeout after it
+  (None: unbounded, for a caller already inside a bounded read)."""
   path = os.path.join(workdir, WORKDIR_VOCAB_NAME)
-  if not tf.io.gfile.exists(path):
-    raise ConfigError(f"workdir: no {WORKDIR_VOCAB_NAME} in {workdir} (was it trained here?)")
-  return Tokenizer.load(path)
+
+  def read() -> Tokenizer:
+    if not tf.io.gfile.exists(path):
+      raise ConfigError(f"workdir: no {WORKDIR_VOCAB_NAME} in {workdir} (was it trained here?)")
+    return Tokenizer.load(path)
+
+  return read() if timeout_s is None else storage.read_within(timeout_s, path, read)

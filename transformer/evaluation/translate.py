@@ -250,7 +250,7 @@ class Translator:
     self.workdir = workdir
     self.setup = state_lib.setup(config)
     self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
-    self.tokenizer = data.load_workdir_tokenizer(workdir)
+    self.tokenizer = data.load_workdir_tokenizer(workdir, config.storage_timeout_s)
     self.draft = None
     if draft_workdir is not None:
       self.draft = self._restore_draft(draft_workdir)

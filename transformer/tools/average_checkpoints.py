@@ -10,8 +10,6 @@ and data-iterator state are the newest checkpoint's, plus the run's config.json 
 vocab.model, so `eval.py --workdir RUN-avg5` works on it unchanged.
 """
 
-import sys
-
 from absl import flags
 
 from transformer import cli, storage
@@ -46,14 +44,15 @@ def average_into(
   config = checkpoints.load_run_config(workdir)
   run = state.setup(config)
   params, newest = checkpoints.restore_params(workdir, run, step=step, average_last=average_last)
-  source = checkpoints.Checkpointer(workdir, keep=10**6, async_save=False)
+  timeout_s = config.storage_timeout_s  # each read and the save, as in the run
+  source = checkpoints.Checkpointer(workdir, keep=10**6, async_save=False, timeout_s=timeout_s)
   newest_state, iterator_state = source.restore(newest, run.restore_target())
   source.close()
 
   storage.makedirs(output_workdir)
   for name in ("config.json", "vocab.model"):
     storage.copy(storage.join(workdir, name), storage.join(output_workdir, name))
-  target = checkpoints.Checkpointer(output_workdir, keep=1, async_save=False)
+  target = checkpoints.Checkpointer(output_workdir, keep=1, async_save=False, timeout_s=timeout_s)
   target.save(newest, newest_state.replace(params=params), iterator_state, config)
   target.close()
   return newest
@@ -65,8 +64,8 @@ def main(argv):
     if not _WORKDIR.value or not _OUTPUT.value:
       raise ConfigError("--workdir and --output_workdir are required")
     step = average_into(_WORKDIR.value, _OUTPUT.value, _AVERAGE_LAST.value, _STEP.value)
-  except (ConfigError, OSError) as e:
-    sys.exit(f"error: {e}")
+  except (ConfigError, OSError, checkpoints.CheckpointError, storage.StorageTimeout) as e:
+    cli.exit_with_error(e)  # at once after a stalled read or write: its thread is blocked
   print(
     f"wrote the mean of the last {_AVERAGE_LAST.value} checkpoints of {_WORKDIR.value} "
     f"to {_OUTPUT.value} (step {step})"

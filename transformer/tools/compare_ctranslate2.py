@@ -36,7 +36,7 @@ import ctranslate2
 import jax
 import numpy as np
 
-from transformer import data, host_memory, versions
+from transformer import cli, data, host_memory, storage, versions
 from transformer.config import BOS_ID, EOS_ID, PAD_ID, ConfigError
 from transformer.data import batching
 from transformer.evaluation import bleu, translate
@@ -276,8 +276,8 @@ def main():
       threads=args.threads,
       limit=args.limit,
     )
-  except (ConfigError, OSError) as e:
-    raise SystemExit(f"error: {e}") from None
+  except (ConfigError, OSError, checkpoints.CheckpointError, storage.StorageTimeout) as e:
+    cli.exit_with_error(e)  # at once after a stalled read: its thread is still blocked
   print(
     f"greedy: {record['greedy_identical']} of {record['num_sentences']} sentences identical "
     f"to ours; where they differ, our log-prob gaps: "

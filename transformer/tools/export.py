@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import tempfile
 from typing import Any
 
@@ -354,7 +353,7 @@ def export_run(
     raise ConfigError(f"--out {out} already holds a model.bin; pass --force to replace it")
   if not checkpoints.steps_on_disk(workdir):
     raise ConfigError(f"{checkpoints.checkpoint_dir(workdir)} holds no checkpoint")
-  tokenizer = tokenizer_lib.load_workdir_tokenizer(workdir)
+  tokenizer = tokenizer_lib.load_workdir_tokenizer(workdir, config.storage_timeout_s)
   # One row per process is all the restore needs: the export reads whole arrays.
   config.eval_batch_size = jax.device_count()
   setup = state_lib.setup(config)
@@ -434,8 +433,8 @@ def main(argv):
       quantization=_QUANTIZATION.value,
       force=_FORCE.value,
     )
-  except (ConfigError, OSError) as e:
-    sys.exit(f"error: {e}")
+  except (ConfigError, OSError, checkpoints.CheckpointError, storage.StorageTimeout) as e:
+    cli.exit_with_error(e)  # at once after a stalled read: its thread is still blocked
   engine = "Generator" if exported.decoder_only else "Translator"
   print(
     f"wrote {_which(exported)} of {_WORKDIR.value} as a {exported.quantization} CTranslate2 "

@@ -359,7 +359,10 @@ def restore_params(
   the last k checkpoints (5 for base, 20 for big), accumulated in float32. Returns
   (params, step of the newest checkpoint used).
   """
-  checkpointer = Checkpointer(workdir, keep=10**6, async_save=False)
+  # Each read within the run's storage_timeout_s: a stalled bucket is a CheckpointTimeout.
+  checkpointer = Checkpointer(
+    workdir, keep=10**6, async_save=False, timeout_s=setup.config.storage_timeout_s
+  )
   steps = checkpointer.all_steps()
   if not steps:
     raise ConfigError(f"{checkpoint_dir(workdir)} holds no checkpoint")
