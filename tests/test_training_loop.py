@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -278,7 +279,10 @@ def test_time_based_checkpoints_follow_process_0_on_every_host(small_corpus, mon
   assert run._checkpoint_due(4) is False and broadcasts == [False]
 
 
-def test_validation_and_saves_are_left_out_of_the_throughput_window():
+def test_validation_and_saves_are_left_out_of_the_throughput_window(monkeypatch):
+  # The loop's clock, moved by the test alone: no figure depends on this machine's speed.
+  now = [1000.0]
+  monkeypatch.setattr(loop, "time", types.SimpleNamespace(time=lambda: now[0]))
   progress = loop.Progress(peak_flops=None, total_steps=10)
   metrics = {
     "loss": jnp.float32(2.0),
@@ -290,12 +294,13 @@ def test_validation_and_saves_are_left_out_of_the_throughput_window():
     "grad_norm": 1.0,
   }
   progress.add(1, metrics, 0)
-  progress._window_start = time.time() - 2.0  # two seconds of training so far
+  now[0] += 2.0  # two seconds of training
   with progress.paused():
-    time.sleep(1.0)  # a validation: not training time
+    now[0] += 1.0  # a validation: not training time
+  now[0] += 2.0  # two more of training
   record = progress.record(1)
-  # 400 tokens in the 2 s of training (give or take this test's own milliseconds), not 3 s.
-  assert record["tokens_per_sec"] == pytest.approx(200.0, rel=0.05)
+  # 400 tokens in the 4 s of training, not 5 s.
+  assert record["tokens_per_sec"] == pytest.approx(100.0, rel=1e-12)
 
 
 @pytest.mark.slow

@@ -37,7 +37,10 @@ def test_items_arrive_in_order_transformed_and_state_follows_consumption():
   try:
     assert batches.get_state() == {"next": 0}
     assert [next(batches) for _ in range(4)] == [0, 10, 20, 30]
-    time.sleep(0.2)  # the thread runs ahead of what was consumed...
+    # The thread runs ahead of what was consumed (waited for, however slow this machine)...
+    deadline = time.monotonic() + 30
+    while source.next_value <= 4 and time.monotonic() < deadline:
+      time.sleep(0.01)
     assert source.next_value > 4
     assert batches.get_state() == {"next": 4}  # ...but the state is the consumer's
   finally:
@@ -86,29 +89,30 @@ def test_close_can_leave_the_wrapped_iterator_open_as_an_error_does():
 
 
 class SlowIterator(CountingIterator):
-  """Item 1 takes `item_s` seconds, reading (`last_progress` moves) every `read_every_s`
-  of them, or never when read_every_s is 0: a stalled read."""
+  """Item 1 takes `item_s` seconds, `reading` all the while (its `last_progress` is
+  whenever it is asked: no thread has to be scheduled to move it, so no timing of this
+  machine's decides) or stalled (`last_progress` stays at its start)."""
 
-  def __init__(self, item_s, read_every_s):
+  def __init__(self, item_s, reading):
     super().__init__()
-    self.item_s, self.read_every_s = item_s, read_every_s
-    self.last_progress = time.monotonic()
+    self.item_s, self.reading = item_s, reading
+    self.started = time.monotonic()
     self.release = threading.Event()
+
+  @property
+  def last_progress(self):
+    return time.monotonic() if self.reading else self.started
 
   def __next__(self):
     if self.next_value == 1:
-      deadline = time.monotonic() + self.item_s
-      while time.monotonic() < deadline and not self.release.is_set():
-        if self.read_every_s:
-          self.last_progress = time.monotonic()
-        self.release.wait(self.read_every_s or 0.05)
+      self.release.wait(self.item_s)
     return super().__next__()
 
 
 def test_a_stalled_input_is_a_timeout_naming_it_and_a_slow_one_is_not():
   from transformer import storage
 
-  stalled = SlowIterator(item_s=30, read_every_s=0)
+  stalled = SlowIterator(item_s=30, reading=False)
   batches = prefetch.Prefetcher(stalled, lambda x: x, timeout_s=0.3, what="the corpus X")
   try:
     assert next(batches) == 0
@@ -124,7 +128,7 @@ def test_a_stalled_input_is_a_timeout_naming_it_and_a_slow_one_is_not():
     batches.close()
   # Slower than the limit in all, but reading all the while (an epoch replayed up to a
   # checkpoint): waited for.
-  slow = SlowIterator(item_s=1.0, read_every_s=0.1)
+  slow = SlowIterator(item_s=1.0, reading=True)
   batches = prefetch.Prefetcher(slow, lambda x: x, timeout_s=0.3)
   try:
     assert [next(batches) for _ in range(3)] == [0, 1, 2]
