@@ -174,15 +174,19 @@ def is_storage_timeout(error: BaseException) -> bool:
 
 
 def exit_with_error(error: BaseException) -> NoReturn:
-  """Ends a command with `error: ...` as one line on stderr and exit code 1
-  (training.distributed.exit_with_error). After a StorageTimeout the exit is immediate
-  (os._exit): the stalled read or write is still blocked in a storage client, on a thread
-  that a normal exit would join (Orbax's own worker threads are joined as the interpreter
-  ends), so the command would wait as long as the storage stalls."""
-  from transformer.training import distributed  # imports JAX: only once a command failed
-
-  distributed.exit_with_error(error, force=is_storage_timeout(error))
-  sys.exit(1)  # not reached: for type checkers
+  """Ends a command with `error: ...` as one line on stderr and exit code 1. After a
+  StorageTimeout the exit is immediate (os._exit): the stalled read or write is still
+  blocked in a storage client, on a thread that a normal exit would join (Orbax's own
+  worker threads are joined as the interpreter ends), so the command would wait as long
+  as the storage stalls. (Commands that run on several processes end through
+  training.distributed.exit_with_error, which also skips jax.distributed's shutdown.)"""
+  message = str(error).strip().replace("\n", " ")
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  if is_storage_timeout(error):
+    absl_logging.flush()
+    sys.stdout.flush()
+    os._exit(1)
+  sys.exit(1)
 
 
 def run(main) -> None:
