@@ -168,7 +168,33 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
 # tests/test_render_docs.py, and so does a file here that is fresh again, until its entry
 # goes. It lives here, not in the tests, because `make test`'s own record measures tests/:
 # taking make_test off this list must not make that record stale.
-AWAITING_RERUN: dict[str, str] = {}
+# Why the records below wait: the first-day-on-a-pod changes (jax.distributed's start-up,
+# the exit paths, bounded reads, a notice's place in the loop, a log line's wording,
+# config.final_step) touched files they measure without changing a compiled step, a batch
+# or a decoded token, and the package's next change (serving through transformer.run)
+# touches them all again: they are rerun once, after it.
+_NO_FIGURE_MOVED = "no measured figure moved: see the comment above"
+AWAITING_RERUN: dict[str, str] = {
+  name: _NO_FIGURE_MOVED
+  for name in (
+    "compile_check",
+    "cpu",
+    "ctranslate2",
+    "decoder_only_vs_encoder_decoder",
+    "flax_side_by_side",
+    "host_memory",
+    "input_pipeline",
+    "make_train",
+    "memory",
+    "speculative",
+    "table3_compile_check",
+    "table3_dry_run",
+    "table3_small",
+  )
+}
+AWAITING_RERUN["make_test"] = (
+  "the suite grew (tests of every first-day item): rerun on an idle machine"
+)
 
 
 def rendered_records(
