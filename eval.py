@@ -143,7 +143,7 @@ def load_translator(settings):
   from transformer import config as config_lib
   from transformer import storage
   from transformer.evaluation import translate
-  from transformer.training import checkpoints
+  from transformer.run import checkpoints
 
   workdir = _WORKDIR.value
   if not workdir:

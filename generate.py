@@ -123,7 +123,7 @@ def _translator(args: argparse.Namespace):
   from transformer import config as config_lib
   from transformer import storage
   from transformer.evaluation import translate
-  from transformer.training import checkpoints
+  from transformer.run import checkpoints
 
   if not storage.is_dir(args.workdir):
     raise config_lib.ConfigError(f"--workdir {args.workdir} does not exist")

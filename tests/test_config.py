@@ -188,6 +188,7 @@ def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
   and the model's modules read every ModelConfig field."""
   from tests.helpers.tiny_run import make_config
   from transformer.evaluation.validation import ValidationWithBleu
+  from transformer.run import model_setup
   from transformer.training import loop, state
 
   config = make_config(
@@ -214,7 +215,7 @@ def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
     fields = dataclasses.asdict(ModelConfig.from_config(config))
     run = state.setup(config)
     model = Transformer(RecordingModelConfig(**{**fields, "positional": positional}))
-    params = model.init(jax.random.key(0), **state.dummy_inputs(config))["params"]
+    params = model.init(jax.random.key(0), **model_setup.dummy_inputs(config))["params"]
     source = jnp.array([[5, 6, config_lib.EOS_ID]], jnp.int32)
     decoding.decode(
       model,

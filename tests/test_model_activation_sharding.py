@@ -17,8 +17,9 @@ import pytest
 
 from transformer import config as config_lib
 from transformer.model import decoding
+from transformer.run import sharding
 from transformer.tools import memory
-from transformer.training import sharding, state
+from transformer.training import state
 
 ROWS, LENGTH = 32, 32  # the global batch of every compiled step
 D, F, V = 64, 256, 512  # d_model, d_ff, vocab_size of the small model

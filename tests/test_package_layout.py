@@ -6,7 +6,7 @@ import os
 from tests.helpers.tiny_run import REPO
 
 PACKAGE = os.path.join(REPO, "transformer")
-FOLDERS = ("model", "data", "training", "evaluation", "sweeps", "tools")
+FOLDERS = ("model", "data", "run", "training", "evaluation", "sweeps", "tools")
 # What each layer may import from the package, besides itself (the rest is upward).
 ALLOWED = {
   "messages": set(),
@@ -17,8 +17,19 @@ ALLOWED = {
   "cli": {"config", "messages", "host_memory"},
   "model": {"config", "messages"},
   "data": {"config", "messages", "storage"},
-  "training": {"config", "messages", "storage", "versions", "model", "data"},
-  "evaluation": {"config", "messages", "storage", "versions", "model", "data", "training"},
+  # A model and its parameters: what serving a trained run needs, below training.
+  "run": {"config", "messages", "storage", "model", "data"},
+  "training": {"config", "messages", "storage", "versions", "model", "data", "run"},
+  "evaluation": {
+    "config",
+    "messages",
+    "storage",
+    "versions",
+    "model",
+    "data",
+    "run",
+    "training",
+  },
   "sweeps": {
     "config",
     "messages",
@@ -27,6 +38,7 @@ ALLOWED = {
     "cli",
     "model",
     "data",
+    "run",
     "training",
     "evaluation",
   },
@@ -39,11 +51,32 @@ ALLOWED = {
     "host_memory",
     "model",
     "data",
+    "run",
     "training",
     "evaluation",
     "sweeps",
   },
 }
+# What serves a trained run loads it through `transformer.run`, parameters only: none of
+# these imports training's state, optimizer or checkpoints (the writer), directly or
+# through another module of the package. Training's validation (evaluation/validation.py,
+# built on training.loop) is training's own, and not in the list.
+SERVING = (
+  "eval.py",
+  "generate.py",
+  "transformer/evaluation/translate.py",
+  "transformer/evaluation/searches.py",
+  "transformer/evaluation/score.py",
+  "transformer/evaluation/attention_maps.py",
+  "transformer/tools/export.py",
+  "transformer/tools/average_checkpoints.py",
+)
+OPTIMIZER_SIDE = (
+  "transformer.training.state",
+  "transformer.training.optimizer",
+  "transformer.training.steps",
+  "transformer.training.loop",
+)
 
 
 def _layer(module: str) -> str | None:
@@ -409,3 +442,48 @@ def test_decoding_never_names_a_cache_leaf_or_the_scan_layout():
     "apply",
     "unstack_layer_params",
   } <= _model_insides_named(os.path.join(PACKAGE, "model", "incremental.py"))
+
+
+def _reachable_modules(path: str, known: set[str]) -> set[str]:
+  """The package's modules that `path` imports, directly or through one another."""
+  paths = {_module_name(p): p for p in _package_paths()}
+  seen: set[str] = set()
+  todo = list(_imported_modules(path, known))
+  while todo:
+    module = todo.pop()
+    if module in seen:
+      continue
+    seen.add(module)
+    if module in paths and not paths[module].endswith("__init__.py"):
+      todo += _imported_modules(paths[module], known)
+    elif module in paths:  # a package: what its __init__ re-exports
+      todo += _imported_modules(paths[module], known)
+  return seen
+
+
+def _package_paths() -> list[str]:
+  return [
+    os.path.join(root, name)
+    for root, _, files in os.walk(PACKAGE)
+    for name in files
+    if name.endswith(".py")
+  ]
+
+
+def test_serving_a_run_never_reaches_the_optimizer():
+  """The floor under serving: eval.py, generate.py, the searches and the export load a
+  run through transformer.run, and none of them imports the optimizer's side of
+  training, however indirectly. The checker itself sees an import that does."""
+  known = {_module_name(p) for p in _package_paths()}
+  reached = {
+    relative: sorted(_reachable_modules(os.path.join(REPO, relative), known) & set(OPTIMIZER_SIDE))
+    for relative in SERVING
+  }
+  assert {k: v for k, v in reached.items() if v} == {}
+  assert all(
+    "transformer.run.restore" in _reachable_modules(os.path.join(REPO, relative), known)
+    for relative in ("eval.py", "generate.py", "transformer/tools/export.py")
+  )
+  # Training's validation does reach it, through training.loop: the checker sees that.
+  validation = os.path.join(PACKAGE, "evaluation", "validation.py")
+  assert "transformer.training.optimizer" in _reachable_modules(validation, known)

@@ -13,12 +13,13 @@ import pytest
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.config import ConfigError
+from transformer.run import checkpoints as run_checkpoints
 from transformer.tools import average_checkpoints
 from transformer.training import checkpoints, state
 
 
 def _params(workdir, config, **kwargs):
-  params, step = checkpoints.restore_params(workdir, state.setup(config), **kwargs)
+  params, step = run_checkpoints.restore_params(workdir, state.setup(config), **kwargs)
   return jax.device_get(params), step
 
 

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec
 
 from transformer import config as config_lib
 from transformer.model import Transformer
-from transformer.training import sharding, state
+from transformer.run import model_setup, sharding
+from transformer.training import state
 
 VOCAB, D_MODEL, D_FF, HEADS, D_K, D_V = 32, 16, 24, 4, 4, 6  # d_k != d_v on purpose
 
@@ -63,17 +64,17 @@ def test_num_params_matches_the_hand_count_and_the_initialized_params(decoder_on
 def test_build_model_and_dummy_inputs_follow_the_config():
   """The model reads config.model; dummy inputs drop the source for a decoder-only model."""
   config = tiny_config(**{"model.activation": "swiglu", "model.norm": "pre"})
-  model = state.build_model(config)
+  model = model_setup.build_model(config)
   assert isinstance(model, Transformer)
   cfg = model.config
   assert (cfg.vocab_size, cfg.num_layers, cfg.d_model, cfg.d_ff) == (VOCAB, 1, D_MODEL, D_FF)
   assert (cfg.num_heads, cfg.d_k, cfg.d_v) == (HEADS, D_K, D_V)
   assert (cfg.activation, cfg.norm) == ("swiglu", "pre")
-  inputs = state.dummy_inputs(config)
+  inputs = model_setup.dummy_inputs(config)
   assert inputs["source"].shape == (1, 8) and inputs["decoder_input"].shape == (1, 8)
   assert inputs["source"].dtype == jnp.int32
   config.model.decoder_only = True
-  inputs = state.dummy_inputs(config)
+  inputs = model_setup.dummy_inputs(config)
   assert inputs["source"] is None and inputs["decoder_input"].shape == (1, 8)
 
 

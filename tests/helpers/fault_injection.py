@@ -39,7 +39,7 @@ In-process tests can call `arm(...)` / `disarm()` instead (for the save and vali
 faults). The hook sits in Orbax's JSON
 item writer, which every checkpoint here runs in its background commit (the
 `data_iterator` and `config` items), before the final rename; validation's in
-`training.metrics.evaluate_loss`, which the loop's validation calls.
+`run.metrics.evaluate_loss`, which the loop's validation calls.
 """
 
 import errno
@@ -105,7 +105,7 @@ def _slow_validation(seconds: float, marker: str) -> None:
   global _original_evaluate_loss
   # Imported here: the launcher puts the repository on the path first, and nothing of
   # the package loads before the entry point starts jax.distributed.
-  from transformer.training import metrics
+  from transformer.run import metrics
 
   _original_evaluate_loss = _original_evaluate_loss or metrics.evaluate_loss
   original = _original_evaluate_loss
@@ -310,7 +310,7 @@ def disarm() -> None:
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
   json_checkpoint_handler.JsonCheckpointHandler.restore = _ORIGINAL_RESTORE
   if _original_evaluate_loss is not None:
-    from transformer.training import metrics
+    from transformer.run import metrics
 
     metrics.evaluate_loss, _original_evaluate_loss = _original_evaluate_loss, None
 

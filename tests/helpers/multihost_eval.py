@@ -24,7 +24,8 @@ def main(workdir, split, process_id, num_processes, port, order):
     process_id=int(process_id),
   )
   from transformer.evaluation import score, translate
-  from transformer.training import checkpoints, sharding
+  from transformer.run import sharding
+  from transformer.training import checkpoints
 
   if order == "interleaved":
     create_mesh = sharding.create_mesh

@@ -22,7 +22,7 @@ from transformer import data, storage, versions
 from transformer.data import sources
 from transformer.evaluation import bleu
 from transformer.evaluation.translate import SearchStats, Translator
-from transformer.training import metrics, steps
+from transformer.run import metrics, scoring
 
 
 class _FilePairs(sources.TsvSource):
@@ -80,7 +80,7 @@ def evaluate_split(
   }
   # Perplexity with teacher forcing, unsmoothed, on the same batches.
   loss = metrics.evaluate_loss(
-    steps.jit_eval_step(translator.setup),
+    scoring.jit_eval_step(translator.setup),
     translator.params,
     batches,
     translator.mesh,

@@ -26,12 +26,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer import config as config_lib
-from transformer import data, storage
+from transformer import data, run, storage
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.evaluation import searches
 from transformer.model import decoding
-from transformer.training import checkpoints, sharding
-from transformer.training import state as state_lib
+from transformer.run import checkpoints, sharding
 
 
 class SearchSettings:
@@ -246,39 +245,39 @@ class Translator:
   ):
     config_lib.validate(config)
     settings.check(with_draft=draft_workdir is not None)
-    self.config = config
-    self.workdir = workdir
-    self.setup = state_lib.setup(config)
+    if draft_workdir is not None:  # checked before either run is restored
+      draft_config = self._check_draft(config, workdir, draft_workdir)
+    restored = run.restore(workdir, step, average_last, config=config)
+    self.config, self.workdir = config, workdir
+    self.setup, self.params, self.step = restored.setup, restored.params, restored.step
     self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
-    self.tokenizer = data.load_workdir_tokenizer(workdir, config.storage_timeout_s)
+    self.tokenizer = restored.tokenizer
     self.draft = None
-    if draft_workdir is not None:
-      self.draft = self._restore_draft(draft_workdir)
+    if draft_workdir is not None:  # on the target's mesh, its rows split as the target's
+      draft = run.restore(draft_workdir, config=draft_config, mesh=self.mesh)
+      self.draft = Draft(draft.setup.model, draft.params, draft_workdir)
     self.settings = settings
-    self.params, self.step = checkpoints.restore_params(
-      workdir, self.setup, step=step, average_last=average_last
-    )
     self.average_last = average_last
     self.stats = SearchStats()  # accumulated over every search this translator ran
     # Called after every batch searched: eval.py and generate.py stop there on a
     # preemption notice (training.distributed.StopBetweenBatches).
     self.after_batch: Callable[[], None] | None = None
 
-  def _restore_draft(self, draft_workdir: str) -> Draft:
-    # Checked before either run's parameters are restored or anything compiles.
+  @staticmethod
+  def _check_draft(config, workdir: str, draft_workdir: str) -> ml_collections.ConfigDict:
+    """The draft run's config, once it is known to fit the target: a one-line ConfigError
+    otherwise."""
     if not storage.is_dir(draft_workdir):
       raise config_lib.ConfigError(f"draft_workdir: {draft_workdir} does not exist")
-    check_draft_vocabulary(self.workdir, draft_workdir)
+    check_draft_vocabulary(workdir, draft_workdir)
     draft_config = checkpoints.load_run_config(draft_workdir)
     config_lib.validate(draft_config)
-    if bool(draft_config.model.decoder_only) != bool(self.config.model.decoder_only):
+    if bool(draft_config.model.decoder_only) != bool(config.model.decoder_only):
       raise config_lib.ConfigError(
         "draft_workdir: the draft must be of the target's kind (decoder-only or encoder-decoder)"
       )
-    draft_config.eval_batch_size = self.config.eval_batch_size  # rows split as the target's
-    draft_setup = state_lib.setup(draft_config, mesh=self.mesh)
-    draft_params, _ = checkpoints.restore_params(draft_workdir, draft_setup)
-    return Draft(draft_setup.model, draft_params, draft_workdir)
+    draft_config.eval_batch_size = config.eval_batch_size  # rows split as the target's
+    return draft_config
 
   @property
   def search(self) -> decoding.Search:

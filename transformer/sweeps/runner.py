@@ -19,9 +19,9 @@ from typing import Any
 from transformer import config as config_lib
 from transformer import storage, versions
 from transformer.messages import format_duration
+from transformer.run.checkpoints import steps_on_disk
 from transformer.sweeps.spec import Row, Sweep, SweepError, config_file, eval_args, train_args
 from transformer.training import reporting
-from transformer.training.checkpoints import steps_on_disk
 
 
 def final_results(workdir: str, final_step: int) -> dict | None:

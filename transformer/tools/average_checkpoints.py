@@ -5,16 +5,20 @@ r"""Write the mean of a run's last k checkpoints as a new run directory.
 
 The paper evaluates base models on the average of the last 5 checkpoints (written every
 10 minutes) and big models on the last 20. The output holds one checkpoint, at the
-newest averaged step, whose parameters are the element-wise mean and whose optimizer
-and data-iterator state are the newest checkpoint's, plus the run's config.json and
-vocab.model, so `eval.py --workdir RUN-avg5` works on it unchanged.
+newest averaged step, whose parameters are the element-wise mean (read one checkpoint
+at a time, parameters only: `transformer.run.restore`) and whose data-iterator state is
+the newest checkpoint's, plus the run's config.json and vocab.model, so
+`eval.py --workdir RUN-avg5`, generate.py and the export work on it unchanged. It holds
+no optimizer state: it is a run to serve, not one to resume training from.
 """
 
+import numpy as np
 from absl import flags
 
-from transformer import cli, storage
+from transformer import cli, run, storage
 from transformer.config import ConfigError
-from transformer.training import checkpoints, state
+from transformer.run import checkpoints as run_checkpoints
+from transformer.training import checkpoints
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _WORKDIR = flags.DEFINE_string(
@@ -41,19 +45,21 @@ def average_into(
     )
   if checkpoints.steps_on_disk(output_workdir):  # an empty one, from a failed try, is reused
     raise ConfigError(f"{output_workdir} already holds checkpoints")
-  config = checkpoints.load_run_config(workdir)
-  run = state.setup(config)
-  params, newest = checkpoints.restore_params(workdir, run, step=step, average_last=average_last)
+  restored = run.restore(workdir, step, average_last)
+  config, newest = restored.config, restored.step
   timeout_s = config.storage_timeout_s  # each read and the save, as in the run
-  source = checkpoints.Checkpointer(workdir, keep=10**6, async_save=False, timeout_s=timeout_s)
-  newest_state, iterator_state = source.restore(newest, run.restore_target())
-  source.close()
+  source = run_checkpoints.CheckpointReader(workdir, timeout_s)
+  try:
+    iterator_state = source.saved_iterator_state(newest)
+  finally:
+    source.close()
 
   storage.makedirs(output_workdir)
   for name in ("config.json", "vocab.model"):
     storage.copy(storage.join(workdir, name), storage.join(output_workdir, name))
   target = checkpoints.Checkpointer(output_workdir, keep=1, async_save=False, timeout_s=timeout_s)
-  target.save(newest, newest_state.replace(params=params), iterator_state, config)
+  served = {"step": np.asarray(newest, np.int32), "params": restored.params}
+  target.save(newest, served, iterator_state, config)
   target.close()
   return newest
 

@@ -41,8 +41,8 @@ from transformer.config import BOS_ID, EOS_ID, PAD_ID, ConfigError
 from transformer.data import batching
 from transformer.evaluation import bleu, translate
 from transformer.model import decoding
+from transformer.run import checkpoints, sharding
 from transformer.tools import export
-from transformer.training import checkpoints, sharding
 
 SYSTEMS = ("ours", "float32", "int8")
 SEARCHES = ("greedy", "beam")

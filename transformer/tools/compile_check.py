@@ -75,8 +75,9 @@ from ml_collections import config_flags
 from transformer import cli, versions
 from transformer import config as config_lib
 from transformer.model import ModelConfig
+from transformer.run import sharding
 from transformer.tools import memory
-from transformer.training import flops, sharding
+from transformer.training import flops
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _CONFIG = config_flags.DEFINE_config_file(

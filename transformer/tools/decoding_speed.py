@@ -29,7 +29,7 @@ from transformer import host_memory
 from transformer.config import EOS_ID
 from transformer.model import decoding, incremental
 from transformer.model.primitives import Array
-from transformer.training import state
+from transformer.run import model_setup
 
 
 class RecomputedState(NamedTuple):
@@ -158,7 +158,7 @@ def main():
     parser.error("--steps must exceed --source_len: the budget is source length + extra")
 
   config = config_lib.load_config(config_lib.DEFAULT_CONFIG)
-  model = state.build_model(config)
+  model = model_setup.build_model(config)
   rng_init, rng_source = jax.random.split(jax.random.PRNGKey(0))
   source_BxS = (
     jax.random.randint(rng_source, (args.batch, args.source_len), 4, config.vocab_size, jnp.int32)

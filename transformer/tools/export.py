@@ -42,15 +42,13 @@ import numpy as np
 from absl import flags
 from ctranslate2.specs import common_spec, transformer_spec
 
-from transformer import cli, storage
+from transformer import cli, run, storage
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ConfigError
-from transformer.data import tokenizer as tokenizer_lib
 from transformer.model import ModelConfig
 from transformer.model.primitives import sinusoidal_encoding
 from transformer.model.transformer import unstack_layer_params
-from transformer.training import checkpoints
-from transformer.training import state as state_lib
+from transformer.run import checkpoints
 
 # Weight storage in the exported model.bin; float32 keeps the trained weights exactly.
 QUANTIZATIONS = ("float32", "int8", "float16", "bfloat16", "int8_float16", "int8_bfloat16")
@@ -353,12 +351,11 @@ def export_run(
     raise ConfigError(f"--out {out} already holds a model.bin; pass --force to replace it")
   if not checkpoints.steps_on_disk(workdir):
     raise ConfigError(f"{checkpoints.checkpoint_dir(workdir)} holds no checkpoint")
-  tokenizer = tokenizer_lib.load_workdir_tokenizer(workdir, config.storage_timeout_s)
   # One row per process is all the restore needs: the export reads whole arrays.
   config.eval_batch_size = jax.device_count()
-  setup = state_lib.setup(config)
-  params, newest = checkpoints.restore_params(workdir, setup, step=step, average_last=average_last)
-  params = jax.device_get(params)
+  restored = run.restore(workdir, step, average_last, config=config)
+  tokenizer, newest = restored.tokenizer, restored.step
+  params = jax.device_get(restored.params)
   cfg = ModelConfig.from_config(config)
   pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
   tokens = vocabulary(pieces, cfg.vocab_size)

@@ -49,7 +49,8 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
-from transformer.training import sharding, state, steps
+from transformer.run import sharding
+from transformer.training import state, steps
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _CONFIG = config_flags.DEFINE_config_file(
@@ -149,13 +150,11 @@ def lower_train_step(
     devices = devices[: math.prod(sizes)]
   run = state.setup(config, sharding.create_mesh(config, devices))
   if not constrained:
-    run = dataclasses.replace(
-      run,
-      rules=tuple(
-        (name, PartitionSpec.UNCONSTRAINED if name.startswith("activation_") else axes)
-        for name, axes in run.rules
-      ),
+    rules = tuple(
+      (name, PartitionSpec.UNCONSTRAINED if name.startswith("activation_") else axes)
+      for name, axes in run.rules
     )
+    run = dataclasses.replace(run, model_setup=dataclasses.replace(run.model_setup, rules=rules))
   batch = abstract_batch(config, rows, seq_len, sharding.batch_sharding(run.mesh, run.rules))
   with sharding.activation_sharding(run.mesh, run.rules):
     return run, steps.jit_train_step(run).lower(run.restore_target(), batch)

@@ -1,4 +1,6 @@
-"""Orbax checkpoints: the train state, the data iterator's position and the config.
+"""Orbax checkpoints: writing the train state, the data iterator's position and the config,
+and restoring all of it to resume a run. Serving reads parameters alone, through the read
+side below training (transformer/run/checkpoints.py), whose names this module shares.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}. Orbax writes each
 checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete
@@ -27,21 +29,29 @@ import jax.experimental.multihost_utils
 import ml_collections
 import orbax.checkpoint as ocp
 
-from transformer import config as config_lib
 from transformer import storage
-from transformer.config import ConfigError
 from transformer.messages import first_line
+from transformer.run.checkpoints import (
+  ITEMS,
+  CheckpointError,
+  CheckpointTimeout,
+  check_compatible,
+  checkpoint_dir,
+  load_run_config,
+  steps_on_disk,
+)
 
-_ITEMS = ("state", "data_iterator", "config")
+__all__ = [  # the read side's names, used with the writer's
+  "CheckpointError",
+  "CheckpointTimeout",
+  "Checkpointer",
+  "check_compatible",
+  "checkpoint_dir",
+  "load_run_config",
+  "steps_on_disk",
+]
+
 _ORBAX_FINALIZE_THREAD = "save_finalize"  # CheckpointManager's thread that ends a save
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that could not be written or read; the message names the step."""
-
-
-class CheckpointTimeout(CheckpointError, storage.StorageTimeout):
-  """A save still not written after the time limit; Orbax's threads may be stuck in it."""
 
 
 def _join_orbax_threads(timeout_s: float = 60.0, name: str | None = None) -> None:
@@ -74,28 +84,6 @@ class _Manager(ocp.CheckpointManager):
   def reached_preemption(self, step: int) -> bool:
     del step  # not passed on: the loop owns the sync manager's count
     return False
-
-
-def checkpoint_dir(workdir: str) -> str:
-  """WORKDIR/checkpoints: absolute if local, the URL itself if gs://..."""
-  return storage.join(workdir, "checkpoints")
-
-
-def steps_on_disk(workdir: str) -> list[int]:
-  """Steps of the complete checkpoints in a run's workdir, as the storage lists them.
-
-  A save torn by a crash is never listed: on local disk Orbax renames a checkpoint to
-  its step only once it is complete; on cloud storage, which cannot rename a folder,
-  it writes straight into `<step>/` and adds `commit_success.txt` last. Reads the
-  storage, not Orbax's in-memory list, which forgets steps it meant to delete once a
-  newer save started. `workdir` may be gs://...
-  """
-  directory = storage.as_path(checkpoint_dir(workdir))
-  if not directory.exists():
-    return []
-  return sorted(
-    int(p.name) for p in directory.iterdir() if p.name.isdigit() and ocp.step.is_path_finalized(p)
-  )
 
 
 class Checkpointer:
@@ -135,7 +123,7 @@ class Checkpointer:
       self._manager = storage.read_within(
         timeout_s,
         f"the checkpoints in {self.directory}",
-        lambda: _Manager(storage.as_path(self.directory), options=options, item_names=_ITEMS),
+        lambda: _Manager(storage.as_path(self.directory), options=options, item_names=ITEMS),
       )
     except storage.StorageTimeout as e:
       raise CheckpointTimeout(str(e)) from None
@@ -300,91 +288,3 @@ class Checkpointer:
       except Exception:  # pylint: disable=broad-except
         if self._reported is None:
           raise
-
-
-# Model keys that change the parameter tree or its shapes: a checkpoint made with other
-# values cannot be loaded.
-_ARCHITECTURE_KEYS = (
-  "num_layers",
-  "d_model",
-  "d_ff",
-  "num_heads",
-  "d_k",
-  "d_v",
-  "positional",
-  "activation",
-  "tie_embeddings",
-  "decoder_only",
-  "norm",
-)
-
-
-def check_compatible(saved: dict, config: ml_collections.ConfigDict) -> None:
-  """One-line ConfigError naming the first architecture key that differs."""
-  pairs = [("vocab_size", saved.get("vocab_size"), config.vocab_size)]
-  pairs += [
-    (f"model.{k}", saved.get("model", {}).get(k), config.model[k]) for k in _ARCHITECTURE_KEYS
-  ]
-  for key, was, now in pairs:
-    if was is not None and was != now:
-      raise ConfigError(
-        f"config.{key}: the checkpoint was trained with {was!r}, the config says {now!r}"
-      )
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run in `workdir` was trained with (WORKDIR/config.json)."""
-  path = storage.join(workdir, "config.json")
-  if not storage.exists(path):
-    raise ConfigError(f"{workdir} holds no trained run: {path} is missing")
-  try:
-    saved = json.loads(storage.read_text(path))
-  except ValueError as e:
-    raise ConfigError(
-      f"{path} is not valid JSON ({e}); rerunning train.py on the workdir writes it again"
-    ) from None
-  saved.pop("versions", None)  # what it was trained with, a record rather than a setting
-  config = config_lib.base_config()
-  config.update(saved)
-  return config
-
-
-def restore_params(
-  workdir: str, setup, step: int | None = None, average_last: int = 1
-) -> tuple[Any, int]:
-  """Parameters of checkpoint `step` (default: newest), or the mean of the newest k.
-
-  `setup`: the config's `training.state.Setup`, which says the shapes and shardings to
-  restore into. Averaging follows the paper: the element-wise mean of the parameters of
-  the last k checkpoints (5 for base, 20 for big), accumulated in float32. Returns
-  (params, step of the newest checkpoint used).
-  """
-  # Each read within the run's storage_timeout_s: a stalled bucket is a CheckpointTimeout.
-  checkpointer = Checkpointer(
-    workdir, keep=10**6, async_save=False, timeout_s=setup.config.storage_timeout_s
-  )
-  steps = checkpointer.all_steps()
-  if not steps:
-    raise ConfigError(f"{checkpoint_dir(workdir)} holds no checkpoint")
-  if step is not None and step not in steps:
-    raise ConfigError(
-      f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; there are {steps}"
-    )
-  upto = step if step is not None else steps[-1]
-  chosen = [s for s in steps if s <= upto][-average_last:]
-  if len(chosen) < average_last:
-    raise ConfigError(
-      f"--average_last {average_last}: only {len(chosen)} checkpoints up to step {upto} ({chosen})"
-    )
-  check_compatible(checkpointer.saved_config(chosen[-1]), setup.config)
-  target = setup.restore_target()
-  total = None
-  for s in chosen:
-    state, _ = checkpointer.restore(s, target)
-    params = jax.tree.map(lambda x: x.astype("float32"), state.params)
-    total = params if total is None else jax.tree.map(lambda a, b: a + b, total, params)
-  checkpointer.close()
-  averaged = jax.tree.map(
-    lambda x, ref: (x / len(chosen)).astype(ref.dtype), total, setup.abstract_state.params
-  )
-  return averaged, chosen[-1]

@@ -7,13 +7,14 @@ import ml_collections
 
 from transformer.config import MESH_AXES
 from transformer.model import ModelConfig
-from transformer.training import flops, sharding, state
+from transformer.run import model_setup, sharding
+from transformer.training import flops
 
 
 def count_params(config: ml_collections.ConfigDict) -> int:
   """Parameters of the model (a tied embedding counted once), from shapes alone."""
-  model = state.build_model(config)
-  inputs = state.dummy_inputs(config)
+  model = model_setup.build_model(config)
+  inputs = model_setup.dummy_inputs(config)
   shapes = jax.eval_shape(
     lambda: model.init(jax.random.key(0), inputs["source"], inputs["decoder_input"])
   )

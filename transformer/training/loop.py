@@ -26,15 +26,14 @@ from absl import logging
 from transformer import config as config_lib
 from transformer import data, storage, versions
 from transformer.model import ModelConfig
+from transformer.run import metrics, scoring, sharding
 from transformer.training import (
   checkpoints,
   draft,
   flops,
   goodput,
-  metrics,
   prefetch,
   reporting,
-  sharding,
   state,
   steps,
 )
@@ -237,7 +236,7 @@ class ValidationLoss:
 
   def __init__(self, config, run_setup: state.Setup, tokenizer):
     self.config, self.setup, self.tokenizer = config, run_setup, tokenizer
-    self._eval_step = steps.jit_eval_step(run_setup)
+    self._eval_step = scoring.jit_eval_step(run_setup.model_setup)
     self._batches = data.make_eval_batches(
       config, tokenizer, "validation", max_batches=config.num_eval_batches
     )

@@ -48,6 +48,7 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
+from transformer.run import sharding
 from transformer.tools import bench
 from transformer.tools.bench import (
   beam_search,
@@ -57,7 +58,7 @@ from transformer.tools.bench import (
   train_loop,
   train_step,
 )
-from transformer.training import sharding, state
+from transformer.training import state
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _CONFIG = config_flags.DEFINE_config_file(

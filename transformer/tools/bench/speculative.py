@@ -29,7 +29,7 @@ from transformer import config as config_lib
 from transformer.config import BOS_ID
 from transformer.model import decoding, incremental
 from transformer.model.decoding import speculative as speculative_lib
-from transformer.training import sharding
+from transformer.run import sharding
 
 
 def _count(params) -> int:

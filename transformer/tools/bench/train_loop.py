@@ -17,7 +17,8 @@ from typing import Any
 
 import jax
 
-from transformer.training import flops, reporting, sharding, steps
+from transformer.run import sharding
+from transformer.training import flops, reporting, steps
 
 
 def measure(config, num_steps: int, window: int) -> dict[str, Any]:

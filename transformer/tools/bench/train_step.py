@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from transformer.config import BOS_ID, EOS_ID
-from transformer.training import flops, sharding, state, steps
+from transformer.run import sharding
+from transformer.training import flops, state, steps
 
 
 def benchmark_batch(config, rows: int, seq_len: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """Step metrics -> the numbers people read: summed on the host, averaged per token.
 
-Steps return sums over real (non-padding) target tokens (steps.cross_entropy_sums), so
+Steps return sums over real (non-padding) target tokens (scoring.cross_entropy_sums), so
 metrics of many batches, or of several microbatches, combine exactly by adding them
 before dividing by the total token count.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer.training import sharding
+from transformer.run import sharding
 
 
 def sum_metrics(pending: list[dict]) -> dict[str, float]:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from transformer import config as config_lib
-from transformer.training import metrics, sharding, state, steps
+from transformer.run import metrics, scoring, sharding
+from transformer.training import state
 
 VOCAB, ROWS, LENGTH = 24, 4, 6
 
@@ -76,7 +77,7 @@ def tiny_run():
   )
   run = state.setup(config, sharding.create_mesh(config))
   params = run.init_state(jax.random.key(0)).params
-  return run, params, steps.jit_eval_step(run)
+  return run, params, scoring.jit_eval_step(run.model_setup)
 
 
 def make_batches(count, seed=0):

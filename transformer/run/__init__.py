@@ -1,0 +1,14 @@
+"""A model and its parameters, below training: what serving a trained run needs.
+
+- `model_setup.setup(config)`: the model, mesh, sharding rules and the parameters' shapes
+  and shardings (`ModelSetup`); training's set-up adds the optimizer on top of it.
+- `restore(workdir, step, average_last)`: a trained run's parameters (only: a partial
+  restore of the checkpoint, never the optimizer's moments), vocabulary and step.
+- `checkpoints`: the read side of a run's checkpoints (steps, config, parameters).
+- `sharding`: the mesh, the logical axis rules, and placing batches on the mesh.
+"""
+
+from transformer.run.model_setup import ModelSetup, setup
+from transformer.run.restore import Restored, restore
+
+__all__ = ["ModelSetup", "Restored", "restore", "setup"]

@@ -1,0 +1,237 @@
+"""The read side of a run's Orbax checkpoints: what serving a trained run needs.
+
+Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}, written by training
+(transformer/training/checkpoints.py, which adds the writer and the full restore of a
+resumed run). The `state` item is the whole train state, {step, params, opt_state};
+`restore_params` reads its `params` alone (a partial restore), sharded straight onto the
+mesh, so that serving a run never reads, or holds, the optimizer's moments: with Adam they
+are two thirds of the bytes. Every read is bounded by `timeout_s` (config.storage_timeout_s)
+and is a `CheckpointTimeout` naming the checkpoint after it, instead of a hang on a stalled
+bucket.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from transformer import config as config_lib
+from transformer import storage
+from transformer.config import ConfigError
+from transformer.messages import first_line
+from transformer.run.model_setup import ModelSetup
+
+ITEMS = ("state", "data_iterator", "config")  # a checkpoint's items, as training saves them
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that could not be written or read; the message names the step."""
+
+
+class CheckpointTimeout(CheckpointError, storage.StorageTimeout):
+  """A save or a read past the time limit; Orbax's threads may be stuck in it."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+  """WORKDIR/checkpoints: absolute if local, the URL itself if gs://..."""
+  return storage.join(workdir, "checkpoints")
+
+
+def steps_on_disk(workdir: str) -> list[int]:
+  """Steps of the complete checkpoints in a run's workdir, as the storage lists them.
+
+  A save torn by a crash is never listed: on local disk Orbax renames a checkpoint to
+  its step only once it is complete; on cloud storage, which cannot rename a folder,
+  it writes straight into `<step>/` and adds `commit_success.txt` last. Reads the
+  storage, not Orbax's in-memory list, which forgets steps it meant to delete once a
+  newer save started. `workdir` may be gs://...
+  """
+  directory = storage.as_path(checkpoint_dir(workdir))
+  if not directory.exists():
+    return []
+  return sorted(
+    int(p.name) for p in directory.iterdir() if p.name.isdigit() and ocp.step.is_path_finalized(p)
+  )
+
+
+# Model keys that change the parameter tree or its shapes: a checkpoint made with other
+# values cannot be loaded.
+_ARCHITECTURE_KEYS = (
+  "num_layers",
+  "d_model",
+  "d_ff",
+  "num_heads",
+  "d_k",
+  "d_v",
+  "positional",
+  "activation",
+  "tie_embeddings",
+  "decoder_only",
+  "norm",
+)
+
+
+def check_compatible(saved: dict, config: ml_collections.ConfigDict) -> None:
+  """One-line ConfigError naming the first architecture key that differs."""
+  pairs = [("vocab_size", saved.get("vocab_size"), config.vocab_size)]
+  pairs += [
+    (f"model.{k}", saved.get("model", {}).get(k), config.model[k]) for k in _ARCHITECTURE_KEYS
+  ]
+  for key, was, now in pairs:
+    if was is not None and was != now:
+      raise ConfigError(
+        f"config.{key}: the checkpoint was trained with {was!r}, the config says {now!r}"
+      )
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run in `workdir` was trained with (WORKDIR/config.json)."""
+  path = storage.join(workdir, "config.json")
+  if not storage.exists(path):
+    raise ConfigError(f"{workdir} holds no trained run: {path} is missing")
+  try:
+    saved = json.loads(storage.read_text(path))
+  except ValueError as e:
+    raise ConfigError(
+      f"{path} is not valid JSON ({e}); rerunning train.py on the workdir writes it again"
+    ) from None
+  saved.pop("versions", None)  # what it was trained with, a record rather than a setting
+  config = config_lib.base_config()
+  config.update(saved)
+  return config
+
+
+class CheckpointReader:
+  """A run's checkpoints, read only: their steps, configs and parameters."""
+
+  def __init__(self, workdir: str, timeout_s: float):
+    self.workdir, self.timeout_s = workdir, timeout_s
+    self.directory = checkpoint_dir(workdir)
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    try:
+      # Orbax's manager reads every checkpoint's metadata as it starts: bounded too.
+      self._manager = storage.read_within(
+        timeout_s,
+        f"the checkpoints in {self.directory}",
+        lambda: ocp.CheckpointManager(
+          storage.as_path(self.directory), options=options, item_names=ITEMS
+        ),
+      )
+    except storage.StorageTimeout as e:
+      raise CheckpointTimeout(str(e)) from None
+    except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
+      raise CheckpointError(f"cannot read {self.directory}: {storage.error_text(e)}") from None
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def read(self, step: int, call: Callable[[ocp.CheckpointManager], Any]) -> Any:
+    """`call(manager)`, a read of checkpoint `step`, within timeout_s; else a
+    CheckpointTimeout naming it (a stalled bucket would hold every host for as long as
+    its client retries)."""
+    try:
+      return storage.read_within(
+        self.timeout_s, f"checkpoint {step} in {self.directory}", lambda: call(self._manager)
+      )
+    except storage.StorageTimeout as e:
+      raise CheckpointTimeout(str(e)) from None
+
+  def saved_config(self, step: int) -> dict:
+    return self.read(
+      step,
+      lambda m: m.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())),
+    )["config"]
+
+  def saved_iterator_state(self, step: int) -> dict:
+    """The data iterator's state of checkpoint `step`, read without the arrays."""
+    return self.read(
+      step,
+      lambda m: m.restore(step, args=ocp.args.Composite(data_iterator=ocp.args.JsonRestore())),
+    )["data_iterator"]
+
+  def params(self, step: int, target: Any) -> Any:
+    """Checkpoint `step`'s parameters alone, placed as `target` (ShapeDtypeStructs with
+    shardings) says; the optimizer's state in the same item is never read."""
+    item = {"params": target}
+    restore = ocp.args.PyTreeRestore(
+      item=item,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+      partial_restore=True,
+    )
+    try:
+      restored = self.read(step, lambda m: m.restore(step, args=ocp.args.Composite(state=restore)))
+    except (ValueError, KeyError, TypeError, OSError) as e:
+      # A tree or shape that does not fit this config's model, or damaged files.
+      raise CheckpointError(
+        f"checkpoint {step} in {self.directory} cannot be loaded (a "
+        f"model other than this config's, or damaged files): "
+        f"{first_line(e, with_type=True)}"
+      ) from e
+    return restored["state"]["params"]
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def choose_steps(steps: list[int], workdir: str, step: int | None, average_last: int) -> list[int]:
+  """The checkpoints to average: the newest `average_last` up to `step` (default: the
+  newest); a one-line ConfigError where they are not there."""
+  if not steps:
+    raise ConfigError(f"{checkpoint_dir(workdir)} holds no checkpoint")
+  if step is not None and step not in steps:
+    raise ConfigError(
+      f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; there are {steps}"
+    )
+  upto = step if step is not None else steps[-1]
+  chosen = [s for s in steps if s <= upto][-average_last:]
+  if len(chosen) < average_last:
+    raise ConfigError(
+      f"--average_last {average_last}: only {len(chosen)} checkpoints up to step {upto} ({chosen})"
+    )
+  return chosen
+
+
+def restore_params(
+  workdir: str, setup: ModelSetup, step: int | None = None, average_last: int = 1
+) -> tuple[Any, int]:
+  """Parameters of checkpoint `step` (default: newest), or the mean of the newest k.
+
+  `setup`: the run's model set-up; each checkpoint is read into its `params_target()`
+  (the parameters' shapes and shardings), and its config is checked against the newest
+  checkpoint's architecture and gives the storage timeout. Averaging
+  follows the paper: the element-wise mean of the parameters of the last k checkpoints
+  (5 for base, 20 for big), summed in float32 one checkpoint at a time, so that at most
+  the running sum and the checkpoint being read are held. Returns (params, step of the
+  newest checkpoint used).
+  """
+  config, target = setup.config, setup.params_target()
+  reader = CheckpointReader(workdir, config.storage_timeout_s)
+  try:
+    chosen = choose_steps(reader.all_steps(), workdir, step, average_last)
+    check_compatible(reader.saved_config(chosen[-1]), config)
+    if len(chosen) == 1:
+      return reader.params(chosen[0], target), chosen[0]
+    add = jax.jit(
+      lambda total, params: jax.tree.map(lambda a, b: a + b.astype(a.dtype), total, params),
+      donate_argnums=0,
+    )
+    total = None
+    for s in chosen:
+      params = reader.params(s, target)
+      if total is None:
+        total = jax.tree.map(lambda x: x.astype("float32"), params)
+      else:
+        total = add(total, params)
+      del params  # the next checkpoint is read into its place
+    mean = jax.jit(
+      lambda total: jax.tree.map(lambda x, ref: (x / len(chosen)).astype(ref.dtype), total, target),
+      donate_argnums=0,
+    )
+    return mean(total), chosen[-1]
+  finally:
+    reader.close()
