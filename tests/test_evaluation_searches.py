@@ -34,7 +34,7 @@ class Repeat(searches.SearchKind):
   def build(self, config, values):
     return Repeat(values["repeats"])
 
-  def run(self, model, params, prompts, rng, draft_params):
+  def run(self, model, params, prompts, rng):
     prompt_BxP = prompts.prompt_BxP
     prefilled = model.prefill(
       params, prompt_BxP, cache_len=prompt_BxP.shape[1], source_BxS=prompts.source_BxS

@@ -157,7 +157,7 @@ def test_beam_search_under_the_rules_finds_the_same_translations():
   search = decoding.BeamSearch(beam_size=2, alpha=0.6)
 
   with sharding.activation_sharding(run.mesh, run.rules):
-    lowered = decoding.decode.lower(run.model, params, prompts, search)
+    lowered = decoding.lower_decode(run.model, params, prompts, search)
     assert _constraints(lowered.as_text())
     constrained = decoding.decode(run.model, params, prompts, search)
   unconstrained = decoding.decode(run.model, params, prompts, search)

@@ -6,6 +6,7 @@ draft: greedy token for token, sampling in distribution (checked statistically, 
 the target's exact distribution enumerated over a tiny vocabulary).
 """
 
+import dataclasses
 import functools
 import itertools
 
@@ -31,9 +32,12 @@ from transformer.model import Transformer, decoding, incremental
 
 
 def translate(model, params, search, draft_params=None, source=SOURCE, extra=EXTRA, rng=None):
-  """decoding.decode of `search` translating `source`: the Generation."""
+  """decoding.decode of `search` translating `source` (a speculative search given its
+  draft's parameters, which it owns): the Generation."""
   prompts = decoding.translation_prompts(source, extra, model.config.decoder_only)
-  return decoding.decode(model, params, prompts, search, rng, draft_params)
+  if draft_params is not None:
+    search = dataclasses.replace(search, draft_params=draft_params)
+  return decoding.decode(model, params, prompts, search, rng)
 
 
 # ----------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ def test_decoder_only_prompt_greedy_and_speculative_greedy():
   )
   assert len({len(strip(row)) for row in np.asarray(plain)}) > 1
   out = decoding.decode(
-    target, target_params, prompts, decoding.Speculative(draft, 2), draft_params=draft_params
+    target, target_params, prompts, decoding.Speculative(draft, 2, draft_params=draft_params)
   )
   np.testing.assert_array_equal(out.tokens_BxO, plain)
   assert 0.0 < acceptance_rate(out) < 1.0

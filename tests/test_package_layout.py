@@ -454,9 +454,7 @@ def _reachable_modules(path: str, known: set[str]) -> set[str]:
     if module in seen:
       continue
     seen.add(module)
-    if module in paths and not paths[module].endswith("__init__.py"):
-      todo += _imported_modules(paths[module], known)
-    elif module in paths:  # a package: what its __init__ re-exports
+    if module in paths and not paths[module].endswith("__init__.py") or module in paths:
       todo += _imported_modules(paths[module], known)
   return seen
 

@@ -472,6 +472,38 @@ def train_loop() -> str:
   )
 
 
+def restore_memory() -> str:
+  """tools.restore_memory: host memory and time of restoring averaged parameters, the
+  parameters alone against whole train states, the newest sitting's processes."""
+  records = _one_sitting(read_records("restore_memory"))
+  gib = 2**30
+  by_way: dict[str, list[Record]] = {}
+  for r in records:
+    by_way.setdefault(r["way"], []).append(r)
+  names = {
+    "params_only": "parameters only, summed one checkpoint at a time (today)",
+    "full_state": "whole train states, moments thrown away (before)",
+  }
+  rows = [
+    (
+      names[way],
+      _runs([r["held_by_restore_bytes"] / gib for r in runs], lambda v: f"{v:.2f}", "GiB"),
+      _runs([r["peak_rss_bytes"] / gib for r in runs], lambda v: f"{v:.2f}", "GiB"),
+      _runs([r["restore_s"] for r in runs], lambda v: f"{v:.1f}", "s"),
+    )
+    for way, runs in by_way.items()
+  ]
+  first = records[0]
+  return (
+    f"The mean of {first['average_last']} checkpoints of a {first['num_params'] / 1e6:,.1f}M-"
+    f"parameter model (parameters {first['params_bytes'] / gib:.2f} GiB, train state "
+    f"{first['state_bytes'] / gib:.2f} GiB, float32), each way in a fresh process:\n\n"
+    + table(("restore", "held by the restore at its peak", "peak resident", "time"), rows)
+    + "\n\n"
+    + source("restore_memory", records)
+  )
+
+
 def memory_per_mesh() -> str:
   records = latest(read_records("memory"), key=lambda r: (r["data"], r["fsdp"], r["tensor"]))
 
@@ -1043,6 +1075,7 @@ def views() -> dict[str, Callable[[], str]]:
       host_memory_input_pipeline,
       train_loop,
       memory_per_mesh,
+      restore_memory,
       before_you_launch,
       flax_train_step,
       flax_beam_search,

@@ -154,6 +154,14 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
     "transformer/evaluation/",
     "configs/default.py",
   ),
+  # tools.restore_memory: restoring averaged parameters, alone or with the whole state.
+  "restore_memory": (
+    "transformer/tools/restore_memory.py",
+    "transformer/run/checkpoints.py",
+    "transformer/run/model_setup.py",
+    "transformer/training/checkpoints.py",
+    "transformer/training/state.py",
+  ),
   # tools.input_speed: real tokens and padding of the default's batches per batching.
   "input_pipeline": (
     "transformer/tools/input_speed.py",

@@ -1,7 +1,9 @@
 """Using a trained run: scoring (eval.py), generation for people (generate.py), metrics.
 
-translate.py       Translator (restore + vocabulary + a search), SearchSettings,
-                   run_search (one batch through any search), translate_lines
+translate.py       Generator (parameters + vocabulary + a search, one batch loop for
+                   translating, continuing text and scoring), Translator (a trained
+                   run's Generator, restored through transformer.run), SearchSettings,
+                   run_search (one batch through any search)
 searches.py        the registry of searches: each one's name, options and checks,
                    from which eval.py and generate.py build their flags
 score.py           evaluate_split / evaluate_files: every sentence once, in order;

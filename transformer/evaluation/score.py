@@ -102,8 +102,8 @@ def _translate_batches(
   """(hypotheses in the split's order, generated tokens with EOS) of every batch."""
   hypotheses: list[str | None] = [None] * num_sentences
   generated_tokens = 0
-  for number, batch in enumerate(batches):
-    tokens = translator.generate(batch["source"], batch_number=number)
+  searched = translator.translate_batches(batch["source"] for batch in batches)
+  for batch, tokens in zip(batches, searched):
     for row, index in enumerate(batch["index"]):
       if index >= 0:
         ids = tokens[row].tolist()

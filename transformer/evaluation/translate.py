@@ -1,13 +1,18 @@
-"""Generation with a trained run: restored parameters, a search, detokenized text.
+"""Generation with a model's parameters: a search over batches, detokenized text.
 
-`Translator` loads a workdir's (optionally averaged) parameters and vocabulary onto the
-config's mesh, and optionally a second run as the draft model of speculative decoding.
+`Generator` is a model set-up, its parameters and vocabulary, and a search; its one batch
+loop (`search_batches`) runs every batch of every job: translating sentences
+(`translate_lines`), continuing text (`continue_text`), translating a split's batches for
+scoring (`generate`, evaluation/score.py), and training's validation BLEU. `Translator`
+is a Generator on a trained run, restored through `transformer.run` (parameters only),
+with, optionally, a second run as the draft of speculative decoding.
+
 `SearchSettings` says how to generate (a search of evaluation/searches.py: beam search,
 the paper's protocol and the default; greedy; sampling; greedy or sampling with a draft)
-and builds the decoding search (transformer/model/decoding). `run_search` is the one
-place a batch meets a search: its rows are spread over the mesh, sampling gets its key,
-and the outputs and the draft's statistics come back to every process in the batch's
-row order.
+and builds the decoding search (transformer/model/decoding), which owns all it needs: a
+speculative search owns its draft's parameters. `run_search` is the one place a batch
+meets a search: its rows are spread over the mesh, sampling gets its key, and the outputs
+and the draft's statistics come back to every process in the batch's row order.
 
 Both kinds of model translate alike: decoding.translation_prompts (an encoder-decoder
 reads the source and continues BOS, a decoder-only model continues BOS + source), each
@@ -17,7 +22,7 @@ sentence producing at most its source length + max_decode_extra_len tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -74,12 +79,13 @@ class SearchSettings:
         f"(--search={'|'.join(offered)}), not {self.kind}"
       )
 
-  def build(self, config: ml_collections.ConfigDict, draft_model: Any = None) -> decoding.Search:
-    """The decoding search these settings describe (speculative with a draft model)."""
+  def build(self, config: ml_collections.ConfigDict, draft: Draft | None = None) -> decoding.Search:
+    """The decoding search these settings describe: speculative with a draft run, whose
+    model and parameters the search then owns."""
     search = searches.SEARCHES[self.kind].build(config, self.values)
-    if draft_model is None:
+    if draft is None:
       return search
-    return decoding.Speculative(draft_model, self.draft_len, search)
+    return decoding.Speculative(draft.model, self.draft_len, search, draft_params=draft.params)
 
   def record(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The search's own entries in eval.py's JSON."""
@@ -145,7 +151,6 @@ def run_search(
   *,
   seed: int = 0,
   batch_number: int = 0,
-  draft_params: Any = None,
 ) -> tuple[np.ndarray, SearchStats]:
   """`search` on one batch every process holds whole -> (tokens [B, O], stats).
 
@@ -165,7 +170,7 @@ def run_search(
     key.shape, sharding.replicated(mesh), lambda index: key[index]
   )  # the same everywhere
   with sharding.activation_sharding(mesh, rules):  # traced with the activations' axes
-    out = decoding.decode(model, params, prompts, search, rng, draft_params)
+    out = decoding.decode(model, params, prompts, search, rng)
   if jax.process_count() > 1:
     tokens = np.asarray(multihost_utils.process_allgather(out.tokens_BxO, tiled=True))
   else:
@@ -182,56 +187,123 @@ def run_search(
   return tokens, stats
 
 
-def translate_lines(
-  model,
-  params,
-  tokenizer,
-  config: ml_collections.ConfigDict,
-  mesh,
-  rules,
-  lines: list[str],
-  search: decoding.Search | None = None,
-  *,
-  seed: int = 0,
-  draft_params: Any = None,
-  after_batch: Callable[[], None] | None = None,
-) -> tuple[list[str], SearchStats]:
-  """Translations of raw sentences, in order, and the speculative stats; an empty line
-  stays empty. Inputs longer than max_len are clipped to it (the model never saw longer
-  ones). The search defaults to the config's beam search. `after_batch` is called after
-  each batch (Translator.after_batch)."""
-  search = search or BEAM.build(config)
-  outputs = [""] * len(lines)
-  stats = SearchStats()
-  rows = config.eval_batch_size
-  todo = [i for i, line in enumerate(lines) if line.strip()]
-  for number, start in enumerate(range(0, len(todo), rows)):
-    chunk = todo[start : start + rows]
-    ids = tokenizer.encode_for_model([lines[i] for i in chunk], config.max_len)
-    prompts = decoding.translation_prompts(
-      data.pad_batch(ids, rows=rows), config.max_decode_extra_len, bool(config.model.decoder_only)
+class Generator:
+  """A model set-up (run.ModelSetup), its parameters and vocabulary, and a search (the
+  settings', speculative with `draft`): what every generation job runs, through one
+  batch loop. `after_batch`, if set, is called after every batch searched (eval.py and
+  generate.py stop there on a preemption notice: distributed.StopBetweenBatches);
+  `stats` adds up what speculative decoding saved over every batch."""
+
+  def __init__(
+    self,
+    setup: run.ModelSetup,
+    params: Any,
+    tokenizer: data.Tokenizer,
+    settings: SearchSettings = BEAM,
+    draft: Draft | None = None,
+  ):
+    self.setup, self.params, self.tokenizer = setup, params, tokenizer
+    self.config = setup.config
+    self.mesh, self.rules, self.model = setup.mesh, setup.rules, setup.model
+    self.settings, self.draft = settings, draft
+    self.stats = SearchStats()
+    self.after_batch: Callable[[], None] | None = None
+
+  @property
+  def search(self) -> decoding.Search:
+    """The decoding search of the settings (speculative with the draft, if any)."""
+    return self.settings.build(self.config, self.draft)
+
+  def search_batches(
+    self, prompt_batches: Iterable[decoding.Prompts], first_number: int = 0
+  ) -> Iterator[np.ndarray]:
+    """The one batch loop: each batch's tokens [B, O] in turn, the batches numbered from
+    `first_number` (what sampling draws from, with the seed), their statistics added,
+    after_batch called after each."""
+    search = self.search
+    for number, prompts in enumerate(prompt_batches, start=first_number):
+      tokens, stats = run_search(
+        self.model,
+        self.params,
+        self.mesh,
+        self.rules,
+        prompts,
+        search,
+        seed=self.settings.seed,
+        batch_number=number,
+      )
+      self.stats += stats
+      if self.after_batch is not None:
+        self.after_batch()
+      yield tokens
+
+  def _translation_prompts(self, source_BxS: np.ndarray) -> decoding.Prompts:
+    config = self.config
+    return decoding.translation_prompts(
+      source_BxS, config.max_decode_extra_len, bool(config.model.decoder_only)
     )
-    tokens, batch_stats = run_search(
-      model,
-      params,
-      mesh,
-      rules,
-      prompts,
-      search,
-      seed=seed,
-      batch_number=number,
-      draft_params=draft_params,
+
+  def generate(self, source_BxS: np.ndarray, batch_number: int = 0) -> np.ndarray:
+    """The search on one padded source batch -> tokens [B, S + max_decode_extra_len]."""
+    return next(self.search_batches([self._translation_prompts(source_BxS)], batch_number))
+
+  def translate_batches(self, sources: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """Each padded source batch's tokens, in turn (evaluation/score.py's split)."""
+    return self.search_batches(self._translation_prompts(source) for source in sources)
+
+  def _rows_of(self, ids: Sequence[Any], make_prompts) -> list[np.ndarray]:
+    """The search over rows of token ids, eval_batch_size at a time, in order: each row's
+    tokens [O]."""
+    rows = self.config.eval_batch_size
+    chunks = [ids[start : start + rows] for start in range(0, len(ids), rows)]
+    batches = self.search_batches(make_prompts(chunk) for chunk in chunks)
+    return [tokens[row] for chunk, tokens in zip(chunks, batches) for row in range(len(chunk))]
+
+  def translate_lines(self, lines: Iterable[str]) -> list[str]:
+    """Detokenized translations of raw sentences, in order; an empty line stays empty.
+    Inputs longer than max_len are clipped to it (the model never saw longer ones)."""
+    lines = list(lines)
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    ids = self.tokenizer.encode_for_model([lines[i] for i in todo], self.config.max_len)
+    rows = self.config.eval_batch_size
+    tokens = self._rows_of(
+      ids, lambda chunk: self._translation_prompts(data.pad_batch(chunk, rows=rows))
     )
-    stats += batch_stats
-    for row, i in enumerate(chunk):
-      outputs[i] = tokenizer.decode(tokens[row].tolist())
-    if after_batch is not None:
-      after_batch()
-  return outputs, stats
+    outputs = [""] * len(lines)
+    for i, row_tokens in zip(todo, tokens):
+      outputs[i] = self.tokenizer.decode(row_tokens.tolist())
+    return outputs
+
+  def continue_text(self, texts: Iterable[str], max_new_tokens: int) -> list[str]:
+    """A decoder-only model's continuation of each text (BOS + its ids, no EOS: the text
+    goes on rather than being translated), detokenized up to EOS. Greedy unless the
+    search samples; speculative with a draft. Prompts are clipped to max_len tokens."""
+    config = self.config
+    if not config.model.decoder_only:
+      raise config_lib.ConfigError(
+        "config.model.decoder_only: continuing text needs a "
+        "decoder-only model; translate with this run"
+      )
+    if not searches.SEARCHES[self.settings.kind].continues_text:
+      offered = [name for name, kind in searches.SEARCHES.items() if kind.continues_text]
+      raise config_lib.ConfigError(f"search: text continuation is {' or '.join(offered)}")
+    check_generation_length(config, config.max_len + 1, max_new_tokens)
+    rows = config.eval_batch_size
+    ids = [
+      [config_lib.BOS_ID, *x[: config.max_len]] for x in self.tokenizer.encode_batch(list(texts))
+    ]
+
+    def prompts(chunk: list[list[int]]) -> decoding.Prompts:
+      prompt_BxP = data.pad_batch(chunk, rows=rows)
+      prompt_BxP[len(chunk) :, 0] = config_lib.BOS_ID  # fill rows: a one-token prompt
+      return decoding.continuation_prompts(prompt_BxP, max_new_tokens)
+
+    return [self.tokenizer.decode(t.tolist()) for t in self._rows_of(ids, prompts)]
 
 
-class Translator:
-  """Restored parameters + tokenizer + a search (and its draft model), on the run's mesh."""
+class Translator(Generator):
+  """A trained run's Generator: its parameters (only) restored through `transformer.run`
+  onto the config's mesh, and a search (with its draft run, if any)."""
 
   def __init__(
     self,
@@ -248,20 +320,12 @@ class Translator:
     if draft_workdir is not None:  # checked before either run is restored
       draft_config = self._check_draft(config, workdir, draft_workdir)
     restored = run.restore(workdir, step, average_last, config=config)
-    self.config, self.workdir = config, workdir
-    self.setup, self.params, self.step = restored.setup, restored.params, restored.step
-    self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
-    self.tokenizer = restored.tokenizer
-    self.draft = None
+    draft = None
     if draft_workdir is not None:  # on the target's mesh, its rows split as the target's
-      draft = run.restore(draft_workdir, config=draft_config, mesh=self.mesh)
-      self.draft = Draft(draft.setup.model, draft.params, draft_workdir)
-    self.settings = settings
-    self.average_last = average_last
-    self.stats = SearchStats()  # accumulated over every search this translator ran
-    # Called after every batch searched: eval.py and generate.py stop there on a
-    # preemption notice (training.distributed.StopBetweenBatches).
-    self.after_batch: Callable[[], None] | None = None
+      draft_run = run.restore(draft_workdir, config=draft_config, mesh=restored.setup.mesh)
+      draft = Draft(draft_run.setup.model, draft_run.params, draft_workdir)
+    super().__init__(restored.setup, restored.params, restored.tokenizer, settings, draft)
+    self.workdir, self.step, self.average_last = workdir, restored.step, average_last
 
   @staticmethod
   def _check_draft(config, workdir: str, draft_workdir: str) -> ml_collections.ConfigDict:
@@ -278,82 +342,6 @@ class Translator:
       )
     draft_config.eval_batch_size = config.eval_batch_size  # rows split as the target's
     return draft_config
-
-  @property
-  def search(self) -> decoding.Search:
-    """The decoding search of the settings (speculative with the draft, if any)."""
-    return self.settings.build(self.config, self.draft and self.draft.model)
-
-  def _run(self, prompts: decoding.Prompts, batch_number: int) -> np.ndarray:
-    tokens, stats = run_search(
-      self.model,
-      self.params,
-      self.mesh,
-      self.rules,
-      prompts,
-      self.search,
-      seed=self.settings.seed,
-      batch_number=batch_number,
-      draft_params=self.draft and self.draft.params,
-    )
-    self.stats += stats
-    if self.after_batch is not None:
-      self.after_batch()
-    return tokens
-
-  def generate(self, source_BxS: np.ndarray, batch_number: int = 0) -> np.ndarray:
-    """The search on one padded source batch -> tokens [B, S + max_decode_extra_len]."""
-    return self._run(
-      decoding.translation_prompts(
-        source_BxS, self.config.max_decode_extra_len, bool(self.config.model.decoder_only)
-      ),
-      batch_number,
-    )
-
-  def translate_lines(self, lines: Iterable[str]) -> list[str]:
-    """Detokenized translations of raw sentences, in order (an empty line stays empty)."""
-    outputs, stats = translate_lines(
-      self.model,
-      self.params,
-      self.tokenizer,
-      self.config,
-      self.mesh,
-      self.rules,
-      list(lines),
-      self.search,
-      seed=self.settings.seed,
-      draft_params=self.draft and self.draft.params,
-      after_batch=self.after_batch,
-    )
-    self.stats += stats
-    return outputs
-
-  def continue_text(self, texts: Iterable[str], max_new_tokens: int) -> list[str]:
-    """A decoder-only model's continuation of each text (BOS + its ids, no EOS: the text
-    goes on rather than being translated), detokenized up to EOS. Greedy unless the
-    search samples; speculative with a draft. Prompts are clipped to max_len tokens."""
-    if not self.config.model.decoder_only:
-      raise config_lib.ConfigError(
-        "config.model.decoder_only: continuing text needs a "
-        "decoder-only model; translate with this run"
-      )
-    if not searches.SEARCHES[self.settings.kind].continues_text:
-      offered = [name for name, kind in searches.SEARCHES.items() if kind.continues_text]
-      raise config_lib.ConfigError(f"search: text continuation is {' or '.join(offered)}")
-    check_generation_length(self.config, self.config.max_len + 1, max_new_tokens)
-    texts = list(texts)
-    outputs = []
-    rows = self.config.eval_batch_size
-    for number, start in enumerate(range(0, len(texts), rows)):
-      ids = [
-        [config_lib.BOS_ID, *x[: self.config.max_len]]
-        for x in self.tokenizer.encode_batch(texts[start : start + rows])
-      ]
-      prompt_BxP = data.pad_batch(ids, rows=rows)
-      prompt_BxP[len(ids) :, 0] = config_lib.BOS_ID  # fill rows: a one-token prompt
-      tokens = self._run(decoding.continuation_prompts(prompt_BxP, max_new_tokens), number)
-      outputs += [self.tokenizer.decode(tokens[row].tolist()) for row in range(len(ids))]
-    return outputs
 
 
 def check_generation_length(

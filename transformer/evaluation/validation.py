@@ -25,16 +25,8 @@ class ValidationWithBleu(ValidationLoss):
 
   def __call__(self, params) -> dict[str, Any]:
     result = super().__call__(params)
-    if self._bleu_pairs:
-      s = self.setup
-      hypotheses, _ = translate.translate_lines(
-        s.model,
-        params,
-        self.tokenizer,
-        self.config,
-        s.mesh,
-        s.rules,
-        [x for x, _ in self._bleu_pairs],
-      )
+    if self._bleu_pairs:  # the paper's beam search, with the parameters trained so far
+      generator = translate.Generator(self.setup.model_setup, params, self.tokenizer)
+      hypotheses = generator.translate_lines([x for x, _ in self._bleu_pairs])
       result["bleu"] = bleu.sacre_bleu(hypotheses, [r for _, r in self._bleu_pairs]).score
     return result

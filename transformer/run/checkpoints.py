@@ -112,7 +112,11 @@ class CheckpointReader:
   def __init__(self, workdir: str, timeout_s: float):
     self.workdir, self.timeout_s = workdir, timeout_s
     self.directory = checkpoint_dir(workdir)
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    if not storage.is_dir(self.directory):
+      raise ConfigError(f"{self.directory} holds no checkpoint")
+    # Not Orbax's read_only option, which logs two warnings at every start: this manager
+    # is never asked to save, and deletes nothing (no max_to_keep, no tmp clean-up).
+    options = ocp.CheckpointManagerOptions(create=False)
     try:
       # Orbax's manager reads every checkpoint's metadata as it starts: bounded too.
       self._manager = storage.read_within(

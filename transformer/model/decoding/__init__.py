@@ -18,7 +18,7 @@ is read in one prefill, and every search then decodes over the cache, which grow
 fills and keeps the cross-attention K/V once per sentence. The searches drive the model
 through its incremental side (transformer/model/incremental.py: prefill, feed, the
 decoder state's row operations) and never look inside its state. Sampling searches take
-`rng`; `Speculative` takes the draft's parameters as `draft_params`. Shape letters:
+`rng`; `Speculative` owns the draft's parameters (its `draft_params`). Shape letters:
 transformer/model/primitives.py.
 """
 
@@ -28,6 +28,7 @@ import functools
 from typing import Any
 
 import jax
+import numpy as np
 
 from transformer.model import incremental
 from transformer.model.decoding.beam import BeamSearch, length_penalty
@@ -55,23 +56,50 @@ __all__ = [
   "decode",
   "filter_logits",
   "length_penalty",
+  "lower_decode",
   "reads_target_encoding",
   "translation_prompts",
 ]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "search"))
+def _split(search: Search) -> tuple[Any, list[Any]]:
+  """(the search's settings, hashable: static for jit; the arrays it owns: inputs). A
+  flax struct search's arrays are its pytree leaves (Speculative's draft_params); any
+  other search object is all settings."""
+  leaves, treedef = jax.tree.flatten(search)
+  arrays = [x for x in leaves if isinstance(x, (jax.Array, np.ndarray))]
+  settings = tuple(None if isinstance(x, (jax.Array, np.ndarray)) else x for x in leaves)
+  return (treedef, settings), arrays
+
+
+@functools.partial(jax.jit, static_argnames=("model", "settings"))
+def _decode(model, params, prompts: Prompts, settings, arrays, rng) -> Generation:
+  treedef, fixed = settings
+  owned = iter(arrays)
+  search = jax.tree.unflatten(treedef, [next(owned) if x is None else x for x in fixed])
+  ready_model, ready_params = incremental.of(model).prepare(params)
+  return search.run(ready_model, ready_params, prompts, rng)
+
+
 def decode(
   model,
   params,
   prompts: Prompts,
   search: Search,
   rng: jax.Array | None = None,
-  draft_params: Any = None,
 ) -> Generation:
-  """Runs `search` on a batch of prompts, compiled once per model, search and shape.
+  """Runs `search` on a batch of prompts, compiled once per model, search settings and
+  shape: the arrays a search owns (a draft's parameters) are inputs of the program, not
+  constants in it.
 
   `model` is a flax model (Transformer, ShallowDraft) or an incremental.IncrementalModel.
   """
-  ready_model, ready_params = incremental.of(model).prepare(params)
-  return search.run(ready_model, ready_params, prompts, rng, draft_params)
+  settings, arrays = _split(search)
+  return _decode(model, params, prompts, settings, arrays, rng)
+
+
+def lower_decode(model, params, prompts: Prompts, search: Search, rng: jax.Array | None = None):
+  """`decode`'s program lowered for these arguments (jax.stages.Lowered: compile it, read
+  its cost)."""
+  settings, arrays = _split(search)
+  return _decode.lower(model, params, prompts, settings, arrays, rng)

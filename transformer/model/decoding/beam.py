@@ -10,11 +10,11 @@ O1 = O + 1 (a BOS slot before the O output slots).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from transformer.config import BOS_ID, EOS_ID
 from transformer.model.decoding import search as search_lib
@@ -184,16 +184,16 @@ def beam_step(
   return new_state, parent_beam_BxW
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class BeamSearch:
   """W = beam_size hypotheses per sentence; alpha: the length penalty's exponent (0
   ranks by log-probability alone); early_stop=False runs every sentence to its budget
   (for timing). Returns each sentence's best-scoring hypothesis among those that ended
   with EOS (included) and those that reached the budget without one."""
 
-  beam_size: int = 4
-  alpha: float = 0.6
-  early_stop: bool = True
+  beam_size: int = struct.field(pytree_node=False, default=4)
+  alpha: float = struct.field(pytree_node=False, default=0.6)
+  early_stop: bool = struct.field(pytree_node=False, default=True)
 
   @property
   def width(self) -> int:
@@ -205,7 +205,6 @@ class BeamSearch:
     params,
     prompts: search_lib.Prompts,
     rng: Array | None = None,
-    draft_params: Any = None,
   ) -> search_lib.Generation:
     return search_lib.run_steps(self, model, params, prompts, rng)
 

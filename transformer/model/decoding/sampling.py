@@ -8,11 +8,11 @@ in search.run_steps. Shape letters: transformer/model/primitives.py.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from transformer.config import EOS_ID, PAD_ID
 from transformer.model.decoding import search as search_lib
@@ -46,7 +46,7 @@ class _State(NamedTuple):
   budget_B: Array
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Greedy:
   """The most likely token at every step."""
 
@@ -79,18 +79,17 @@ class Greedy:
     params,
     prompts: search_lib.Prompts,
     rng: Array | None = None,
-    draft_params: Any = None,
   ) -> search_lib.Generation:
     return search_lib.run_steps(_OneHypothesis(self, rng), model, params, prompts, rng)
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Sampling(Greedy):
   """Ancestral sampling from the filtered distribution; top_k=1 is greedy decoding."""
 
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
+  temperature: float = struct.field(pytree_node=False, default=1.0)
+  top_k: int = struct.field(pytree_node=False, default=0)
+  top_p: float = struct.field(pytree_node=False, default=1.0)
 
   def filtered_logprobs(self, logits_xV: Array) -> Array:
     """log of the distribution tokens are drawn from: specials forbidden, filtered."""

@@ -1,8 +1,9 @@
 """What every search takes and returns, and the loop of the searches that add one token
 per hypothesis per step.
 
-Every search (beam.py, sampling.py, speculative.py) is a small frozen dataclass with one
-method, `run(model, params, prompts, rng, draft_params) -> Generation`, and `decode`
+Every search (beam.py, sampling.py, speculative.py) is a small frozen dataclass (a flax
+struct: a pytree whose settings are static) with one method,
+`run(model, params, prompts, rng) -> Generation`, and `decode`
 (decoding/__init__.py) is the one compiled entry point that calls it. The model it gets
 is the model's incremental side (transformer/model/incremental.py): a prefill, a feed
 and the row operations on a decoder state the search never looks inside. The input
@@ -109,11 +110,13 @@ class Generation(NamedTuple):
 
 
 class Search(Protocol):
-  """One way of generating: `decode(model, params, prompts, search, ...)` calls run with
-  the model's incremental side, its layers ready for decoding (IncrementalModel.prepare)."""
+  """One way of generating: `decode(model, params, prompts, search, rng)` calls run with
+  the model's incremental side, its layers ready for decoding (IncrementalModel.prepare).
+  A search is a pytree (flax.struct.dataclass): its settings are static fields, and
+  whatever arrays it owns (Speculative's draft parameters) are its leaves."""
 
   def run(
-    self, model: IncrementalModel, params, prompts: Prompts, rng: Array | None, draft_params: Any
+    self, model: IncrementalModel, params, prompts: Prompts, rng: Array | None
   ) -> Generation: ...
 
 

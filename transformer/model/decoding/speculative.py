@@ -39,11 +39,11 @@ lockstep and emit PAD. Shape letters: transformer/model/primitives.py; J1 = J + 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from transformer.config import EOS_ID, PAD_ID
 from transformer.model import incremental
@@ -90,15 +90,18 @@ class _Round(NamedTuple):
   accepted: Array
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Speculative:
   """The target's own `search` (one with `propose` and `verify`: Greedy() or a
   Sampling), reproduced exactly with draft_len tokens of `draft_model` checked per
-  target pass. `decode` passes the draft's parameters as draft_params."""
+  target pass. The search owns the draft's parameters (`draft_params`, arrays that
+  `decode` takes as its inputs, not constants of the compiled program); no other search
+  sees them."""
 
-  draft_model: Any
-  draft_len: int = 4
-  search: Greedy = Greedy()
+  draft_model: Any = struct.field(pytree_node=False)
+  draft_len: int = struct.field(pytree_node=False, default=4)
+  search: Greedy = struct.field(pytree_node=False, default=Greedy())
+  draft_params: Any = None
 
   def check(self, model) -> None:
     """ValueError unless the draft can serve this target (a flax model or its
@@ -122,10 +125,11 @@ class Speculative:
     params,
     prompts: search_lib.Prompts,
     rng: Array | None,
-    draft_params: Any,
   ) -> search_lib.Generation:
     self.check(model)
-    draft_model, draft_params = incremental.of(self.draft_model).prepare(draft_params)
+    if self.draft_params is None:
+      raise ValueError("Speculative needs the draft's parameters: Speculative(..., draft_params=)")
+    draft_model, draft_params = incremental.of(self.draft_model).prepare(self.draft_params)
     init_rng, rounds_rng = jax.random.split(rng) if rng is not None else (None, None)
     s, prompt_len_B = self._start(model, params, draft_model, draft_params, prompts, init_rng)
     budget_B = prompts.budget_B

@@ -208,8 +208,7 @@ def _compare_at_batch(
       target.model,
       target.params,
       prompts(source),
-      decoding.Speculative(draft.model, draft_len),
-      draft_params=draft.params,
+      decoding.Speculative(draft.model, draft_len, draft_params=draft.params),
     ),
   }
   compile_s, seconds, outputs = _alternating_timings(decoders, sources)

@@ -1,0 +1,99 @@
+"""The layer below training (transformer/run): a trained run's parameters restored alone,
+from checkpoints as training writes them today, averaged one checkpoint at a time; and
+the tool that measures what that saves (tools/restore_memory.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers.processes import subprocess_env
+from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
+from transformer import run
+from transformer.config import ConfigError
+from transformer.run import checkpoints as run_checkpoints
+from transformer.training import checkpoints, state
+
+
+def _whole_state(workdir, config, step):
+  """The train state as training restores it to resume (parameters and Adam moments)."""
+  reader = checkpoints.Checkpointer(workdir, keep=10**6, async_save=False)
+  restored, _ = reader.restore(step, state.setup(config).restore_target())
+  reader.close()
+  return jax.device_get(restored)
+
+
+def test_restore_reads_the_parameters_training_wrote_and_nothing_else(trained_run):
+  """run.restore on a run trained by today's code: the parameters of the newest
+  checkpoint, equal to those of the whole state, with the run's vocabulary and step; a
+  config given must match the checkpoint's architecture."""
+  config, workdir = trained_run
+  first, last = TRAINED_RUN_STEPS
+  restored = run.restore(workdir)
+  assert restored.step == last
+  assert restored.tokenizer.vocab_size == config.vocab_size
+  assert restored.setup.num_params == sum(x.size for x in jax.tree.leaves(restored.params))
+  whole = _whole_state(workdir, config, last)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), whole.params)
+  # Placed as the model set-up says, on its mesh.
+  shardings = jax.tree.map(lambda x: x.sharding, restored.params)
+  assert jax.tree.all(
+    jax.tree.map(lambda a, b: a.is_equivalent_to(b, 2), shardings, restored.setup.param_shardings)
+  )
+  other = config.copy_and_resolve_references()
+  other.model.d_ff = 2 * config.model.d_ff
+  with pytest.raises(ConfigError, match=r"^config.model.d_ff: the checkpoint was trained with"):
+    run.restore(workdir, config=other)
+
+
+def test_averaging_reads_parameters_alone_one_checkpoint_at_a_time(trained_run, monkeypatch):
+  """The mean of the last two checkpoints, each read as its parameters only (the restore
+  target holds no optimizer state), and never two checkpoints held at once."""
+  config, workdir = trained_run
+  first, last = TRAINED_RUN_STEPS
+  reads, live = [], []
+  original = run_checkpoints.CheckpointReader.params
+
+  def params(self, step, target):
+    assert set(target) == set(state.setup(config).abstract_state.params)  # no moments
+    out = original(self, step, target)
+    reads.append(step)
+    live.append(out)
+    return out
+
+  monkeypatch.setattr(run_checkpoints.CheckpointReader, "params", params)
+  averaged = jax.device_get(run.restore(workdir, average_last=2).params)
+  assert reads == [first, last]
+  expected = jax.tree.map(
+    lambda a, b: (a + b) / 2,
+    _whole_state(workdir, config, first).params,
+    _whole_state(workdir, config, last).params,
+  )
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), averaged, expected)
+  # The first checkpoint's arrays were donated to the running sum or freed: only the
+  # newest read is alive once the mean is made.
+  assert all(x.is_deleted() for x in jax.tree.leaves(live[0])) or first == last
+
+
+@pytest.mark.slow  # three processes that import JAX and write checkpoints
+def test_restore_memory_measures_both_ways_on_the_same_checkpoints():
+  """The measuring tool restores the same mean both ways, each in its own process, and
+  says what each held; the figures themselves are the machine's (docs/performance.md)."""
+  result = subprocess.run(
+    [sys.executable, "-m", "transformer.tools.restore_memory", "--config",
+     "configs/default.py", "--config.model.num_layers=1", "--average_last=2", "--json"],
+    cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+  assert [r["way"] for r in records] == ["params_only", "full_state"]
+  for r in records:
+    assert r["average_last"] == 2 and r["restore_s"] > 0
+    assert r["params_bytes"] == 4 * r["num_params"]  # float32
+    assert 2.9 < r["state_bytes"] / r["params_bytes"] < 3.1  # parameters and two moments
+    assert r["peak_rss_bytes"] >= r["held_by_restore_bytes"] > 0
