@@ -48,26 +48,21 @@ def searched_steps(monkeypatch):
   """The search, the budget and whether the model kept its cache (not Recomputing) of
   each compiled search, and the steps it ran (its passes after the prefill, plus the
   prefill's)."""
-  real = decoding.decode
+  real = decoding.compile_decode
   seen = []
 
-  class Recording:
-    def lower(self, model, params, prompts, search):
-      compiled = real.lower(model, params, prompts, search).compile()
-      cached = not isinstance(model, decoding_speed.Recomputing)
+  def recording(model, params, prompts, search):
+    compiled = real(model, params, prompts, search)
+    cached = not isinstance(model, decoding_speed.Recomputing)
 
-      class Lowered:
-        def compile(self):
-          def run(*args):
-            out = compiled(*args)
-            seen.append(((search, prompts.out_len, cached), int(out.calls) + 1))
-            return out
+    def run(*args):
+      out = compiled(*args)
+      seen.append(((search, prompts.out_len, cached), int(out.calls) + 1))
+      return out
 
-          return run
+    return run
 
-      return Lowered()
-
-  monkeypatch.setattr(decoding, "decode", Recording())
+  monkeypatch.setattr(decoding, "compile_decode", recording)
   return seen
 
 

@@ -122,7 +122,7 @@ def time_beam_search(
   if not use_cache:
     model = Recomputing(model)
   start = time.perf_counter()
-  compiled = decoding.lower_decode(model, params, prompts, search).compile()
+  compiled = decoding.compile_decode(model, params, prompts, search)
   compile_s = time.perf_counter() - start
 
   jax.block_until_ready(compiled(params, prompts))

@@ -56,6 +56,7 @@ __all__ = [
   "decode",
   "filter_logits",
   "length_penalty",
+  "compile_decode",
   "lower_decode",
   "reads_target_encoding",
   "translation_prompts",
@@ -103,3 +104,11 @@ def lower_decode(model, params, prompts: Prompts, search: Search, rng: jax.Array
   its cost)."""
   settings, arrays = _split(search)
   return _decode.lower(model, params, prompts, settings, arrays, rng)
+
+
+def compile_decode(model, params, prompts: Prompts, search: Search, rng: jax.Array | None = None):
+  """`decode` compiled for these arguments' shapes, as a function of (params, prompts):
+  for timing the program without its compile (tools/decoding_speed.py)."""
+  settings, arrays = _split(search)
+  compiled = _decode.lower(model, params, prompts, settings, arrays, rng).compile()
+  return lambda params, prompts: compiled(params, prompts, arrays, rng)
