@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
@@ -182,6 +183,14 @@ class CheckpointReader:
     self._manager.close()
 
 
+# The running sum's steps, each compiled once per leaf shape; the sum's buffer is donated,
+# so that a backend that can reuses it in place.
+_add = jax.jit(lambda total, x: total + x.astype(total.dtype), donate_argnums=0)
+_divide = jax.jit(
+  lambda total, n, dtype: (total / n).astype(dtype), static_argnums=(1, 2), donate_argnums=0
+)
+
+
 def choose_steps(steps: list[int], workdir: str, step: int | None, average_last: int) -> list[int]:
   """The checkpoints to average: the newest `average_last` up to `step` (default: the
   newest); a one-line ConfigError where they are not there."""
@@ -218,24 +227,24 @@ def restore_params(
   try:
     chosen = choose_steps(reader.all_steps(), workdir, step, average_last)
     check_compatible(reader.saved_config(chosen[-1]), config)
-    if len(chosen) == 1:
-      return reader.params(chosen[0], target), chosen[0]
-    add = jax.jit(
-      lambda total, params: jax.tree.map(lambda a, b: a + b.astype(a.dtype), total, params),
-      donate_argnums=0,
-    )
-    total = None
-    for s in chosen:
-      params = reader.params(s, target)
-      if total is None:
-        total = jax.tree.map(lambda x: x.astype("float32"), params)
-      else:
-        total = add(total, params)
-      del params  # the next checkpoint is read into its place
-    mean = jax.jit(
-      lambda total: jax.tree.map(lambda x, ref: (x / len(chosen)).astype(ref.dtype), total, target),
-      donate_argnums=0,
-    )
-    return mean(total), chosen[-1]
+    # Part by part (the embedding, the encoder, the decoder: the parameters' top-level
+    # entries), so that what is being read at once is a part, not the whole checkpoint.
+    parts = {}
+    for name, part_target in target.items():
+      total: list[Any] = []  # this part's running float32 sum, leaf by leaf
+      for s in chosen:
+        leaves = jax.tree.leaves(reader.params(s, {name: part_target})[name])
+        if not total:  # the first checkpoint's part becomes the sum (float32 already)
+          total = [x if x.dtype == jnp.float32 else x.astype(jnp.float32) for x in leaves]
+        else:  # each read leaf dropped as soon as it is added
+          for i in range(len(leaves)):
+            total[i] = _add(total[i], leaves[i])
+            leaves[i] = None
+        del leaves  # before the next checkpoint is read
+      if len(chosen) > 1:
+        refs = jax.tree.leaves(part_target)
+        total = [_divide(x, len(chosen), ref.dtype) for x, ref in zip(total, refs)]
+      parts[name] = jax.tree.unflatten(jax.tree.structure(part_target), total)
+    return parts, chosen[-1]
   finally:
     reader.close()
