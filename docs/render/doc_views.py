@@ -481,7 +481,7 @@ def restore_memory() -> str:
   for r in records:
     by_way.setdefault(r["way"], []).append(r)
   names = {
-    "params_only": "parameters only, summed one checkpoint at a time (today)",
+    "params_only": "parameters only, part by part, into one running sum (today)",
     "full_state": "whole train states, moments thrown away (before)",
   }
   rows = [
