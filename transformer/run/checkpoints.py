@@ -216,11 +216,12 @@ def restore_params(
 
   `setup`: the run's model set-up; each checkpoint is read into its `params_target()`
   (the parameters' shapes and shardings), and its config is checked against the newest
-  checkpoint's architecture and gives the storage timeout. Averaging
-  follows the paper: the element-wise mean of the parameters of the last k checkpoints
-  (5 for base, 20 for big), summed in float32 one checkpoint at a time, so that at most
-  the running sum and the checkpoint being read are held. Returns (params, step of the
-  newest checkpoint used).
+  checkpoint's architecture and gives the storage timeout. Averaging follows the paper:
+  the element-wise mean of the parameters of the last k checkpoints (5 for base, 20 for
+  big), read part by part and summed in float32 one checkpoint at a time, so that what is
+  held at once is the running sum and one part of one checkpoint being read (measured in
+  docs/performance.md, "Restoring a trained run"). Returns (params, step of the newest
+  checkpoint used).
   """
   config, target = setup.config, setup.params_target()
   reader = CheckpointReader(workdir, config.storage_timeout_s)
@@ -231,6 +232,9 @@ def restore_params(
     # entries), so that what is being read at once is a part, not the whole checkpoint.
     parts = {}
     for name, part_target in target.items():
+      if len(chosen) == 1:  # as saved, in the parameters' own dtype
+        parts[name] = reader.params(chosen[0], {name: part_target})[name]
+        continue
       total: list[Any] = []  # this part's running float32 sum, leaf by leaf
       for s in chosen:
         leaves = jax.tree.leaves(reader.params(s, {name: part_target})[name])
@@ -241,10 +245,9 @@ def restore_params(
             total[i] = _add(total[i], leaves[i])
             leaves[i] = None
         del leaves  # before the next checkpoint is read
-      if len(chosen) > 1:
-        refs = jax.tree.leaves(part_target)
-        total = [_divide(x, len(chosen), ref.dtype) for x, ref in zip(total, refs)]
-      parts[name] = jax.tree.unflatten(jax.tree.structure(part_target), total)
+      refs = jax.tree.leaves(part_target)
+      mean = [_divide(x, len(chosen), ref.dtype) for x, ref in zip(total, refs)]
+      parts[name] = jax.tree.unflatten(jax.tree.structure(part_target), mean)
     return parts, chosen[-1]
   finally:
     reader.close()
