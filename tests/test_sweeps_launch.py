@@ -18,7 +18,7 @@ import types
 
 import pytest
 
-from tests.helpers.sweep_helpers import TABLE3, run_sweep_command
+from tests.helpers.sweep_helpers import REPO, TABLE3, run_sweep_command
 from transformer.sweeps import launch, spec
 
 
@@ -111,13 +111,16 @@ def test_slurm_script_without_extra_options_has_no_empty_sbatch_line(tmp_path, t
 
 
 def test_scripts_are_executable_and_default_to_workdir_launch(tmp_path, table3):
-  """Without --script_dir the scripts go to WORKDIR/launch, all of them executable."""
+  """Without --script_dir the scripts go to WORKDIR/launch, all of them executable; without
+  --repo_dir they cd to this clone's own path (where the sweep ran), not a guess."""
   sweep, rows, configs = table3
   workdir = str(tmp_path / "runs")
   written = launch.write_scripts("slurm", sweep, rows, configs, workdir, launch.LaunchOptions())
   assert {os.path.dirname(p) for p in written} == {os.path.join(workdir, "launch")}
   for path in written:
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o755, path
+  for path in written[:-1]:
+    assert f"\ncd {REPO}\n" in pathlib.Path(path).read_text()
 
 
 def test_cloud_workdir_needs_a_script_dir(table3):
