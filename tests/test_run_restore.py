@@ -104,3 +104,4 @@ def test_restore_memory_measures_both_ways_on_the_same_checkpoints():
     assert r["params_bytes"] == 4 * r["num_params"]  # float32
     assert 2.9 < r["state_bytes"] / r["params_bytes"] < 3.1  # parameters and two moments
     assert r["peak_rss_bytes"] >= r["held_by_restore_bytes"] > 0
+    assert len(r["save_s"]) == 2 and min(r["save_s"]) > 0  # each checkpoint's whole write

@@ -475,7 +475,8 @@ def train_loop() -> str:
 def restore_memory() -> str:
   """tools.restore_memory: host memory and time of restoring averaged parameters, the
   parameters alone against whole train states, the newest sitting's processes."""
-  records = _one_sitting(read_records("restore_memory"))
+  sitting = _one_sitting(read_records("restore_memory"))
+  records = [r for r in sitting if r["num_params"] == sitting[-1]["num_params"]]
   gib = 2**30
   by_way: dict[str, list[Record]] = {}
   for r in records:
@@ -501,6 +502,29 @@ def restore_memory() -> str:
     + table(("restore", "held by the restore at its peak", "peak resident", "time"), rows)
     + "\n\n"
     + source("restore_memory", records)
+  )
+
+
+def checkpoint_saves() -> str:
+  """tools.restore_memory's saves: a whole train state written, per model of the newest
+  sitting (what a preemption notice's margin must hold, docs/clusters.md)."""
+  records = _one_sitting(read_records("restore_memory"))
+  models: dict[int, Record] = {}
+  for r in records:
+    models.setdefault(r["num_params"], r)  # the same checkpoints for both ways
+  rows = [
+    (
+      f"{r['num_params'] / 1e6:,.1f}M",
+      f"{r['state_bytes'] / 2**30:.2f}",
+      _runs(r["save_s"], lambda v: f"{v:.1f}", "s"),
+      f"{r['state_bytes'] / statistics.median(r['save_s']) / 1e6:,.0f}",
+    )
+    for r in models.values()
+  ]
+  return (
+    table(("parameters", "train state (GiB)", "one save: median (each)", "MB/s"), rows)
+    + "\n\n"
+    + source("restore_memory", list(models.values()))
   )
 
 
@@ -1076,6 +1100,7 @@ def views() -> dict[str, Callable[[], str]]:
       train_loop,
       memory_per_mesh,
       restore_memory,
+      checkpoint_saves,
       before_you_launch,
       flax_train_step,
       flax_beam_search,

@@ -5,12 +5,13 @@ r"""Host memory and time of restoring a trained run's averaged parameters, two w
 
 Writes `--average_last` checkpoints of the config's whole train state (random parameters
 and Adam moments, as training saves them) into `--workdir` (default: a temporary folder,
-deleted after), then restores the mean of their parameters in a fresh process per way,
-the ways taking turns for `--rounds`:
+deleted after), timing each save (`save_s`: the whole state written, which a preemption
+notice's margin must hold, docs/clusters.md), then restores the mean of their parameters
+in a fresh process per way, the ways taking turns for `--rounds`:
 
   params_only  what every command does (`transformer.run.checkpoints.restore_params`):
-               a partial restore of each checkpoint's parameters, summed one checkpoint
-               at a time into one float32 sum;
+               a partial restore of each checkpoint's parameters, part by part (the
+               embedding, the encoder, the decoder), summed into one float32 sum;
   full_state   what they did before: each checkpoint's whole train state restored
                (parameters and both Adam moments, `training.checkpoints.Checkpointer`),
                its parameters added to the sum, the moments thrown away.
@@ -92,11 +93,18 @@ def write_checkpoints(config, workdir: str, count: int) -> dict[str, int]:
   writer = checkpoints.Checkpointer(
     workdir, keep=count, async_save=False, timeout_s=config.storage_timeout_s
   )
+  save_s = []
   for step in range(1, count + 1):
+    started = time.perf_counter()
     writer.save(step, dataclasses.replace(train_state, step=train_state.step + step), {}, config)
+    save_s.append(round(time.perf_counter() - started, 2))  # synchronous: the whole write
   writer.close()
   nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
-  return {"params_bytes": nbytes(train_state.params), "state_bytes": nbytes(train_state)}
+  return {
+    "params_bytes": nbytes(train_state.params),
+    "state_bytes": nbytes(train_state),
+    "save_s": save_s,
+  }
 
 
 def _full_state_mean(config, workdir: str, average_last: int) -> Any:
