@@ -243,8 +243,11 @@ def make_test() -> str:
 
 
 def _one_sitting(records: list[Record]) -> list[Record]:
-  """The runs made at the newest record's commit, in file order (older ones are history)."""
-  return [r for r in records if r["commit"] == records[-1]["commit"]]
+  """The runs made at the newest record's commit, in file order (older ones are history).
+  `abc1234-dirty` counts as abc1234, as for the records' age (record_sources.py): a run
+  of one sitting finds the records file its earlier runs appended to uncommitted."""
+  commit = lambda r: r["commit"].removesuffix("-dirty")
+  return [r for r in records if commit(r) == commit(records[-1])]
 
 
 # What a bench run reports once, in its "peak" record before its measurements.
