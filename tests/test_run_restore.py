@@ -105,3 +105,22 @@ def test_restore_memory_measures_both_ways_on_the_same_checkpoints():
     assert 2.9 < r["state_bytes"] / r["params_bytes"] < 3.1  # parameters and two moments
     assert r["peak_rss_bytes"] >= r["held_by_restore_bytes"] > 0
     assert len(r["save_s"]) == 2 and min(r["save_s"]) > 0  # each checkpoint's whole write
+
+
+def test_fresh_parameters_of_the_model_set_up_are_trainings(trained_run):
+  """ModelSetup.init_params (serving a model with random weights, as the multi-host
+  evaluation test does) gives what training starts from for the same key, placed as the
+  parameters' shardings say."""
+  config, _ = trained_run
+  training = state.setup(config)
+  fresh = training.model_setup.init_params(jax.random.key(3))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.device_get(fresh),
+    jax.device_get(training.init_state(jax.random.key(3)).params),
+  )
+  other = jax.device_get(training.model_setup.init_params(jax.random.key(4)))
+  assert any(
+    not np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(jax.device_get(fresh)))
+  )

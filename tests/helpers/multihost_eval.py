@@ -52,7 +52,7 @@ def main(workdir, split, process_id, num_processes, port, order):
   # would go unseen: random weights (the same on every process), scaled up 3x, translate
   # each sentence differently (at their initial scale greedy search repeats one token,
   # as long as the source: 26 distinct translations of 143 test sentences; 132 at 3x).
-  params = translator.setup.init_state(jax.random.key(7)).params
+  params = translator.setup.init_params(jax.random.key(7))
   translator.params = jax.tree.map(lambda x: 3 * x, params)
   owners = [d.process_index for d in translator.mesh.devices.flat]
   results = score.evaluate_split(translator, split)

@@ -66,6 +66,12 @@ class ModelSetup:
   def num_params(self) -> int:
     return sum(x.size for x in jax.tree.leaves(self.abstract_params))
 
+  def init_params(self, rng: Array) -> Any:
+    """Fresh parameters (what training starts from, the same for the same rng), initialized
+    directly in their sharded places."""
+    init = lambda r: nn.unbox(init_boxed_params(self.model, self.config, r))
+    return jax.jit(init, out_shardings=self.param_shardings)(rng)
+
   def params_target(self) -> Any:
     """ShapeDtypeStructs carrying shardings: what a checkpoint's parameters restore into."""
     return jax.tree.map(
