@@ -20,8 +20,9 @@ needs_libtpu = pytest.mark.skipif(
   "x86-64 only (its one wheel)",
 )
 
-# One layer per stack, scanned as the WMT configs are: the FLOPs check must see through
-# the loop (XLA's cost analysis counts a loop's body once).
+# One layer per stack (the tests that need a scan of several say so), scanned as the WMT
+# configs are: the FLOPs check must see through the loop (XLA's cost analysis counts a
+# loop's body once).
 TINY = [
   "--config=configs/default.py",
   "--config.model.num_layers=1",
@@ -52,7 +53,9 @@ def _run(*args, base=TINY):
 @needs_libtpu
 @pytest.mark.slow
 def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
-  result = _run("--config.model.scan_layers=True", "--json", "--decode_batch=8")
+  result = _run(
+    "--config.model.scan_layers=True", "--config.model.num_layers=3", "--json", "--decode_batch=8"
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert "TPU_WORKER_HOSTNAMES" not in result.stderr  # libtpu's log stays off the terminal
   report = json.loads(result.stdout)
@@ -73,12 +76,32 @@ def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
   assert report["formula_flops"] > 0
   assert abs(report["flops_vs_formula"]) < 0.05, report["flops_vs_formula"]
   assert report["bytes"] > 0
-  assert report["cost_from"] == "the step with its layers unrolled"
+  assert report["cost_from"] == "the step unrolled at 1 and 2 layers, extrapolated to 3"
   # fsdp=2 gathers parameters and scatters gradients; one slice: nothing over DCN.
   collectives = report["collectives"]
   assert collectives["all-gather"]["count"] > 0 and collectives["all-gather"]["ici_bytes"] > 0
   assert collectives["reduce-scatter"]["count"] + collectives["all-reduce"]["count"] > 0
   assert all(c["dcn_bytes"] == 0 for c in collectives.values())
+  # The per-op profile: the compiler's cycles of the program that runs (its layer loop
+  # counted 3 times), every model part of a training step in it.
+  profile = report["profile"]
+  assert profile["step_s"] == pytest.approx(profile["compute_s"] + profile["collectives_s"])
+  assert profile["collectives_s"] > 0 and profile["clock_hz"] == pytest.approx(1.503e9, rel=1e-3)
+  assert (
+    profile["mfu"] == pytest.approx(report["formula_flops"] / profile["step_s"] / 197e12)
+    and 0 < profile["mfu"] < 1
+  )
+  assert profile["tokens_per_s"] == pytest.approx(16 * 32 / profile["step_s"])
+  parts = profile["by_part_s"]
+  for part in ("attention core", "projections", "FFN", "logits", "loss", "optimizer"):
+    assert parts.get(part, 0) > 0, (part, parts)
+  assert sum(parts.values()) == pytest.approx(profile["step_s"])
+  # (A gradient all-reduce after the loop keeps the name of a layer op it combined.)
+  layer_ops = [
+    o for o in profile["top_ops"] if "/layers/" in o["op_name"] and o["part"] != "collectives"
+  ]
+  assert layer_ops and all(o["runs"] == 3 for o in layer_ops)
+  assert profile["custom_calls"] == []  # the einsum attention: no kernels to flag
   # The roofline: the slowest of its terms, and everything derived from it.
   roof = report["roofline_s"]
   assert roof["compute"] == pytest.approx(report["flops"] / 197e12)
@@ -99,6 +122,23 @@ def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
   text = compile_check.text(report)
   assert "predicted by XLA's TPU compiler" in text
   assert "fits, 0% of 16 GiB" in text and "MFU" in text and "all-gather x" in text
+  assert "the compiler's own per-op estimates" in text and "top ops" in text
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_the_cost_extrapolated_from_1_and_2_layers_matches_the_step_unrolled_whole():
+  """cost(N) = cost(1) + (N - 1) (cost(2) - cost(1)) against the 4-layer step compiled
+  unrolled, as compile_check costed it before (a compile that took base 37 minutes)."""
+  common = ("--config.model.num_layers=4", "--json")
+  scanned = _run("--config.model.scan_layers=True", *common)
+  unrolled = _run("--config.model.scan_layers=False", *common)
+  assert scanned.returncode == 0 and unrolled.returncode == 0, scanned.stderr[-2000:]
+  scanned, unrolled = json.loads(scanned.stdout), json.loads(unrolled.stdout)
+  assert scanned["cost_from"] == "the step unrolled at 1 and 2 layers, extrapolated to 4"
+  assert unrolled["cost_from"] == "the step"
+  assert scanned["flops"] == pytest.approx(unrolled["flops"], rel=0.01)
+  assert scanned["bytes"] == pytest.approx(unrolled["bytes"], rel=0.10)
 
 
 @needs_libtpu
@@ -270,11 +310,12 @@ def test_the_mesh_search_refuses_what_cannot_run_and_picks_the_shortest_step_tha
   assert "vocab_size: 1026" in tried["1,1,4"]["error"]
   compiled = {m: t for m, t in tried.items() if "error" not in t}
   assert set(compiled) == {"2,1,2", "1,2,2"} and all(t["fits"] for t in compiled.values())
-  best = min(compiled, key=lambda m: compiled[m]["step_s"])
+  # Ranked by the per-op profile's step, not the roofline's.
+  best = min(compiled, key=lambda m: compiled[m]["profile_step_s"])
   assert report["searched_mesh"] == best
   data, fsdp, tensor = map(int, best.split(","))
   assert report["mesh"] == {"data": data, "fsdp": fsdp, "tensor": tensor}
-  assert report["step_s"] == compiled[best]["step_s"] and report["rows"] == 2
+  assert report["profile"]["step_s"] == compiled[best]["profile_step_s"] and report["rows"] == 2
   # A line per candidate as it is decided, on stderr (stdout stays one JSON object).
   for mesh in tried:
     assert f"mesh {mesh}: " in result.stderr

@@ -18,9 +18,17 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
               total against the chip's HBM ("fits, 61% of 16 GiB"); a program too large
               for the chip is one line naming what it needs, what is available and the
               largest buffers
-  cost        XLA's FLOPs and HBM bytes accessed per step. XLA's cost analysis counts a
+  step        THE PREDICTION TO TRUST: the compiler's own per-op estimates of the program
+              that runs (`estimated_cycles` of each op, a loop's body times its trip
+              count, at the chip's clock), collectives by a ring model over ICI, Pallas
+              kernels by their own cost estimate (or flagged where they have none); the
+              MFU and target tokens per second it implies (transformer/tools/op_profile.py)
+  parts       that step's time by model part (attention core, projections, FFN, logits,
+              loss, optimizer, dropout, layer norm, embedding, the layer loop's slicing,
+              collectives, copies), and the top ops
+  cost        XLA's FLOPs and "bytes accessed" per step. XLA's cost analysis counts a
               loop's body once, so for a config with model.scan_layers these come from
-              the same step compiled with the layers unrolled (a second compile)
+              the step compiled unrolled at 1 and at 2 layers, extrapolated to N
   flops check those FLOPs against training/flops.py's formula (the one behind the MFU
               printed during training): they agree within 5%, or the report says by how
               much they differ
@@ -28,18 +36,19 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
               in the compiled program: counts, and bytes each chip sends (ring model),
               over ICI. Across slices libtpu writes Megascale custom calls instead,
               so DCN traffic is estimated: the gradients all-reduced over the slices
-  roofline    the step time if the slowest of compute (FLOPs / peak), HBM traffic,
-              ICI and DCN transfers hid all the others: a lower bound. The chips' figures
+  roofline    the step time if the slowest of compute (FLOPs / peak), XLA's bytes over
+              HBM bandwidth, ICI and DCN transfers hid all the others, and its MFU. Kept
+              as a column, not a bound: XLA's bytes count arrays that live on chip,
+              re-reads inside fusions and background copies as HBM traffic
+              (docs/performance.md, "Which prediction to trust"). The chips' figures
               and their sources are training/flops.py's TPU_CHIPS
-  MFU         the model FLOPs of that step time against the peak, and target tokens per
-              second per chip and for the slice
   remat       how many "[SPMD] Involuntary full rematerialization" warnings the
               partitioner gave: each is a tensor gathered whole on every chip
 
 `--search_mesh` compiles a small search of in-slice meshes instead of one (each tensor
 size up to the number of heads, the other chips all data or all fsdp; a mesh the config
 or the batch cannot use is refused without compiling) and reports the one with the
-shortest predicted step that fits, after a line per candidate.
+shortest predicted step (the per-op profile's) that fits, after a line per candidate.
 
 `--decode_batch N` also compiles beam search for N sentences: its prefill (the encoder
 and the first token) and one step of its loop at the longest cache, with memory per chip
@@ -68,7 +77,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -76,7 +84,7 @@ from transformer import cli, versions
 from transformer import config as config_lib
 from transformer.model import ModelConfig
 from transformer.run import sharding
-from transformer.tools import memory
+from transformer.tools import memory, op_profile
 from transformer.training import flops
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
@@ -294,166 +302,12 @@ def slice_devices(tpu_slice: Slice, num_slices: int = 1) -> list:
   return list(topology.devices)
 
 
-# --- The compiled program's text: collectives, with loop trip counts.
+# --- The compiled program's text (HLO parsing, trip counts, collectives and the per-op
+# profile): transformer/tools/op_profile.py.
 
-_DTYPE_BYTES = {
-  "pred": 1,
-  "s4": 1,
-  "u4": 1,
-  "s8": 1,
-  "u8": 1,
-  "f8e4m3fn": 1,
-  "f8e5m2": 1,
-  "bf16": 2,
-  "f16": 2,
-  "s16": 2,
-  "u16": 2,
-  "f32": 4,
-  "s32": 4,
-  "u32": 4,
-  "f64": 8,
-  "s64": 8,
-  "u64": 8,
-  "c64": 8,
-  "c128": 16,
-}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_INSTRUCTION = re.compile(
-  r"^\s*(?:ROOT )?%\S+ = (?P<type>.*?) (?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
-)
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>\S+) .*\{\s*$")
-_CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([^,}]*)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-def _array_bytes(type_text: str) -> list[int]:
-  """Bytes of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple of them."""
-  return [
-    math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
-    for dtype, dims in _ARRAY.findall(type_text)
-    if dtype in _DTYPE_BYTES
-  ]
-
-
-def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-  """The device groups of a collective instruction, in any of the forms XLA prints:
-  "mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}" (the devices laid out
-  on named axes, grouped along those in braces), '[2,4]<=[4,2]T(1,0)' (an iota, maybe
-  transposed), '{{0,1},{2,3}}', a permute's source_target_pairs; all devices when empty."""
-  named = re.search(
-    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-    r" \{([^}]*)\}",
-    line,
-  )
-  if named:
-    axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", named.group(1))]
-    ids = np.arange(math.prod(size for _, size in axes))
-    if named.group(2):
-      ids = ids.reshape([int(n) for n in named.group(2).split(",")])
-      if named.group(3):
-        ids = ids.transpose([int(n) for n in named.group(3).split(",")])
-    ids = ids.reshape([size for _, size in axes])
-    grouped = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in named.group(4)]
-    ids = np.moveaxis(ids, grouped, list(range(len(axes) - len(grouped), len(axes))))
-    return ids.reshape(-1, math.prod(axes[i][1] for i in grouped)).tolist()
-  iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-  if iota:
-    shape = [int(n) for n in iota.group(1).split(",")]
-    ids = np.arange(math.prod(shape)).reshape([int(n) for n in iota.group(2).split(",")])
-    if iota.group(3):
-      ids = ids.transpose([int(n) for n in iota.group(3).split(",")])
-    return ids.reshape(shape[0], -1).tolist()
-  explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-  if explicit and explicit.group(1):
-    return [
-      [int(n) for n in g.split(",") if n] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
-    ]
-  pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
-  if pairs:
-    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-  return [list(range(num_devices))]
-
-
-def _computation_counts(hlo_text: str) -> dict[str, int]:
-  """How many times each computation runs per step: a while loop's body and condition
-  its known trip count times (scanned layers), everything else once per caller."""
-  callers: dict[str, list[tuple[str, int]]] = {}
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      current = match.group("name")
-      if line.startswith("ENTRY"):
-        entry = current
-      continue
-    if current is None:
-      continue
-    trips = _TRIP_COUNT.search(line)
-    times = int(trips.group(1)) if trips and " while(" in line else 1
-    for called in _CALLED.findall(line):
-      for name in called.split(","):
-        name = name.strip().lstrip("%")
-        if name:
-          callers.setdefault(name, []).append((current, times))
-  counts: dict[str, int] = {}
-
-  def count(name: str, seen: frozenset = frozenset()) -> int:
-    if name == entry:
-      return 1
-    if name not in counts:
-      counts[name] = sum(
-        times * count(caller, seen | {name})
-        for caller, times in callers.get(name, [])
-        if caller not in seen
-      )
-    return counts[name]
-
-  return {name: count(name) for name in callers} | ({entry: 1} if entry else {})
-
-
-def collectives(hlo_text: str, device_slices: list[int]) -> dict[str, dict[str, float]]:
-  """{op: {count, ici_bytes, dcn_bytes}} of a compiled program, per chip per step.
-
-  Bytes are what one chip sends under a ring algorithm over its group of n: an
-  all-gather's result (n-1)/n, a reduce-scatter's (n-1) times its result, an all-reduce's
-  2 (n-1)/n, an all-to-all's (n-1)/n, a permute's whole. A group whose devices sit on
-  several slices (`device_slices[i]`: the slice of the program's device i) goes over DCN.
-  """
-  runs = _computation_counts(hlo_text)
-  out = {op: {"count": 0, "ici_bytes": 0.0, "dcn_bytes": 0.0} for op in COLLECTIVES}
-  current = ""
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      current = match.group("name")
-      continue
-    instruction = _INSTRUCTION.match(line)
-    if not instruction:
-      continue
-    op, times = instruction.group("op"), runs.get(current, 1)
-    sizes = _array_bytes(instruction.group("type"))
-    if not sizes or times == 0:
-      continue
-    # An async start's tuple holds its operand and result; a combined op's, all of them.
-    result = max(sizes) if "-start(" in line else sum(sizes)
-    groups = replica_groups(line, len(device_slices))
-    n = max(len(g) for g in groups)
-    if op == "all-reduce" and current.startswith("all-reduce-scatter"):
-      # TPU writes a reduce-scatter as this fusion: an all-reduce, then each chip's slice.
-      op, sent = "reduce-scatter", result * (n - 1) / n
-    else:
-      sent = {
-        "all-gather": result * (n - 1) / n,
-        "reduce-scatter": result * (n - 1),
-        "all-reduce": 2 * result * (n - 1) / n,
-        "all-to-all": result * (n - 1) / n,
-        "collective-permute": result,
-      }[op]
-    across = any(len({device_slices[i] for i in g if i < len(device_slices)}) > 1 for g in groups)
-    out[op]["count"] += times
-    out[op]["dcn_bytes" if across else "ici_bytes"] += times * sent
-  return out
+COLLECTIVES = op_profile.COLLECTIVES
+collectives = op_profile.collectives
+replica_groups = op_profile.replica_groups
 
 
 # --- Compiling, and the report.
@@ -610,12 +464,16 @@ def check(
     )
     return report
   report.update(_memory(compiled, run, chip, log))
-  costed, report["cost_from"] = _costed(compiled, config, tpu_slice, rows, seq_len, devices)
+  cost, report["cost_from"] = _step_cost(compiled, config, tpu_slice, rows, seq_len, devices)
   report["compile_s"] = round(time.perf_counter() - began, 1)
-  report.update(_cost(costed))
+  report.update(cost)
+  # Collectives and the per-op profile come from the program that runs (a scanned
+  # config's loop counted by its trip count), not from a copy compiled for the cost.
   slice_of = [getattr(d, "slice_index", 0) for d in mesh_.devices.flat]
-  report["collectives"] = collectives(costed.as_text(), slice_of)
+  ops = op_profile.parse(compiled.as_text(), slice_of)
+  report["collectives"] = op_profile.collective_totals(ops)
   report.update(roofline(report, config, chip))
+  report["profile"] = predicted_profile(ops, report, chip)
   return report
 
 
@@ -643,20 +501,54 @@ def _memory(compiled, run, chip: flops.TpuChip, log: list[str]) -> dict[str, Any
   )
 
 
-def _costed(compiled, config, tpu_slice: Slice, rows: int, seq_len: int, devices) -> tuple:
-  """(the compiled program whose FLOPs, bytes and collectives to count, what it is).
+def _step_cost(compiled, config, tpu_slice: Slice, rows: int, seq_len: int, devices) -> tuple:
+  """(XLA's {flops, bytes} of the step, where they come from).
 
-  XLA's cost analysis counts a loop's body once, so a scanned config is costed by the
-  same step compiled with its layers unrolled (a second compile)."""
+  XLA's cost analysis counts a loop's body once, so a scanned config's N layers are costed
+  from the same step unrolled at 1 and at 2 layers: cost(N) = cost(1) + (N - 1) x
+  (cost(2) - cost(1)). Two small compiles stand in for the unrolled N-layer one, which
+  for Transformer-base took 37 minutes on a 2-core CPU; docs/performance.md compares the
+  two once."""
+  layers = config.model.num_layers
   if not config.model.scan_layers:
-    return compiled, "the step"
-  unrolled = copy.deepcopy(config)
-  unrolled.model.scan_layers = False
-  _, lowered = memory.lower_train_step(unrolled, None, rows, seq_len, devices=devices)
-  try:
-    return _compile(lowered, tpu_slice)[0], "the step with its layers unrolled"
-  except OutOfMemory:  # unrolled, it keeps more live: count the scanned step's loops once
-    return compiled, "the scanned step, which XLA counts one layer of (an undercount)"
+    return _cost(compiled), "the step"
+  points = {}
+  for n in (1, 2) if layers > 1 else (1,):
+    unrolled = copy.deepcopy(config)
+    unrolled.model.scan_layers = False
+    unrolled.model.num_layers = n
+    _, lowered = memory.lower_train_step(unrolled, None, rows, seq_len, devices=devices)
+    try:
+      points[n] = _cost(_compile(lowered, tpu_slice)[0])
+    except OutOfMemory:  # unrolled, it keeps more live: count the scanned step's loop once
+      return _cost(compiled), "the scanned step, which XLA counts one layer of (an undercount)"
+  if layers == 1:
+    return points[1], "the step with its layer unrolled"
+  return (
+    {k: points[1][k] + (layers - 1) * (points[2][k] - points[1][k]) for k in points[1]},
+    f"the step unrolled at 1 and 2 layers, extrapolated to {layers}",
+  )
+
+
+PROFILE_PREDICTED = (
+  "the compiler's own per-op estimates (estimated_cycles) at the chip's clock, collectives "
+  "by a ring model, not measured"
+)
+
+
+def predicted_profile(ops: list, report: dict[str, Any], chip: flops.TpuChip) -> dict[str, Any]:
+  """The per-op profile's step time, MFU and throughput, its parts and top ops."""
+  result = op_profile.profile(ops, chip)
+  summary = op_profile.summary(result, report["formula_flops"], chip.peak_flops)
+  tokens_per_s = report["rows"] * report["seq_len"] / summary["step_s"]
+  return {
+    "predicted": PROFILE_PREDICTED,
+    "clock_source": chip.source,
+    **summary,
+    "mfu": min(summary["mfu"], 1.0),
+    "tokens_per_s_per_chip": tokens_per_s / report["chips"],
+    "tokens_per_s": tokens_per_s,
+  }
 
 
 def candidate_meshes(config, chips: int) -> list[str]:
@@ -676,6 +568,11 @@ def candidate_meshes(config, chips: int) -> list[str]:
 _SEARCH_FIELDS = ("fits", "rows", "total", "hbm", "step_s", "bound", "mfu", "oom", "error")
 
 
+def _predicted_step_s(report: dict[str, Any]) -> float:
+  """The step time a mesh is ranked by: the per-op profile's."""
+  return report["profile"]["step_s"]
+
+
 def search_mesh(
   config,
   tpu_slice: Slice,
@@ -684,9 +581,10 @@ def search_mesh(
   seq_len: int | None = None,
 ) -> dict[str, Any]:
   """check() on each of candidate_meshes(): the report of the one with the shortest
-  predicted step that fits, with "searched_mesh" (its "data,fsdp,tensor") and "search"
-  (each candidate's mesh and outcome). A mesh the config or the batch cannot use is
-  refused in a line, without compiling. When none fits, {"fits": False, "error": ...}."""
+  predicted step (the per-op profile's) that fits, with "searched_mesh" (its
+  "data,fsdp,tensor") and "search" (each candidate's mesh and outcome). A mesh the config
+  or the batch cannot use is refused in a line, without compiling. When none fits,
+  {"fits": False, "error": ...}."""
   tried, best, best_mesh = [], None, None
   for mesh in candidate_meshes(config, tpu_slice.chips):
     try:
@@ -694,13 +592,17 @@ def search_mesh(
     except config_lib.ConfigError as e:
       report = {"fits": False, "error": str(e)}
     tried.append({"mesh": mesh, **{k: report[k] for k in _SEARCH_FIELDS if k in report}})
+    if "profile" in report:
+      tried[-1].update(
+        profile_step_s=report["profile"]["step_s"], profile_mfu=report["profile"]["mfu"]
+      )
     outcome = (
-      f"{report['step_s'] * 1e3:,.2f} ms, {fits_line(report)}"
+      f"{_predicted_step_s(report) * 1e3:,.2f} ms per-op, {fits_line(report)}"
       if report["fits"]
       else report.get("oom") or report["error"]
     )
     print(f"mesh {mesh}: {outcome}", file=sys.stderr, flush=True)
-    if report["fits"] and (best is None or report["step_s"] < best["step_s"]):
+    if report["fits"] and (best is None or _predicted_step_s(report) < _predicted_step_s(best)):
       best, best_mesh = report, mesh
   if best is None:
     last = tried[-1]  # the most tensor parallelism: the fewest row shards
@@ -829,14 +731,40 @@ def text(report: dict[str, Any]) -> str:
       if "dcn_estimated" in report
       else []
     ),
+    *profile_lines(report["profile"]),
     "  roofline    "
     + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in report["roofline_s"].items())
-    + f": step {report['step_s'] * 1e3:,.2f} ms, {report['bound']}-bound",
-    f"  MFU         {report['mfu']:.1%}; {report['tokens_per_s_per_chip']:,.0f} target tokens/s "
-    f"per chip, {report['tokens_per_s']:,.0f} for the slice",
+    + f": {report['step_s'] * 1e3:,.2f} ms, {report['bound']}-bound, MFU {report['mfu']:.1%} "
+    "(XLA's bytes count on-chip arrays and re-reads as HBM traffic: not a bound)",
     f"  remat       {report['involuntary_remat']} involuntary full rematerializations",
   ]
   return "\n".join(lines)
+
+
+def profile_lines(profile: dict[str, Any], top: int = 5) -> list[str]:
+  """The per-op profile's lines of the terminal report."""
+  parts = ", ".join(
+    f"{part} {seconds * 1e3:,.2f}" for part, seconds in profile["by_part_s"].items() if seconds
+  )
+  lines = [
+    f"  step        {profile['step_s'] * 1e3:,.2f} ms (ops {profile['compute_s'] * 1e3:,.2f}, "
+    f"collectives {profile['collectives_s'] * 1e3:,.2f}), MFU {profile['mfu']:.1%}; "
+    f"{profile['tokens_per_s_per_chip']:,.0f} target tokens/s per chip, "
+    f"{profile['tokens_per_s']:,.0f} for the slice ({profile['predicted']}, clock "
+    f"{profile['clock_hz'] / 1e9:.2f} GHz)",
+    f"  parts (ms)  {parts}",
+    "  top ops     "
+    + "; ".join(
+      f"{o['name']} {o['part']} {o['seconds'] * 1e3:,.2f} ms x{o['runs']}"
+      for o in profile["top_ops"][:top]
+    ),
+  ]
+  for kernel in profile["custom_calls"]:
+    lines.append(
+      f"  kernel      {kernel['name']} ({kernel['op_name']}): {kernel['seconds'] * 1e3:,.3f} ms, "
+      f"costed by {kernel['costed_by']}"
+    )
+  return lines
 
 
 def search_text(report: dict[str, Any]) -> str:
@@ -844,7 +772,8 @@ def search_text(report: dict[str, Any]) -> str:
   lines = [f"meshes searched (data,fsdp,tensor in each slice), {PREDICTED}:"]
   for t in report["search"]:
     outcome = (
-      f"{t['step_s'] * 1e3:,.2f} ms, MFU {t['mfu']:.1%}, {t['total'] / t['hbm']:.0%} of HBM"
+      f"{t['profile_step_s'] * 1e3:,.2f} ms per-op, MFU {t['profile_mfu']:.1%}, "
+      f"{t['total'] / t['hbm']:.0%} of HBM"
       if t["fits"]
       else (t.get("oom") or t["error"])
     )

@@ -186,6 +186,18 @@ class TpuChip:
   ici_bytes_per_s: float  # inter-chip interconnect, one chip's total
   dcn_bytes_per_s: float  # data-centre network, one chip's share of its host's NIC
   source: str
+  # Matrix units per chip and the side of each systolic array ("System architecture":
+  # TensorCores per chip x MXUs per TensorCore). Each MXU does side^2 multiply-adds, 2
+  # FLOPs each, a cycle, so they fix the clock at which the peak is reached.
+  mxus: int
+  mxu_side: int
+
+  @property
+  def clock_hz(self) -> float:
+    """The TensorCore clock implied by the peak and the MXUs: the clock at which the
+    compiler's `estimated_cycles` turn into seconds (transformer/tools/op_profile.py).
+    v4 1.05 GHz, v5e 1.50, v5p 1.75, v6e 1.75."""
+    return self.peak_flops / (self.mxus * self.mxu_side**2 * 2)
 
 
 _GB, _GIB, _GBIT = 1e9, 2**30, 1e9 / 8
@@ -201,7 +213,10 @@ TPU_CHIPS = {
     1228 * _GB,
     2400 * _GBIT,
     50 * _GBIT / 4,
-    "cloud.google.com/tpu/docs/v4; ct4p-hightpu-4t: 50 Gbps per 4-chip VM",
+    "cloud.google.com/tpu/docs/v4; ct4p-hightpu-4t: 50 Gbps per 4-chip VM; "
+    "2 TensorCores x 4 MXUs of 128x128",
+    8,
+    128,
   ),
   "v5e": TpuChip(
     "TPU v5 lite",
@@ -210,7 +225,10 @@ TPU_CHIPS = {
     819 * _GB,
     1600 * _GBIT,
     100 * _GBIT / 4,
-    "cloud.google.com/tpu/docs/v5e; ct5lp-hightpu-4t: 100 Gbps per 4-chip VM",
+    "cloud.google.com/tpu/docs/v5e; ct5lp-hightpu-4t: 100 Gbps per 4-chip VM; "
+    "1 TensorCore x 4 MXUs of 128x128",
+    4,
+    128,
   ),
   "v5p": TpuChip(
     "TPU v5",
@@ -219,7 +237,10 @@ TPU_CHIPS = {
     2765 * _GB,
     4800 * _GBIT,
     200 * _GBIT / 4,
-    "cloud.google.com/tpu/docs/v5p; ct5p-hightpu-4t: 200 Gbps per 4-chip VM",
+    "cloud.google.com/tpu/docs/v5p; ct5p-hightpu-4t: 200 Gbps per 4-chip VM; "
+    "2 TensorCores x 4 MXUs of 128x128",
+    8,
+    128,
   ),
   "v6e": TpuChip(
     "TPU v6 lite",
@@ -228,7 +249,11 @@ TPU_CHIPS = {
     1640 * _GB,
     3584 * _GBIT,
     200 * _GBIT / 8,
-    "cloud.google.com/tpu/docs/v6e; ct6e-standard-8t: 200 Gbps per 8-chip VM",
+    "cloud.google.com/tpu/docs/v6e; ct6e-standard-8t: 200 Gbps per 8-chip VM; "
+    "1 TensorCore x 4 MXUs of 256x256 (versions of the page have said 2 MXUs, which would "
+    "put the clock at 3.5 GHz and libtpu's own estimate of a large bf16 matmul above peak)",
+    4,
+    256,
   ),
 }
 

@@ -41,8 +41,11 @@ def loss_fn(
       {"params": params}, **model_inputs(batch), deterministic=False, rngs={"dropout": dropout_rng}
     ),
   )
-  sums = cross_entropy_sums(logits_BxTxV, batch["target"], label_smoothing)
-  loss = sums["loss_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
+  # The names reach the compiled program's op metadata, where compile_check's per-op
+  # profile (transformer/tools/op_profile.py) reads which model part an op belongs to.
+  with jax.named_scope("loss"):
+    sums = cross_entropy_sums(logits_BxTxV, batch["target"], label_smoothing)
+    loss = sums["loss_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
   return loss, sums
 
 
@@ -80,16 +83,19 @@ def train_step(
   if config.grad_accum_steps > 1:
     grad_fn = jax.value_and_grad(_summed_loss_fn, has_aux=True)
     (_, (loss, sums)), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
-    updates, opt_state = optimizer.update(
-      grads, state.opt_state, state.params, num_tokens=sums["num_tokens"]
-    )
-    grad_norm = optax.tree_utils.tree_norm(grads) / jnp.maximum(sums["num_tokens"], 1.0)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = optimizer.update(
+        grads, state.opt_state, state.params, num_tokens=sums["num_tokens"]
+      )
+      grad_norm = optax.tree_utils.tree_norm(grads) / jnp.maximum(sums["num_tokens"], 1.0)
   else:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, sums), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    grad_norm = optax.tree_utils.tree_norm(grads)
-  params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      grad_norm = optax.tree_utils.tree_norm(grads)
+  with jax.named_scope("optimizer"):
+    params = optax.apply_updates(state.params, updates)
   update_count = state.step // config.grad_accum_steps
   metrics = dict(
     sums,

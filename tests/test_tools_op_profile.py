@@ -1,0 +1,234 @@
+# ruff: noqa: E501  (PROGRAM's HLO lines are as long as libtpu prints them)
+"""transformer/tools/op_profile.py: the compiler's per-op estimates, summed into a step.
+
+The parsing and costing run on a small program written out here, whose every op's cost is
+known; the chip's clock is checked against libtpu's own estimate of a large matmul, in a
+process of its own (libtpu stays out of the test worker).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.processes import subprocess_env
+from transformer.tools import compile_check, op_profile
+from transformer.training import flops
+
+V5E = flops.TPU_CHIPS["v5e"]
+
+# A step as libtpu prints it, cut to what the profile reads: a scanned layer (a loop of
+# 6 whose test is `i < 6`, with no known_trip_count, as TPU programs print it) holding a
+# projection fused with an op whose own cycles must not count; a loss fusion; a gradient
+# all-reduce over 4 chips; two Pallas kernels, one with its own cost estimate; a buffer
+# allocation; an asynchronous copy.
+PROGRAM = """HloModule jit_train_step
+
+%fused_projection (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %inner = f32[8]{0} exponential(%p0), backend_config={"estimated_cycles":"999999"}
+}
+
+%add_reducer (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b), backend_config={"estimated_cycles":"777777"}
+}
+
+%layer_body (body_arg: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %body_arg = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%body_arg), index=0
+  %x = f32[8]{0} get-tuple-element(%body_arg), index=1
+  %query = f32[8]{0:T(8)S(1)} fusion(%x), kind=kOutput, calls=%fused_projection, metadata={op_name="jit(train_step)/jvp(Transformer)/Transformer.encode/encoder/layers/layers/attention_block/self_attention/self_attention._self_qkv/qkv/dot_general" stack_frame_id=1}, backend_config={"flag_configs":[],"window_config":{"estimated_cycles":"1500","iteration_bounds":["1"]}}
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  ROOT %body_out = (s32[]{:T(128)}, f32[8]{0}) tuple(%next, %query)
+}
+
+%layer_test (test_arg: (s32[], f32[8])) -> pred[] {
+  %test_arg = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
+  %layers = s32[]{:T(128)} constant(6)
+  %counter = s32[]{:T(128)} get-tuple-element(%test_arg), index=0
+  ROOT %more = pred[]{:T(512)} compare(%counter, %layers), direction=LT, metadata={op_name="jit(train_step)/while/cond/lt"}
+}
+
+ENTRY %main (x: f32[8], w: f32[1024,256]) -> f32[1024,256] {
+  %x_in = f32[8]{0} parameter(0)
+  %w = f32[1024,256]{1,0} parameter(1)
+  %zero = s32[]{:T(128)} constant(0)
+  %init = (s32[]{:T(128)}, f32[8]{0}) tuple(%zero, %x_in)
+  %scan = (s32[]{:T(128)}, f32[8]{0}) while(%init), condition=%layer_test, body=%layer_body, metadata={op_name="jit(train_step)/while"}
+  %loss = f32[8]{0} fusion(%x_in), kind=kLoop, calls=%fused_projection, metadata={op_name="jit(train_step)/jvp(traced_under_rules)/loss/reduce_sum"}, backend_config={"window_config":{"estimated_cycles":"3000"}}
+  %grads = f32[1024,256]{1,0} all-reduce(%w), replica_groups={{0,1,2,3}}, to_apply=%add_reducer
+  %flash = f32[1024,256]{1,0} custom-call(%grads), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"eA==","cost_estimate":{"flops":"197000000000","transcendentals":"0","bytes_accessed":"1000","remote_bytes_transferred":"0"}}}
+  %opaque = f32[1024,256]{1,0} custom-call(%flash), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"eA=="}}
+  %buffer = f32[1024,256]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %to_vmem = (f32[1024,256]{1,0}, f32[1024,256]{1,0:S(1)}, u32[]) copy-start(%w)
+  %in_vmem = f32[1024,256]{1,0:S(1)} copy-done(%to_vmem)
+  ROOT %out = f32[1024,256]{1,0} add(%opaque, %in_vmem), metadata={op_name="jit(train_step)/optimizer/add"}, backend_config={"estimated_cycles":"250"}
+}
+"""
+
+MIB = 1024 * 256 * 4  # bytes of f32[1024,256]
+
+
+def _by_name(profile):
+  return {c.op.name: c for c in profile.ops}
+
+
+def test_a_loops_ops_count_by_its_test_and_fused_ops_count_once_as_their_fusion():
+  assert op_profile.computation_runs(PROGRAM)["layer_body"] == 6
+  ops = {op.name: op for op in op_profile.parse(PROGRAM)}
+  assert "inner" not in ops and "sum" not in ops  # inside a fusion / a reducer
+  assert (ops["query"].runs, ops["query"].cycles) == (6, 1500)
+  assert (ops["loss"].runs, ops["loss"].cycles) == (1, 3000)
+  assert ops["flash"].cost_estimate["flops"] == 197e9
+  assert ops["opaque"].cost_estimate is None
+  assert ops["opaque"].operand_bytes == ops["opaque"].result_bytes == MIB
+
+
+def test_every_op_is_costed_as_the_docstring_says():
+  result = op_profile.profile(op_profile.parse(PROGRAM), V5E)
+  ops = _by_name(result)
+  clock = V5E.clock_hz
+  assert clock == pytest.approx(1.503e9, rel=1e-3)  # 197 TFLOP/s over 4 MXUs of 128x128
+  assert ops["query"].seconds == pytest.approx(6 * 1500 / clock)
+  assert ops["loss"].seconds == pytest.approx(3000 / clock)
+  assert ops["out"].seconds == pytest.approx(250 / clock)
+  # Ring all-reduce over 4 chips: each sends 2 x 3/4 of the gradients, over ICI.
+  assert ops["grads"].seconds == pytest.approx(2 * 0.75 * MIB / V5E.ici_bytes_per_s)
+  # A kernel with its own estimate: the slower of its FLOPs at peak and its bytes.
+  assert ops["flash"].seconds == pytest.approx(197e9 / V5E.peak_flops)
+  assert "cost estimate" in ops["flash"].costed_by
+  # One without: its bytes in and out at HBM bandwidth, flagged as leaving compute out.
+  assert ops["opaque"].seconds == pytest.approx(2 * MIB / V5E.hbm_bytes_per_s)
+  assert "NO cost estimate" in ops["opaque"].costed_by
+  # Bookkeeping and the DMA copy take no time; the copy is counted.
+  assert not {"buffer", "to_vmem", "in_vmem", "scan", "init", "next"} & set(ops)
+  assert (result.async_copies, result.async_copy_bytes) == (1, MIB)
+  assert result.step_s == pytest.approx(sum(c.seconds for c in result.ops))
+  assert result.collectives_s == pytest.approx(ops["grads"].seconds)
+  assert [c.op.name for c in result.ops] == sorted(ops, key=lambda n: -ops[n].seconds)
+
+
+def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():
+  result = op_profile.profile(op_profile.parse(PROGRAM), V5E)
+  summary = op_profile.summary(result, model_flops=1e9, peak_flops=V5E.peak_flops, top=3)
+  assert summary["step_s"] == pytest.approx(result.step_s)
+  assert summary["mfu"] == pytest.approx(1e9 / result.step_s / V5E.peak_flops)
+  parts = summary["by_part_s"]
+  assert parts["projections"] == pytest.approx(_by_name(result)["query"].seconds)
+  assert parts["loss"] == pytest.approx(3000 / V5E.clock_hz)
+  assert parts["optimizer"] == pytest.approx(250 / V5E.clock_hz)
+  assert set(parts) == {"projections", "loss", "optimizer", "collectives", "attention core"}
+  assert set(parts) <= set(op_profile.CATEGORIES)
+  assert len(summary["top_ops"]) == 3 and summary["top_ops"][0]["name"] == "flash"
+  kernels = {k["name"]: k for k in summary["custom_calls"]}
+  assert set(kernels) == {"flash", "opaque"}  # the allocation is not a kernel
+  assert "NO cost estimate" in kernels["opaque"]["costed_by"]
+  json.dumps(summary)  # goes into the report as it is
+
+
+_ENC = "jit(train_step)/jvp(Transformer)/Transformer.encode/encoder/layers/layers/"
+_DEC = "jit(train_step)/transpose(jvp(Transformer))/Transformer.decode/decoder/"
+
+
+@pytest.mark.parametrize(
+  "op_name, part",
+  [
+    (
+      _ENC + "attention_block/self_attention/self_attention._self_qkv/qkv/dot_general",
+      "projections",
+    ),
+    (
+      _DEC
+      + "layers/layers/cross_attention_block/cross_attention/cross_attention._cross_qkv/kv/dot_general",
+      "projections",
+    ),
+    (_DEC + "layers/layers/cross_attention_block/cross_attention/out/dot_general", "projections"),
+    (
+      _ENC + "attention_block/self_attention/self_attention._attend/bhls,bshe->blhe/dot_general",
+      "attention core",
+    ),
+    (
+      _DEC + "layers/layers/self_attention_block/self_attention/self_attention._attend/exp",
+      "attention core",
+    ),
+    (_ENC + "attention_block/norm/reduce_sum", "layer norm"),
+    (_ENC + "attention_block/Dropout_0/jit(_bernoulli)/threefry2x32", "dropout"),
+    (_ENC + "ffn_block/ffn/wi/dot_general", "FFN"),
+    (_ENC + "ffn_block/ffn/relu/max", "FFN"),
+    (_DEC + "shared_embedding.attend/nd,vd->nv/dot_general", "logits"),
+    ("jit(train_step)/jvp(loss)/jit(take_along_axis)/gather", "loss"),
+    ("jit(train_step)/transpose(jvp(loss))/exp", "loss"),
+    (
+      "jit(train_step)/jvp(Transformer)/Transformer.encode/encoder/while/body/"
+      "jit(dynamic_index_in_dim)/dynamic_slice",
+      "layer loop",
+    ),
+    ("jit(train_step)/optimizer/mul", "optimizer"),
+    (_DEC + "input/shared_embedding/_take/gather", "embedding"),
+    ("jit(train_step)/convert_element_type", "other"),
+  ],
+)
+def test_ops_are_put_in_their_model_part_by_source_path(op_name, part):
+  op = op_profile.Op("fusion.1", "fusion", "main", 1, 10, op_name, 4, 4)
+  assert op_profile.part_of(op) == part
+
+
+needs_libtpu = pytest.mark.skipif(
+  compile_check.tpu_library_path() is None,
+  reason="libtpu is not installed: `make test` installs it into .venv/libtpu on Linux "
+  "x86-64 only (its one wheel)",
+)
+
+# A large bf16 matmul, once and as a loop of 3, compiled for one chip of each kind: the
+# compiler's cycles at TpuChip.clock_hz must put the matmul near, and never above, the
+# chip's peak; the loop's matmul must run 3 times (its test read from the text).
+_CALIBRATE = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from transformer.tools import compile_check, op_profile
+N = 4096
+out = {}
+for name in sys.argv[1:]:
+  tpu_slice = compile_check.parse_slice(name)
+  device = compile_check.slice_devices(tpu_slice)[0]
+  a = jax.ShapeDtypeStruct((N, N), jnp.bfloat16, sharding=SingleDeviceSharding(device))
+  def looped(x, y):
+    return jax.lax.fori_loop(0, 3, lambda i, z: (z @ y).astype(jnp.bfloat16), x)
+  for fn_name, fn in (("once", lambda x, y: x @ y), ("looped", looped)):
+    compiled = jax.jit(fn).lower(a, a).compile()
+    result = op_profile.profile(op_profile.parse(compiled.as_text()), tpu_slice.chip)
+    matmul = result.ops[0]  # the longest op
+    out[f"{name} {fn_name}"] = [matmul.op.runs, matmul.seconds, result.step_s]
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_each_chips_clock_puts_libtpus_estimate_of_a_large_matmul_near_its_peak():
+  names = ["v5e-1", "v4-8", "v5p-8", "v6e-1"]
+  result = subprocess.run(
+    [sys.executable, "-c", _CALIBRATE, *names],
+    capture_output=True,
+    text=True,
+    env=subprocess_env(1),
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  measured = json.loads(result.stdout.strip().splitlines()[-1])
+  for name in names:
+    chip = compile_check.parse_slice(name).chip
+    runs, matmul_s, step_s = measured[f"{name} once"]
+    assert runs == 1 and matmul_s == step_s
+    utilization = 2 * 4096**3 / step_s / chip.peak_flops
+    # Seen with libtpu 0.0.42.1 at 8192: v5e 0.88, v4 0.93, v5p 0.90, v6e 0.71.
+    assert 0.5 < utilization <= 1.0, (name, utilization)
+    # In the loop the same matmul runs 3 times, beside a copy of the carry each time (the
+    # compiler tiles it a little differently there: v4 13% slower per run).
+    runs, looped_s, looped_step_s = measured[f"{name} looped"]
+    assert runs == 3 and looped_s == pytest.approx(3 * matmul_s, rel=0.25)
+    assert looped_step_s > looped_s

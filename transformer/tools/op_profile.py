@@ -1,0 +1,532 @@
+"""The TPU compiler's own prediction of a step, op by op: a profile before the first run.
+
+After optimization, libtpu writes the estimate of its cost model into each op it
+schedules on the TensorCore: `"estimated_cycles"` in the op's backend_config, in the
+compiled program's text (`compiled.as_text()`). Summed over the ops that run (a loop's
+body times its trip count) and divided by the chip's clock, that is the compiler's own
+prediction of the step's compute time. It is a better predictor than a roofline on XLA's
+whole-program "bytes accessed", which counts operands that live in the chip's on-chip
+memory, re-reads inside fusions and background HBM-VMEM copies as if each were HBM
+traffic (docs/performance.md, "Which prediction to trust").
+
+    ops = parse(compiled.as_text())
+    result = profile(ops, chip)          # Profile: seconds per op, per model part, in all
+
+What each kind of op costs here:
+- an op with `estimated_cycles`: those cycles at the chip's clock (TpuChip.clock_hz);
+- a collective (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute):
+  the bytes one chip sends under a ring algorithm over ICI's bandwidth, as if not hidden
+  behind compute (a scanned model's gradients are reduced after its layer loop);
+- a Pallas kernel (custom call "tpu_custom_call"): the roofline of its own cost estimate
+  (FLOPs at peak or bytes at HBM bandwidth, the slower) when it carries one; otherwise
+  only its operands' and results' bytes at HBM bandwidth, which leaves its compute out.
+  Either way it is listed in `Profile.custom_calls` with how it was costed: the compiler
+  gives such kernels no cycles of its own;
+- bookkeeping (parameters, tuples, bitcasts, buffer allocations, loop control) and
+  asynchronous DMA copies between HBM and on-chip memory (copy-start/-done, which run
+  beside the TensorCore): nothing. The number and bytes of those copies are reported.
+
+Every op is put in one model part by the source path JAX records in its `op_name`
+metadata (flax names each module on it): attention core, projections, FFN, logits, loss,
+optimizer, dropout (its random bits and masks), layer norm, embedding, collectives, copies,
+other.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from transformer.training import flops
+
+# --- The program's text: arrays, computations, instructions.
+
+DTYPE_BYTES = {
+  "pred": 1,
+  "s4": 1,
+  "u4": 1,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+  "c64": 8,
+  "c128": 16,
+}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>\S+) .*\{\s*$")
+_INSTRUCTION = re.compile(
+  r"^\s*(?P<root>ROOT )?%(?P<name>[^\s=]+) = (?P<type>.*?) (?P<opcode>[a-z][a-z0-9\-]*)\("
+)
+_CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([^,}]*)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
+_OPERANDS = re.compile(r"%([^\s,()]+)")
+
+
+def array_bytes(type_text: str) -> list[int]:
+  """Bytes of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple of them."""
+  return [
+    math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+    for dtype, dims in _ARRAY.findall(type_text)
+    if dtype in DTYPE_BYTES
+  ]
+
+
+_CONSTANT = re.compile(r"^\s*%(?P<name>[^\s=]+) = s32\[\]\S* constant\((?P<value>-?\d+)\)")
+_LOOP_TEST = re.compile(
+  r"^\s*ROOT %\S+ = pred\[\]\S* compare\(%(?P<a>[^\s,]+), %(?P<b>[^\s,)]+)\), "
+  r"direction=(?P<direction>LT|LE|GT|GE)"
+)
+
+
+def _loop_trip_counts(hlo_text: str) -> dict[str, int]:
+  """{condition computation: trip count} of the program's counted loops.
+
+  TPU's compiled programs drop XLA's `known_trip_count`; what stays is the loop's test:
+  the condition's ROOT compares the counter with a constant, `counter < N` (`<= N - 1`),
+  the counter starting at 0, as XLA writes a scan. A loop without such a test is missing
+  here, and counts once."""
+  trips: dict[str, int] = {}
+  current: str | None = None
+  constants: dict[str, int] = {}
+  for line in hlo_text.splitlines():
+    match = _COMPUTATION.match(line)
+    if match:
+      current, constants = match.group("name"), {}
+      continue
+    constant = _CONSTANT.match(line)
+    if constant:
+      constants[constant.group("name")] = int(constant.group("value"))
+      continue
+    test = _LOOP_TEST.match(line)
+    if test and current is not None:
+      direction = test.group("direction")
+      if direction in ("LT", "LE") and test.group("b") in constants:
+        trips[current] = constants[test.group("b")] + (direction == "LE")
+      elif direction in ("GT", "GE") and test.group("a") in constants:
+        trips[current] = constants[test.group("a")] + (direction == "GE")
+  return trips
+
+
+def loop_trip_count(line: str, trips: dict[str, int]) -> int | None:
+  """A while instruction's trip count: XLA's known_trip_count where the text keeps it,
+  else its condition's test (_loop_trip_counts); None when neither tells."""
+  known = _TRIP_COUNT.search(line)
+  if known:
+    return int(known.group(1))
+  condition = re.search(r"condition=%([^\s,]+)", line)
+  return trips.get(condition.group(1)) if condition else None
+
+
+def computation_runs(hlo_text: str) -> dict[str, int]:
+  """How many times each computation runs per step: a while loop's body and condition
+  its trip count times (scanned layers), everything else once per caller."""
+  trips = _loop_trip_counts(hlo_text)
+  callers: dict[str, list[tuple[str, int]]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    match = _COMPUTATION.match(line)
+    if match:
+      current = match.group("name")
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    if current is None:
+      continue
+    times = (loop_trip_count(line, trips) or 1) if " while(" in line else 1
+    for called in _CALLED.findall(line):
+      for name in called.split(","):
+        name = name.strip().lstrip("%")
+        if name:
+          callers.setdefault(name, []).append((current, times))
+  counts: dict[str, int] = {}
+
+  def count(name: str, seen: frozenset = frozenset()) -> int:
+    if name == entry:
+      return 1
+    if name not in counts:
+      counts[name] = sum(
+        times * count(caller, seen | {name})
+        for caller, times in callers.get(name, [])
+        if caller not in seen
+      )
+    return counts[name]
+
+  return {name: count(name) for name in callers} | ({entry: 1} if entry else {})
+
+
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+  """The device groups of a collective instruction, in any of the forms XLA prints:
+  "mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}" (the devices laid out
+  on named axes, grouped along those in braces), '[2,4]<=[4,2]T(1,0)' (an iota, maybe
+  transposed), '{{0,1},{2,3}}', a permute's source_target_pairs; all devices when empty."""
+  named = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+    r" \{([^}]*)\}",
+    line,
+  )
+  if named:
+    axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", named.group(1))]
+    ids = np.arange(math.prod(size for _, size in axes))
+    if named.group(2):
+      ids = ids.reshape([int(n) for n in named.group(2).split(",")])
+      if named.group(3):
+        ids = ids.transpose([int(n) for n in named.group(3).split(",")])
+    ids = ids.reshape([size for _, size in axes])
+    grouped = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in named.group(4)]
+    ids = np.moveaxis(ids, grouped, list(range(len(axes) - len(grouped), len(axes))))
+    return ids.reshape(-1, math.prod(axes[i][1] for i in grouped)).tolist()
+  iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if iota:
+    shape = [int(n) for n in iota.group(1).split(",")]
+    ids = np.arange(math.prod(shape)).reshape([int(n) for n in iota.group(2).split(",")])
+    if iota.group(3):
+      ids = ids.transpose([int(n) for n in iota.group(3).split(",")])
+    return ids.reshape(shape[0], -1).tolist()
+  explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if explicit and explicit.group(1):
+    return [
+      [int(n) for n in g.split(",") if n] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
+    ]
+  pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+  if pairs:
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+  return [list(range(num_devices))]
+
+
+def _collective_sent(op: str, computation: str, sizes: list[int], line: str, n: int):
+  """(op as counted, bytes one chip sends) under a ring algorithm over a group of n."""
+  # An async start's tuple holds its operand and result; a combined op's, all of them.
+  result = max(sizes) if "-start(" in line else sum(sizes)
+  if op == "all-reduce" and computation.startswith("all-reduce-scatter"):
+    # TPU writes a reduce-scatter as this fusion: an all-reduce, then each chip's slice.
+    return "reduce-scatter", result * (n - 1) / n
+  return op, {
+    "all-gather": result * (n - 1) / n,
+    "reduce-scatter": result * (n - 1),
+    "all-reduce": 2 * result * (n - 1) / n,
+    "all-to-all": result * (n - 1) / n,
+    "collective-permute": result,
+  }[op]
+
+
+# --- Ops.
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One instruction of the compiled program, as the profile sees it."""
+
+  name: str  # "fusion.24"
+  opcode: str  # "fusion", "convolution", "custom-call", "all-reduce-start", ...
+  computation: str  # the computation it sits in
+  runs: int  # times it runs per step: its loops' trip counts multiplied
+  cycles: int | None  # libtpu's estimated_cycles for one run; None where it gives none
+  op_name: str  # JAX's source path: "jit(train_step)/.../encoder/layers/attention/..."
+  result_bytes: int
+  operand_bytes: int
+  custom_call_target: str | None = None
+  cost_estimate: dict[str, float] | None = None  # a Pallas kernel's own, when it has one
+  collective: str | None = None  # "all-reduce", ... for a collective
+  sent_bytes: float = 0.0  # what one chip sends per run (ring model), a collective's
+  across_slices: bool = False  # a collective whose groups span slices (DCN)
+
+
+def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
+  """Every instruction of the executed computations (not those inside a fusion or a
+  reducer), with how often it runs. `device_slices[i]`: the slice of the program's
+  device i, which decides whether a collective goes over DCN (default: one slice)."""
+  runs = computation_runs(hlo_text)
+  lines = hlo_text.splitlines()
+  # Computations that are a fusion's body or an op's reducer do not run as ops of their
+  # own: the fusion (the reduce) is the op, and carries the cycles.
+  inside: set[str] = set()
+  result_bytes: dict[str, int] = {}
+  for line in lines:
+    instruction = _INSTRUCTION.match(line)
+    if not instruction:
+      continue
+    result_bytes[instruction.group("name")] = sum(array_bytes(instruction.group("type")))
+    opcode = instruction.group("opcode")
+    if opcode in ("while", "conditional", "call") or opcode.endswith("-start"):
+      continue  # their bodies, branches and callees run as ops of their own
+    for called in re.finditer(r"(?:calls|to_apply)=%([^\s,}]+)", line):
+      inside.add(called.group(1))
+  ops: list[Op] = []
+  current = ""
+  num_devices = len(device_slices) if device_slices else 1
+  for line in lines:
+    match = _COMPUTATION.match(line)
+    if match:
+      current = match.group("name")
+      continue
+    instruction = _INSTRUCTION.match(line)
+    if not instruction or current in inside:
+      continue
+    opcode = instruction.group("opcode")
+    cycles = _CYCLES.search(line)
+    op_name = _OP_NAME.search(line)
+    target = _TARGET.search(line)
+    estimate = _COST_ESTIMATE.search(line)
+    operands_text = line[instruction.end() :].split(")", 1)[0]
+    collective, sent, across = None, 0.0, False
+    base = opcode.removesuffix("-start")
+    if base in COLLECTIVES and not opcode.endswith("-done"):
+      sizes = array_bytes(instruction.group("type"))
+      groups = replica_groups(line, num_devices)
+      n = max(len(g) for g in groups)
+      collective, sent = _collective_sent(base, current, sizes, line, n)
+      if device_slices:
+        across = any(
+          len({device_slices[i] for i in g if i < len(device_slices)}) > 1 for g in groups
+        )
+    ops.append(
+      Op(
+        name=instruction.group("name"),
+        opcode=opcode,
+        computation=current,
+        runs=runs.get(current, 1),
+        cycles=int(cycles.group(1)) if cycles else None,
+        op_name=op_name.group(1) if op_name else "",
+        result_bytes=result_bytes[instruction.group("name")],
+        operand_bytes=sum(result_bytes.get(name, 0) for name in _OPERANDS.findall(operands_text)),
+        custom_call_target=target.group(1) if target else None,
+        cost_estimate=(
+          {k: float(v) for k, v in json.loads(estimate.group(1)).items()} if estimate else None
+        ),
+        collective=collective,
+        sent_bytes=sent,
+        across_slices=across,
+      )
+    )
+  return ops
+
+
+def collectives(hlo_text: str, device_slices: list[int]) -> dict[str, dict[str, float]]:
+  """{op: {count, ici_bytes, dcn_bytes}} of a compiled program, per chip per step.
+
+  Bytes are what one chip sends under a ring algorithm over its group of n: an
+  all-gather's result (n-1)/n, a reduce-scatter's (n-1) times its result, an all-reduce's
+  2 (n-1)/n, an all-to-all's (n-1)/n, a permute's whole. A group whose devices sit on
+  several slices (`device_slices[i]`: the slice of the program's device i) goes over DCN.
+  """
+  return collective_totals(parse(hlo_text, device_slices))
+
+
+def collective_totals(ops: list[Op]) -> dict[str, dict[str, float]]:
+  """collectives() of ops already parsed."""
+  out = {op: {"count": 0, "ici_bytes": 0.0, "dcn_bytes": 0.0} for op in COLLECTIVES}
+  for op in ops:
+    if op.collective is None or op.runs == 0 or not op.result_bytes:
+      continue
+    out[op.collective]["count"] += op.runs
+    out[op.collective]["dcn_bytes" if op.across_slices else "ici_bytes"] += op.runs * op.sent_bytes
+  return out
+
+
+# --- Model parts.
+
+CATEGORIES = (
+  "attention core",
+  "projections",
+  "FFN",
+  "logits",
+  "loss",
+  "optimizer",
+  "dropout",
+  "layer norm",
+  "embedding",
+  "layer loop",
+  "collectives",
+  "copies",
+  "other",
+)
+
+# The first rule whose pattern an op's source path matches names its part. flax puts each
+# module's name and method on the path ("encoder/layers/layers/attention_block/
+# self_attention/self_attention._attend/..."); the train step names its "loss" and
+# "optimizer" scopes (transformer/training/steps.py; under differentiation JAX writes
+# "jvp(loss)"). "layer loop": a scanned stack slicing each layer's parameters out of the
+# stack and its saved activations into it. Order matters: a sublayer's norm and dropout
+# sit under its "attention_block".
+_PART_RULES: tuple[tuple[str, re.Pattern], ...] = (
+  ("dropout", re.compile(r"dropout|threefry|random_bits|bernoulli|rng_bit_generator")),
+  ("optimizer", re.compile(r"[/(]optimizer\b")),
+  ("loss", re.compile(r"[/(]loss\b")),
+  ("layer loop", re.compile(r"while/body/(jit\()?dynamic_(update_)?(index_in_dim|slice)")),
+  ("logits", re.compile(r"\.attend\b|output_projection|logits")),
+  ("layer norm", re.compile(r"/(final_)?norm\b|layer_?norm")),
+  ("projections", re.compile(r"_qkv\b|/(qkv|kv|query|key|value)\b|_attention/out\b")),
+  ("attention core", re.compile(r"attention|_attend\b")),
+  ("FFN", re.compile(r"/ffn\b|/mlp\b")),
+  ("embedding", re.compile(r"embedding|/input\b|position")),
+)
+
+
+def part_of(op: Op) -> str:
+  """The model part an op belongs to (CATEGORIES)."""
+  if op.collective is not None:
+    return "collectives"
+  if op.opcode in ("copy", "copy-start", "copy-done") or op.name.startswith("copy"):
+    return "copies"
+  path = op.op_name.lower()
+  if "/" not in path:
+    # Made by the compiler, not traced from the model (a loop's zero-filled buffers,
+    # cloned broadcasts): inside a loop they belong to its stepping, elsewhere to nothing.
+    return "layer loop" if op.runs > 1 else "other"
+  for part, pattern in _PART_RULES:
+    if pattern.search(path):
+      return part
+  return "other"
+
+
+# --- The profile.
+
+# Custom calls that do no work of their own: the compiler's buffer bookkeeping.
+BOOKKEEPING_CALLS = frozenset(
+  {"AllocateBuffer", "ConcatBitcast", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
+)
+PALLAS_KERNEL = "tpu_custom_call"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostedOp:
+  op: Op
+  part: str
+  seconds: float  # per step: one run's time times its runs
+  costed_by: str  # "estimated cycles", "ring model", "kernel's cost estimate", ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """The predicted step, op by op, on one chip."""
+
+  clock_hz: float
+  ops: list[CostedOp]  # every op with a time, longest first
+  async_copies: int  # DMA copies between HBM and on-chip memory, per step (not timed)
+  async_copy_bytes: int
+
+  @property
+  def step_s(self) -> float:
+    return sum(c.seconds for c in self.ops)
+
+  @property
+  def compute_s(self) -> float:
+    """The ops on the TensorCore (all but collectives)."""
+    return sum(c.seconds for c in self.ops if c.part != "collectives")
+
+  @property
+  def collectives_s(self) -> float:
+    return sum(c.seconds for c in self.ops if c.part == "collectives")
+
+  def by_part(self) -> dict[str, float]:
+    """Seconds per model part, longest first."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for c in self.ops:
+      totals[c.part] += c.seconds
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+  def custom_calls(self) -> list[CostedOp]:
+    return [c for c in self.ops if c.op.opcode == "custom-call"]
+
+
+def _seconds(op: Op, chip: flops.TpuChip) -> tuple[float, str] | None:
+  """One run's seconds and how they were costed; None for ops that cost nothing here."""
+  if op.cycles is not None:
+    return op.cycles / chip.clock_hz, "estimated cycles"
+  if op.collective is not None:
+    bandwidth = chip.dcn_bytes_per_s if op.across_slices else chip.ici_bytes_per_s
+    return op.sent_bytes / bandwidth, "ring model, not hidden behind compute"
+  if op.opcode == "custom-call" and op.custom_call_target not in BOOKKEEPING_CALLS:
+    if op.cost_estimate is not None:
+      return (
+        max(
+          op.cost_estimate.get("flops", 0.0) / chip.peak_flops,
+          op.cost_estimate.get("bytes_accessed", 0.0) / chip.hbm_bytes_per_s,
+        ),
+        "kernel's own cost estimate (roofline of its FLOPs and bytes)",
+      )
+    return (
+      (op.operand_bytes + op.result_bytes) / chip.hbm_bytes_per_s,
+      "NO cost estimate: its operands' and results' bytes only, compute not counted",
+    )
+  return None
+
+
+def profile(ops: list[Op], chip: flops.TpuChip) -> Profile:
+  """Each op's predicted seconds per step on `chip`, and the async copies' count."""
+  costed, copies, copy_bytes = [], 0, 0
+  for op in ops:
+    if op.opcode == "copy-start":
+      copies += op.runs
+      copy_bytes += op.runs * max(array_bytes_of(op), 0)
+    one = _seconds(op, chip)
+    if one is None or op.runs == 0:
+      continue
+    seconds, how = one
+    costed.append(CostedOp(op, part_of(op), seconds * op.runs, how))
+  costed.sort(key=lambda c: -c.seconds)
+  return Profile(chip.clock_hz, costed, copies, copy_bytes)
+
+
+def array_bytes_of(op: Op) -> int:
+  """An async copy's bytes: its operand's (its result tuple also holds the copy)."""
+  return op.operand_bytes
+
+
+def summary(
+  result: Profile, model_flops: float, peak_flops: float, top: int = 10
+) -> dict[str, Any]:
+  """The profile as the report's JSON: step time, MFU, parts, top ops, custom calls."""
+  step_s = result.step_s
+  return {
+    "step_s": step_s,
+    "compute_s": result.compute_s,
+    "collectives_s": result.collectives_s,
+    "mfu": model_flops / step_s / peak_flops if step_s else 0.0,
+    "clock_hz": result.clock_hz,
+    "by_part_s": result.by_part(),
+    "top_ops": [
+      {
+        "name": c.op.name,
+        "part": c.part,
+        "seconds": c.seconds,
+        "runs": c.op.runs,
+        "op_name": c.op.op_name,
+        "costed_by": c.costed_by,
+      }
+      for c in result.ops[:top]
+    ],
+    "custom_calls": [
+      {
+        "name": c.op.name,
+        "target": c.op.custom_call_target,
+        "op_name": c.op.op_name,
+        "seconds": c.seconds,
+        "costed_by": c.costed_by,
+      }
+      for c in result.custom_calls()
+    ],
+    "async_copies": result.async_copies,
+    "async_copy_bytes": result.async_copy_bytes,
+  }
