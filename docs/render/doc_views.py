@@ -945,28 +945,32 @@ def before_you_launch() -> str:
     batch_note = f" (--batch_tokens {int(asked_tokens):,})" if asked_tokens else ""
     head = (model, f"{slices}{r['topology']}", _launch_mesh(r))
     if "error" in r:
-      rows.append((*head, batch_note.strip(), f"no: {r['error']}", "", "", "", ""))
+      rows.append((*head, batch_note.strip(), f"no: {r['error']}", "", "", "", "", ""))
       continue
     batch = f"{r['rows']} x {r['seq_len']}{batch_note}"
     if "oom" in r:
-      rows.append((*head, batch, r["oom"].split(" (predicted")[0], "", "", "", ""))
+      rows.append((*head, batch, r["oom"].split(" (predicted")[0], "", "", "", "", ""))
       continue
     share = r["total"] / r["hbm"]
+    per_op = r.get("profile")
     rows.append(
       (
         *head,
         batch,
         f"{'fits' if r['fits'] else 'does not fit'}, {share:.0%} of {r['hbm'] / 2**30:.0f} GiB",
-        f"{r['step_s'] * 1e3:,.0f} ms ({r['bound']})",
-        f"{r['mfu']:.0%}",
-        f"{r['tokens_per_s']:,.0f}",
+        f"{per_op['step_s'] * 1e3:,.1f} ms" if per_op else "(older record)",
+        f"{per_op['mfu']:.0%}" if per_op else "",
+        f"{per_op['tokens_per_s']:,.0f}" if per_op else "",
+        f"{r['step_s'] * 1e3:,.0f} ms ({r['bound']}), {r['mfu']:.0%}",
         f"{r['flops_vs_formula']:+.1%}",
       )
     )
   return (
     "Per chip, every figure predicted by XLA's TPU compiler (libtpu), none measured; "
     "mesh data x fsdp x tensor in each slice, batch rows x tokens (the paper's 25,000 "
-    "tokens a step unless --batch_tokens says otherwise):\n\n"
+    "tokens a step unless --batch_tokens says otherwise). The step, its MFU and tokens/s "
+    "are the per-op profile's (the compiler's estimated cycles per op; records made before "
+    "it existed show only the roofline):\n\n"
     + table(
       (
         "model",
@@ -974,9 +978,10 @@ def before_you_launch() -> str:
         "mesh",
         "batch",
         "memory per chip",
-        "roofline step",
-        "MFU",
+        "step (per-op)",
+        "MFU (per-op)",
         "target tokens/s (slice)",
+        "roofline step, MFU (not a bound)",
         "XLA FLOPs vs formula",
       ),
       rows,
@@ -984,6 +989,14 @@ def before_you_launch() -> str:
     + "\n\n"
     + source("compile_check", records)
   )
+
+
+def _predicted_step(r) -> tuple[float, float, str]:
+  """(step seconds, MFU, which predictor) of a compile_check record: the per-op profile's
+  where the record has one, else the roofline's of an older record."""
+  if "profile" in r:
+    return r["profile"]["step_s"], r["profile"]["mfu"], "per-op"
+  return r["step_s"], r["mfu"], f"roofline, {r['bound']}"
 
 
 def table2_predicted_time() -> str:
@@ -1003,13 +1016,14 @@ def table2_predicted_time() -> str:
   for r in records:
     config_name = _command_flag(r["command"], "config") or ""
     steps = config_lib.load_config(config_name).num_train_steps
-    hours = r["step_s"] * steps / 3600
+    step_s, mfu, how = _predicted_step(r)
+    hours = step_s * steps / 3600
     rows.append(
       (
         config_name.rsplit(":", 1)[-1],
         f"{steps // 1000}K",
-        f"{1000 * r['step_s']:.0f} ms",
-        f"{100 * r['mfu']:.0f}%",
+        f"{1000 * step_s:.1f} ms ({how})",
+        f"{100 * mfu:.0f}%",
         f"{hours:.1f} hours",
         f"{hours * r['chips']:.0f}",
       )
@@ -1017,8 +1031,10 @@ def table2_predicted_time() -> str:
   return (
     "Predicted by XLA's TPU compiler for a v5e-8 at the paper's batch (the config's mesh; "
     "`python -m transformer.tools.compile_check --config configs/wmt14.py:MODEL --topology "
-    "v5e-8`), not measured: a roofline of the compiled step's FLOPs, bytes and collectives "
-    '(docs/performance.md, "Before you launch"), without input, checkpoints or evaluation.\n\n'
+    "v5e-8`), not measured: the compiled step's per-op profile (the compiler's own estimated "
+    "cycles per op; an older record's roofline where it has no profile, which says so), "
+    'times the steps (docs/performance.md, "Before you launch"), without input, '
+    "checkpoints or evaluation.\n\n"
     + table(
       ("model", "steps", "step", "MFU", "time to its steps", "chip-hours"),
       rows,
@@ -1049,7 +1065,8 @@ def table3_predicted_time() -> str:
       why = r.get("error") or r["oom"].split(" (predicted")[0]
       rows.append((name, f"{steps // 1000}K", f"no: {why}", "", "", "", ""))
       continue
-    hours = r["step_s"] * steps / 3600
+    step_s, mfu, how = _predicted_step(r)
+    hours = step_s * steps / 3600
     hours_total += hours
     chip_hours_total += hours * r["chips"]
     rows.append(
@@ -1057,8 +1074,8 @@ def table3_predicted_time() -> str:
         name,
         f"{steps // 1000}K",
         f"fits, {r['total'] / r['hbm']:.0%} of {r['hbm'] / 2**30:.0f} GiB",
-        f"{1000 * r['step_s']:.0f} ms ({r['bound']})",
-        f"{100 * r['mfu']:.0f}%",
+        f"{1000 * step_s:.0f} ms ({how})",
+        f"{100 * mfu:.0f}%",
         f"{hours:.1f} hours",
         f"{hours * r['chips']:.0f}",
       )
@@ -1073,8 +1090,9 @@ def table3_predicted_time() -> str:
   return (
     "Predicted by XLA's TPU compiler for a v5e-8 at the paper's batch (the config's mesh; "
     "`python -m transformer.sweeps --sweep configs/sweeps/table3.py --compile_check v5e-8 "
-    "--json --only ROW`), not measured: each row's compiled train step, a roofline of its "
-    "FLOPs, bytes and collectives, times its steps; without input, checkpoints or "
+    "--json --only ROW`), not measured: each row's compiled train step, its per-op profile "
+    "(or, in a record older than it, a roofline of its FLOPs, bytes and collectives, which "
+    "the step column names), times its steps; without input, checkpoints or "
     "evaluation.\n\n"
     + table(
       ("row", "steps", "memory per chip", "step", "MFU", "time to its steps", "chip-hours"),
