@@ -187,6 +187,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.grad_clip_norm = 0.0  # 0 = no clipping
   c.grad_accum_steps = 1
   c.label_smoothing = 0.1
+  # 0: the training loss reads the whole f32 logits [B, T, V]. N > 0: the pre-softmax
+  # projection and the loss are fused, N target positions at a time, and the logits and
+  # their gradient are never whole in memory (run/scoring.py: fused_cross_entropy_sums;
+  # the same loss and gradients). Validation and eval.py keep the unfused path.
+  c.loss_chunk_len = 0
 
   # Loop, logging, checkpoints.
   c.log_every_steps = 100
@@ -411,6 +416,7 @@ def _check_optimization(config: ml_collections.ConfigDict, flat: dict) -> None:
   _check(config.learning_rate_scale > 0, "learning_rate_scale", "must be positive")
   _check(config.grad_accum_steps >= 1, "grad_accum_steps", "must be at least 1")
   _check(0.0 <= config.label_smoothing < 1.0, "label_smoothing", "must be in [0, 1)")
+  _check(config.loss_chunk_len >= 0, "loss_chunk_len", "must be >= 0 (0 = unfused)")
   _check(config.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0 = off)")
   _check(config.weight_decay >= 0, "weight_decay", "must be >= 0")
 

@@ -68,6 +68,9 @@ class FrozenEmbed(nn.Module):
   def __call__(self, ids_BxL: Array) -> Array:
     return jnp.take(self._table_VxD(), ids_BxL, axis=0)
 
+  def output_table(self) -> Array:
+    return self._table_VxD()
+
   def attend(self, x_BxLxD: Array) -> Array:
     batch, length, d_model = x_BxLxD.shape
     x_BLxD = x_BxLxD.reshape(batch * length, d_model)

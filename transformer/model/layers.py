@@ -62,8 +62,12 @@ class Embed(nn.Module):
     )
     return jnp.take(table_VxD, ids_BxL, axis=0)
 
+  def output_table(self) -> Array:
+    """The table [V, D] in the compute dtype, as the tied pre-softmax projection reads it."""
+    return jnp.asarray(self.embedding, self.config.dtype)
+
   def attend(self, x_BxLxD: Array) -> Array:
-    table_VxD = jnp.asarray(self.embedding, self.config.dtype)
+    table_VxD = self.output_table()
     batch, length, d_model = x_BxLxD.shape
     logits_NxV = tied_projection(x_BxLxD.reshape(batch * length, d_model), table_VxD)
     return logits_NxV.reshape(batch, length, -1)
@@ -78,13 +82,18 @@ class OutputProjection(nn.Module):
 
   config: ModelConfig
 
-  @nn.compact
-  def __call__(self, x_BxLxD: Array) -> Array:
+  def setup(self):
     cfg = self.config
-    kernel_DxV = self.param(
+    self.kernel = self.param(
       "kernel", dense_init(("embed", "vocab")), (cfg.d_model, cfg.vocab_size), cfg.param_dtype
     )
-    x_BxLxD, kernel_DxV = promote_dtype(x_BxLxD, kernel_DxV, dtype=cfg.dtype)
+
+  def weight(self) -> Array:
+    """The kernel [D, V] in the compute dtype."""
+    return jnp.asarray(self.kernel, self.config.dtype)
+
+  def __call__(self, x_BxLxD: Array) -> Array:
+    x_BxLxD, kernel_DxV = promote_dtype(x_BxLxD, self.kernel, dtype=self.config.dtype)
     batch, length, d_model = x_BxLxD.shape
     logits_NxV = untied_projection(x_BxLxD.reshape(batch * length, d_model), kernel_DxV)
     return logits_NxV.reshape(batch, length, -1)

@@ -127,6 +127,7 @@ class Decoder(nn.Module):
     source_segment_ids_BxS=None,
     deterministic=True,
     use_cache=False,
+    features_only=False,
   ):
     cfg = self.config
     cache_position = None
@@ -175,6 +176,12 @@ class Decoder(nn.Module):
     )
     if cfg.norm == "pre":
       y_BxTxD = constrain(layer_norm(cfg, "final_norm")(y_BxTxD), BLD)
+    if features_only:
+      # The final hidden states and the pre-softmax weight, for a loss that fuses the
+      # projection (transformer/run/scoring.py: fused_cross_entropy_sums).
+      if cfg.tie_embeddings:
+        return y_BxTxD, self.embed.output_table(), True
+      return y_BxTxD, OutputProjection(cfg, name="output_projection").weight(), False
     if cfg.tie_embeddings:
       logits_BxTxV = self.embed.attend(y_BxTxD)
     else:
@@ -230,8 +237,10 @@ class Transformer(nn.Module):
     target_positions: Array | None = None,
     deterministic: bool = True,
     use_cache: bool = False,
+    features_only: bool = False,
   ) -> Array:
-    """Decoder inputs (+ encoder output) -> f32 logits [B, T, V].
+    """Decoder inputs (+ encoder output) -> f32 logits [B, T, V]; with `features_only`,
+    (the final hidden states [B, T, D], the pre-softmax weight, whether it is [V, D]).
 
     With `use_cache=True` and `mutable=['cache']`: the first call creates the cache (its
     logits are meaningless); later calls take [B, L] and return [B, L, V], token i of
@@ -255,6 +264,7 @@ class Transformer(nn.Module):
       source_segment_ids,
       deterministic,
       use_cache,
+      features_only,
     )
 
   def __call__(
@@ -267,8 +277,10 @@ class Transformer(nn.Module):
     target_segment_ids: Array | None = None,
     target_positions: Array | None = None,
     deterministic: bool = True,
+    features_only: bool = False,
   ) -> Array:
-    """Teacher-forced forward pass -> f32 logits [B, T, V]."""
+    """Teacher-forced forward pass -> f32 logits [B, T, V] (with `features_only`, what
+    `decode` returns with it: the final hidden states and the pre-softmax weight)."""
     encoded = None
     if not self.config.decoder_only:
       if source is None:
@@ -282,6 +294,7 @@ class Transformer(nn.Module):
       target_segment_ids,
       target_positions,
       deterministic,
+      features_only=features_only,
     )
 
 

@@ -15,6 +15,7 @@ import ml_collections
 
 from transformer.config import PAD_ID
 from transformer.model import model_inputs
+from transformer.model.primitives import BLV, constrain
 from transformer.run import sharding
 from transformer.run.model_setup import Model, ModelSetup
 
@@ -97,6 +98,114 @@ def _token_losses_backward(label_smoothing, residuals, cotangents):
 
 
 token_losses.defvjp(_token_losses_forward, _token_losses_backward)
+
+
+def fused_cross_entropy_sums(
+  hidden_BxTxD: Array,
+  weight: Array,
+  weight_is_VxD: bool,
+  targets_BxT: Array,
+  label_smoothing: float,
+  chunk_len: int,
+) -> dict[str, Array]:
+  """cross_entropy_sums of the logits hidden x weight^T (weight [V, D]) or hidden x weight
+  ([D, V]), for training, without a [B, T, V] array ever whole.
+
+  The targets go through in chunks of `chunk_len` positions (a scan; T padded up to a
+  multiple with padding targets, which count nothing). Each chunk's logits [B, c, V] are
+  made in f32, reduced to its sums, and turned at once into the chunk's part of the
+  gradients of the smoothed loss sum, which is the end of the graph: the gradient of the
+  hidden states [B, c, D] and a running sum of the weight's. The backward pass only
+  scales them by the loss sum's cotangent. So the step keeps the three vocabulary matmuls
+  of the unfused projection and loss (the logits, and the two of their backward) and
+  never writes the f32 logits or their gradient, the largest arrays of a step, to memory.
+
+  Only `loss_sum` is differentiated: `ce_sum`, `correct_sum` and `num_tokens` are metrics,
+  and their cotangents are dropped. Equal to cross_entropy_sums of the unfused logits,
+  with gradients, to float32 rounding (tests/test_run_scoring.py).
+  """
+  _, length, _ = hidden_BxTxD.shape
+  pad = -length % chunk_len
+  if pad:
+    hidden_BxTxD = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)), constant_values=PAD_ID)
+  sums_4 = _fused_sums(hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD)
+  return dict(zip(("loss_sum", "ce_sum", "correct_sum", "num_tokens"), sums_4))
+
+
+def _fused_sums_and_gradients(
+  hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD
+):
+  """(sums [4], (d loss_sum / d hidden, d loss_sum / d weight)), chunk by chunk."""
+  batch, length, d_model = hidden_BxTxD.shape
+  chunks = length // chunk_len
+  hidden_NxBxCxD = hidden_BxTxD.reshape(batch, chunks, chunk_len, d_model).swapaxes(0, 1)
+  targets_NxBxC = targets_BxT.reshape(batch, chunks, chunk_len).swapaxes(0, 1)
+  w = "vd" if weight_is_VxD else "dv"
+  vocab = weight.shape[0] if weight_is_VxD else weight.shape[1]
+  low = label_smoothing / (vocab - 1) if label_smoothing > 0 else 0.0
+  on_target = 1.0 - label_smoothing - low if label_smoothing > 0 else 1.0
+
+  def chunk(grad_weight_DxV, inputs):
+    hidden_BxCxD, targets_BxC = inputs
+    logits_BxCxV = jnp.einsum(
+      f"bcd,{w}->bcv", hidden_BxCxD, weight, preferred_element_type=jnp.float32
+    )
+    logits_BxCxV = constrain(logits_BxCxV, BLV)  # the vocabulary over the tensor axis
+    (smoothed_BxC, ce_BxC, correct_BxC), (_, _, log_normalizer_BxC) = _token_losses_forward(
+      logits_BxCxV, targets_BxC, label_smoothing
+    )
+    weights_BxC = (targets_BxC != PAD_ID).astype(jnp.float32)
+    sums_4 = jnp.stack(
+      [
+        jnp.sum(smoothed_BxC * weights_BxC),
+        jnp.sum(ce_BxC * weights_BxC),
+        jnp.sum(correct_BxC * weights_BxC),
+        jnp.sum(weights_BxC),
+      ]
+    )
+    # d loss_sum / d logits in closed form (as _token_losses_backward), rounded to the
+    # compute dtype for the two matmuls, which sum in f32 (as layers._logits_backward).
+    probs_BxCxV = jnp.exp(logits_BxCxV - log_normalizer_BxC[..., None])
+    is_target_BxCxV = jnp.arange(vocab) == targets_BxC[..., None]
+    grad_BxCxV = weights_BxC[..., None] * (
+      probs_BxCxV - low - jnp.where(is_target_BxCxV, on_target, 0.0)
+    )
+    grad_BxCxV = grad_BxCxV.astype(hidden_BxCxD.dtype)
+    grad_hidden_BxCxD = jnp.einsum(
+      f"bcv,{w}->bcd", grad_BxCxV, weight, preferred_element_type=jnp.float32
+    ).astype(hidden_BxCxD.dtype)
+    grad_weight_DxV += jnp.einsum(
+      "bcd,bcv->dv", hidden_BxCxD, grad_BxCxV, preferred_element_type=jnp.float32
+    )
+    return grad_weight_DxV, (sums_4, grad_hidden_BxCxD)
+
+  grad_weight_DxV, (sums_Nx4, grad_hidden_NxBxCxD) = jax.lax.scan(
+    chunk, jnp.zeros((d_model, vocab), jnp.float32), (hidden_NxBxCxD, targets_NxBxC)
+  )
+  grad_hidden_BxTxD = grad_hidden_NxBxCxD.swapaxes(0, 1).reshape(batch, length, d_model)
+  grad_weight = grad_weight_DxV.T if weight_is_VxD else grad_weight_DxV
+  return jnp.sum(sums_Nx4, axis=0), (grad_hidden_BxTxD, grad_weight.astype(weight.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_sums(hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD):
+  return _fused_sums_and_gradients(
+    hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD
+  )[0]
+
+
+def _fused_sums_backward(label_smoothing, chunk_len, weight_is_VxD, gradients, grad_sums_4):
+  grad_hidden_BxTxD, grad_weight = gradients
+  scale = grad_sums_4[0]  # the loss sum's cotangent; the metrics' are dropped
+  return (
+    (scale * grad_hidden_BxTxD).astype(grad_hidden_BxTxD.dtype),
+    (scale * grad_weight).astype(grad_weight.dtype),
+    None,
+  )
+
+
+_fused_sums.defvjp(_fused_sums_and_gradients, _fused_sums_backward)
 
 
 def eval_step(

@@ -18,7 +18,7 @@ import optax
 from transformer.model import model_inputs
 from transformer.run import sharding
 from transformer.run.model_setup import Model
-from transformer.run.scoring import cross_entropy_sums
+from transformer.run.scoring import cross_entropy_sums, fused_cross_entropy_sums
 from transformer.training import flops
 from transformer.training.optimizer import learning_rate_schedule
 from transformer.training.state import Setup, TrainState
@@ -33,19 +33,27 @@ def loss_fn(
   *,
   model: Model,
   label_smoothing: float,
+  loss_chunk_len: int = 0,
 ):
-  # apply without mutable= returns the model's output alone, not (output, variables).
-  logits_BxTxV = cast(
-    Array,
-    model.apply(
-      {"params": params}, **model_inputs(batch), deterministic=False, rngs={"dropout": dropout_rng}
-    ),
-  )
+  """(per-token loss, sums) of a batch; with loss_chunk_len > 0 the pre-softmax
+  projection and the loss are fused (run/scoring.py: fused_cross_entropy_sums)."""
+  inputs = dict(model_inputs(batch), deterministic=False, rngs={"dropout": dropout_rng})
   # The names reach the compiled program's op metadata, where compile_check's per-op
   # profile (transformer/tools/op_profile.py) reads which model part an op belongs to.
-  with jax.named_scope("loss"):
-    sums = cross_entropy_sums(logits_BxTxV, batch["target"], label_smoothing)
-    loss = sums["loss_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
+  if loss_chunk_len:
+    # apply without mutable= returns the model's output alone, not (output, variables).
+    hidden_BxTxD, weight, weight_is_VxD = cast(
+      tuple[Array, Array, bool], model.apply({"params": params}, **inputs, features_only=True)
+    )
+    with jax.named_scope("loss"):
+      sums = fused_cross_entropy_sums(
+        hidden_BxTxD, weight, weight_is_VxD, batch["target"], label_smoothing, loss_chunk_len
+      )
+  else:
+    logits_BxTxV = cast(Array, model.apply({"params": params}, **inputs))
+    with jax.named_scope("loss"):
+      sums = cross_entropy_sums(logits_BxTxV, batch["target"], label_smoothing)
+  loss = sums["loss_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
   return loss, sums
 
 
@@ -79,7 +87,9 @@ def train_step(
   dropout_rng = jax.random.fold_in(
     jax.random.key(config.seed + 1, impl=config.dropout_rng_impl), state.step
   )
-  loss_kwargs = dict(model=model, label_smoothing=config.label_smoothing)
+  loss_kwargs = dict(
+    model=model, label_smoothing=config.label_smoothing, loss_chunk_len=config.loss_chunk_len
+  )
   if config.grad_accum_steps > 1:
     grad_fn = jax.value_and_grad(_summed_loss_fn, has_aux=True)
     (_, (loss, sums)), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
