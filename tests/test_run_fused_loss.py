@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_training_steps import assert_trees_close, run_steps, synthetic_batch, tiny_config
+from tests.helpers.train_steps import assert_trees_close, run_steps, synthetic_batch, tiny_config
 from transformer.run import scoring, sharding
 from transformer.training import state, steps
 
