@@ -885,6 +885,14 @@ def _command_flag(command: str, flag: str) -> str | None:
 _SLICE_ORDER = ("v5e-8", "v4-32", "v5p-128", "v5e-256")
 
 
+def _config_overrides(command: str) -> tuple[str, ...]:
+  """A command's config overrides, "--config.model.dtype=bfloat16" as "model.dtype=bfloat16":
+  a compile_check record with any is an experiment on the step, not the config's figure."""
+  return tuple(
+    word.removeprefix("--config.") for word in command.split() if word.startswith("--config.")
+  )
+
+
 def _launch_key(record: dict[str, Any]) -> tuple:
   """What a compile_check record is about: model, slice, slices, mesh asked, batch asked."""
   command = record["command"]
@@ -922,7 +930,10 @@ def before_you_launch() -> str:
   """compile_check's records: each WMT model on each slice, with the config's mesh and
   the best of --search_mesh (or a --mesh recorded where no search was), every figure a
   prediction of XLA's TPU compiler."""
-  records = latest(read_records("compile_check"), key=_launch_key)
+  records = latest(
+    [r for r in read_records("compile_check") if not _config_overrides(r["command"])],
+    key=_launch_key,
+  )
   searched = {key[:3] + key[4:] for key in map(_launch_key, records) if key[3] == "search"}
   records = [  # a search compiled each mesh a --mesh record would show
     r
@@ -999,15 +1010,114 @@ def _predicted_step(r) -> tuple[float, float, str]:
   return r["step_s"], r["mfu"], f"roofline, {r['bound']}"
 
 
+def tpu_step_profile() -> str:
+  """Where a v5e-8 step's time goes, by model part, for each WMT model: the per-op
+  profile of compile_check's newest record of it (the config's mesh, the paper's batch)."""
+  records = [
+    r
+    for r in latest(
+      [r for r in read_records("compile_check") if not _config_overrides(r["command"])],
+      key=lambda r: (_command_flag(r["command"], "config"), r["topology"]),
+    )
+    if r["topology"] == "v5e-8"
+    and "profile" in r
+    and _command_flag(r["command"], "mesh") is None
+    and _command_flag(r["command"], "batch_tokens") is None
+  ]
+  records.sort(key=lambda r: _command_flag(r["command"], "config") or "")
+  models = [(_command_flag(r["command"], "config") or "").rsplit(":", 1)[-1] for r in records]
+  parts: list[str] = []
+  for r in records:
+    parts += [p for p in r["profile"]["by_part_s"] if p not in parts]
+  rows = []
+  for part in parts:
+    cells = []
+    for r in records:
+      seconds = r["profile"]["by_part_s"].get(part, 0.0)
+      cells.append(f"{seconds * 1e3:.2f} ms ({seconds / r['profile']['step_s']:.0%})")
+    rows.append((part, *cells))
+  rows.append(("**step**", *(f"**{r['profile']['step_s'] * 1e3:.1f} ms**" for r in records)))
+  rows.append(("**MFU**", *(f"**{r['profile']['mfu']:.0%}**" for r in records)))
+  top = []
+  for model, r in zip(models, records):
+    ops = "; ".join(
+      f"{o['part']} {o['seconds'] * 1e3:.2f} ms (`{o['op_name'].rsplit(')/', 1)[-1][-60:]}`"
+      + (f", x{o['runs']}" if o["runs"] > 1 else "")
+      + ")"
+      for o in r["profile"]["top_ops"][:5]
+    )
+    top.append(f"- {model}'s five longest ops: {ops}.")
+  return (
+    "The per-op profile of the train step on a v5e-8 (the config's mesh, the paper's batch; "
+    "`python -m transformer.tools.compile_check --config configs/wmt14.py:MODEL --topology "
+    "v5e-8 --json`), per chip, predicted by the compiler's own estimates, not measured:\n\n"
+    + table(("part", *models), rows)
+    + "\n\n"
+    + "\n".join(top)
+    + "\n\n"
+    + source("compile_check", records)
+  )
+
+
+def tpu_step_experiments() -> str:
+  """Changes to the base step on a v5e-8, each compiled with one config override beside
+  the config as it is, by the per-op profile: what each change does to the step."""
+  records = read_records("compile_check")
+
+  def wanted(r):
+    return (
+      r["topology"] == "v5e-8"
+      and "profile" in r
+      and _command_flag(r["command"], "config") == "configs/wmt14.py:base"
+      and _command_flag(r["command"], "mesh") is None
+    )
+
+  shown = latest([r for r in records if wanted(r)], key=lambda r: _config_overrides(r["command"]))
+  base = next((r for r in shown if not _config_overrides(r["command"])), None)
+  if base is None:
+    return "No per-op record of the base step on a v5e-8 yet."
+  rows = []
+  for r in sorted(shown, key=lambda r: (bool(_config_overrides(r["command"])), r["command"])):
+    change = ", ".join(f"`{o}`" for o in _config_overrides(r["command"])) or "the config as it is"
+    p, b = r["profile"], base["profile"]
+    moved = sorted(
+      set(p["by_part_s"]) | set(b["by_part_s"]),
+      key=lambda k: -abs(p["by_part_s"].get(k, 0) - b["by_part_s"].get(k, 0)),
+    )[:3]
+    deltas = ", ".join(
+      f"{k} {(p['by_part_s'].get(k, 0) - b['by_part_s'].get(k, 0)) * 1e3:+.2f} ms" for k in moved
+    )
+    rows.append(
+      (
+        change,
+        f"{p['step_s'] * 1e3:.1f} ms",
+        f"{p['mfu']:.1%}",
+        f"{(p['step_s'] / b['step_s'] - 1):+.0%}" if r is not base else "",
+        deltas if r is not base else "",
+        f"{r['total'] / r['hbm']:.0%}",
+      )
+    )
+  return (
+    "Transformer-base's train step on a v5e-8 (the paper's batch, the config's mesh), "
+    "compiled as the config is and with one override each (`python -m "
+    "transformer.tools.compile_check --config configs/wmt14.py:base --topology v5e-8 "
+    "--config.KEY=VALUE --json`), per chip, by the per-op profile (predicted, not "
+    "measured):\n\n"
+    + table(("change", "step", "MFU", "vs as it is", "parts that moved most", "HBM per chip"), rows)
+    + "\n\n"
+    + source("compile_check", shown)
+  )
+
+
 def table2_predicted_time() -> str:
-  """Table 2's rows priced on a v5e-8: compile_check's predicted step time (a roofline from
-  XLA's TPU compiler, not a measurement) times the config's steps."""
+  """Table 2's rows priced on a v5e-8: compile_check's predicted step time (the per-op
+  profile, or an older record's roofline; not a measurement) times the config's steps."""
   from transformer import config as config_lib
 
   records = [
     r
     for r in latest(
-      read_records("compile_check"),
+      [r for r in read_records("compile_check") if not _config_overrides(r["command"])],
       key=lambda r: (_command_flag(r["command"], "config"), r["topology"]),
     )
     if r["topology"] == "v5e-8" and "error" not in r and _command_flag(r["command"], "mesh") is None
@@ -1123,6 +1233,8 @@ def views() -> dict[str, Callable[[], str]]:
       restore_memory,
       checkpoint_saves,
       before_you_launch,
+      tpu_step_profile,
+      tpu_step_experiments,
       flax_train_step,
       flax_beam_search,
       table2_predicted_time,
