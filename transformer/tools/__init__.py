@@ -8,6 +8,7 @@ prepare_data         a config's dataset and vocabulary, built once before a mult
 export               a trained run as a CTranslate2 model (float32 or int8), for serving
 compare_ctranslate2  the run's decoding beside its CTranslate2 export: outputs, BLEU, speed
 compile_check        the training and decoding steps compiled for a named TPU slice, on a CPU
+                     (op_profile.py, a module of it: the compiler's per-op estimates summed)
 memory               per-device memory of the compiled training step, mesh by mesh
 restore_memory       host memory and time of restoring averaged parameters, alone or with
                      the whole train state
