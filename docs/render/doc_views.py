@@ -1060,9 +1060,9 @@ def tpu_step_profile() -> str:
 
 
 def tpu_step_experiments() -> str:
-  """Changes to the base step on a v5e-8, each compiled with one config override beside
-  the config as it is, by the per-op profile: what each change does to the step."""
-  records = read_records("compile_check")
+  """Changes to the base step on a v5e-8, each compiled with config overrides and set
+  against the step as the config stood when it was compiled (the newest record without
+  overrides before it), by the per-op profile."""
 
   def wanted(r):
     return (
@@ -1072,14 +1072,23 @@ def tpu_step_experiments() -> str:
       and _command_flag(r["command"], "mesh") is None
     )
 
-  shown = latest([r for r in records if wanted(r)], key=lambda r: _config_overrides(r["command"]))
-  base = next((r for r in shown if not _config_overrides(r["command"])), None)
-  if base is None:
+  reference, against = None, {}
+  for r in [r for r in read_records("compile_check") if wanted(r)]:  # in the order made
+    if not _config_overrides(r["command"]):
+      reference = r
+    elif reference is not None:
+      against[_config_overrides(r["command"])] = (r, reference)
+  if reference is None:
     return "No per-op record of the base step on a v5e-8 yet."
-  rows = []
-  for r in sorted(shown, key=lambda r: (bool(_config_overrides(r["command"])), r["command"])):
-    change = ", ".join(f"`{o}`" for o in _config_overrides(r["command"])) or "the config as it is"
-    p, b = r["profile"], base["profile"]
+  rows = [("the config as it is now", "", f"{reference['profile']['step_s'] * 1e3:.1f} ms")]
+  rows[0] += (
+    f"{reference['profile']['mfu']:.1%}",
+    "",
+    f"{reference['total'] / reference['hbm']:.0%}",
+  )
+  shown = [reference]
+  for overrides, (r, before) in sorted(against.items()):
+    p, b = r["profile"], before["profile"]
     moved = sorted(
       set(p["by_part_s"]) | set(b["by_part_s"]),
       key=lambda k: -abs(p["by_part_s"].get(k, 0) - b["by_part_s"].get(k, 0)),
@@ -1089,23 +1098,27 @@ def tpu_step_experiments() -> str:
     )
     rows.append(
       (
-        change,
-        f"{p['step_s'] * 1e3:.1f} ms",
+        ", ".join(f"`{o}`" for o in overrides),
+        f"{b['step_s'] * 1e3:.1f} ms",
+        f"{p['step_s'] * 1e3:.1f} ms ({p['step_s'] / b['step_s'] - 1:+.0%})",
         f"{p['mfu']:.1%}",
-        f"{(p['step_s'] / b['step_s'] - 1):+.0%}" if r is not base else "",
-        deltas if r is not base else "",
-        f"{r['total'] / r['hbm']:.0%}",
+        deltas,
+        f"{r['total'] / r['hbm']:.0%} (from {before['total'] / before['hbm']:.0%})",
       )
     )
+    shown += [r, before]
   return (
     "Transformer-base's train step on a v5e-8 (the paper's batch, the config's mesh), "
-    "compiled as the config is and with one override each (`python -m "
-    "transformer.tools.compile_check --config configs/wmt14.py:base --topology v5e-8 "
-    "--config.KEY=VALUE --json`), per chip, by the per-op profile (predicted, not "
-    "measured):\n\n"
-    + table(("change", "step", "MFU", "vs as it is", "parts that moved most", "HBM per chip"), rows)
+    "compiled with config overrides (`python -m transformer.tools.compile_check --config "
+    "configs/wmt14.py:base --topology v5e-8 --config.KEY=VALUE --json`) and set against the "
+    "step as the config stood when each was compiled, per chip, by the per-op profile "
+    "(predicted, not measured):\n\n"
+    + table(
+      ("change", "step before", "step with it", "MFU", "parts that moved most", "HBM per chip"),
+      rows,
+    )
     + "\n\n"
-    + source("compile_check", shown)
+    + source("compile_check", list({id(r): r for r in shown}.values()))
   )
 
 
