@@ -1080,12 +1080,17 @@ def tpu_step_experiments() -> str:
       against[_config_overrides(r["command"])] = (r, reference)
   if reference is None:
     return "No per-op record of the base step on a v5e-8 yet."
-  rows = [("the config as it is now", "", f"{reference['profile']['step_s'] * 1e3:.1f} ms")]
-  rows[0] += (
-    f"{reference['profile']['mfu']:.1%}",
-    "",
-    f"{reference['total'] / reference['hbm']:.0%}",
-  )
+  now = reference["profile"]
+  rows: list[tuple[str, ...]] = [
+    (
+      "the config as it is now",
+      "",
+      f"{now['step_s'] * 1e3:.1f} ms",
+      f"{now['mfu']:.1%}",
+      "",
+      f"{reference['total'] / reference['hbm']:.0%}",
+    )
+  ]
   shown = [reference]
   for overrides, (r, before) in sorted(against.items()):
     p, b = r["profile"], before["profile"]
