@@ -36,6 +36,12 @@ PROGRAM = """HloModule jit_train_step
   ROOT %sum = f32[] add(%a, %b), backend_config={"estimated_cycles":"777777"}
 }
 
+%all-reduce-scatter.1 (scatter_in: f32[1024,256]) -> f32[256,256] {
+  %scatter_in = f32[1024,256]{1,0} parameter(0)
+  %scatter_sum = f32[1024,256]{1,0} all-reduce(%scatter_in), replica_groups={{0,1,2,3}}, to_apply=%add_reducer
+  ROOT %my_part = f32[256,256]{1,0} dynamic-slice(%scatter_sum), dynamic_slice_sizes={256,256}
+}
+
 %layer_body (body_arg: (s32[], f32[8])) -> (s32[], f32[8]) {
   %body_arg = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
   %i = s32[]{:T(128)} get-tuple-element(%body_arg), index=0
@@ -61,6 +67,7 @@ ENTRY %main (x: f32[8], w: f32[1024,256]) -> f32[1024,256] {
   %scan = (s32[]{:T(128)}, f32[8]{0}) while(%init), condition=%layer_test, body=%layer_body, metadata={op_name="jit(train_step)/while"}
   %loss = f32[8]{0} fusion(%x_in), kind=kLoop, calls=%fused_projection, metadata={op_name="jit(train_step)/jvp(traced_under_rules)/loss/reduce_sum"}, backend_config={"window_config":{"estimated_cycles":"3000"}}
   %grads = f32[1024,256]{1,0} all-reduce(%w), replica_groups={{0,1,2,3}}, to_apply=%add_reducer
+  %scattered = f32[256,256]{1,0} fusion(%w), kind=kCustom, calls=%all-reduce-scatter.1
   %flash = f32[1024,256]{1,0} custom-call(%grads), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"eA==","cost_estimate":{"flops":"197000000000","transcendentals":"0","bytes_accessed":"1000","remote_bytes_transferred":"0"}}}
   %opaque = f32[1024,256]{1,0} custom-call(%flash), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"eA=="}}
   %buffer = f32[1024,256]{1,0} custom-call(), custom_call_target="AllocateBuffer"
@@ -86,6 +93,12 @@ def test_a_loops_ops_count_by_its_test_and_fused_ops_count_once_as_their_fusion(
   assert ops["flash"].cost_estimate["flops"] == 197e9
   assert ops["opaque"].cost_estimate is None
   assert ops["opaque"].operand_bytes == ops["opaque"].result_bytes == MIB
+  # A reduce-scatter, as TPU writes it: an all-reduce inside a fusion, counted as one.
+  assert "my_part" not in ops and ops["scattered"].cycles is None
+  assert ops["scatter_sum"].collective == "reduce-scatter"
+  assert ops["scatter_sum"].sent_bytes == pytest.approx(0.75 * MIB)
+  totals = op_profile.collectives(PROGRAM, [0, 0, 0, 0])
+  assert totals["reduce-scatter"]["count"] == 1 and totals["all-reduce"]["count"] == 1
 
 
 def test_every_op_is_costed_as_the_docstring_says():
@@ -105,10 +118,11 @@ def test_every_op_is_costed_as_the_docstring_says():
   assert ops["opaque"].seconds == pytest.approx(2 * MIB / V5E.hbm_bytes_per_s)
   assert "NO cost estimate" in ops["opaque"].costed_by
   # Bookkeeping and the DMA copy take no time; the copy is counted.
-  assert not {"buffer", "to_vmem", "in_vmem", "scan", "init", "next"} & set(ops)
+  assert not {"buffer", "to_vmem", "in_vmem", "scan", "init", "next", "scattered"} & set(ops)
   assert (result.async_copies, result.async_copy_bytes) == (1, MIB)
   assert result.step_s == pytest.approx(sum(c.seconds for c in result.ops))
-  assert result.collectives_s == pytest.approx(ops["grads"].seconds)
+  assert ops["scatter_sum"].seconds == pytest.approx(0.75 * MIB / V5E.ici_bytes_per_s)
+  assert result.collectives_s == pytest.approx(ops["grads"].seconds + ops["scatter_sum"].seconds)
   assert [c.op.name for c in result.ops] == sorted(ops, key=lambda n: -ops[n].seconds)
 
 

@@ -281,16 +281,20 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
       current = match.group("name")
       continue
     instruction = _INSTRUCTION.match(line)
-    if not instruction or current in inside:
+    if not instruction:
       continue
     opcode = instruction.group("opcode")
+    base = opcode.removesuffix("-start")
+    if current in inside and base not in COLLECTIVES:
+      # (A collective inside a fusion is still one: TPU writes a reduce-scatter as an
+      # "all-reduce-scatter" fusion around an all-reduce.)
+      continue
     cycles = _CYCLES.search(line)
     op_name = _OP_NAME.search(line)
     target = _TARGET.search(line)
     estimate = _COST_ESTIMATE.search(line)
     operands_text = line[instruction.end() :].split(")", 1)[0]
     collective, sent, across = None, 0.0, False
-    base = opcode.removesuffix("-start")
     if base in COLLECTIVES and not opcode.endswith("-done"):
       sizes = array_bytes(instruction.group("type"))
       groups = replica_groups(line, num_devices)
