@@ -202,6 +202,14 @@ AWAITING_RERUN: dict[str, str] = {
     "table3_small",
   )
 }
+# The WMT configs now recompute each layer (model.remat = "full"), which changes their
+# compiled steps: base's and big's v5e-8 records are remade with it, the other slices'
+# and Table 3's rows are not yet.
+for _name in ("compile_check", "table3_compile_check"):
+  AWAITING_RERUN[_name] = (
+    "the WMT configs now recompute each layer (remat=full): the slices and rows not yet "
+    "recompiled show the step as it was"
+  )
 AWAITING_RERUN["make_test"] = (
   "the suite grew (tests of every first-day item): rerun on an idle machine"
 )
