@@ -96,11 +96,9 @@ def test_a_tiny_config_compiled_for_a_4_chip_slice_reports_every_figure():
   for part in ("attention core", "projections", "FFN", "logits", "loss", "optimizer"):
     assert parts.get(part, 0) > 0, (part, parts)
   assert sum(parts.values()) == pytest.approx(profile["step_s"])
-  # (A gradient all-reduce after the loop keeps the name of a layer op it combined.)
-  layer_ops = [
-    o for o in profile["top_ops"] if "/layers/" in o["op_name"] and o["part"] != "collectives"
-  ]
-  assert layer_ops and all(o["runs"] == 3 for o in layer_ops)
+  # The longest ops run once a step or once per layer (read from the loop's test).
+  runs = {o["runs"] for o in profile["top_ops"]}
+  assert 3 in runs and runs <= {1, 3}, profile["top_ops"]
   assert profile["custom_calls"] == []  # the einsum attention: no kernels to flag
   # The roofline: the slowest of its terms, and everything derived from it.
   roof = report["roofline_s"]
