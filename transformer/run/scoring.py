@@ -122,7 +122,7 @@ def fused_cross_entropy_sums(
 
   Only `loss_sum` is differentiated: `ce_sum`, `correct_sum` and `num_tokens` are metrics,
   and their cotangents are dropped. Equal to cross_entropy_sums of the unfused logits,
-  with gradients, to float32 rounding (tests/test_run_scoring.py).
+  with gradients, to float32 rounding (tests/test_run_fused_loss.py).
   """
   _, length, _ = hidden_BxTxD.shape
   pad = -length % chunk_len
