@@ -187,10 +187,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.grad_clip_norm = 0.0  # 0 = no clipping
   c.grad_accum_steps = 1
   c.label_smoothing = 0.1
-  # 0: the training loss reads the whole f32 logits [B, T, V]. N > 0: the pre-softmax
-  # projection and the loss are fused, N target positions at a time, and the logits and
-  # their gradient are never whole in memory (run/scoring.py: fused_cross_entropy_sums;
-  # the same loss and gradients). Validation and eval.py keep the unfused path.
+  # > 0: training's projection and loss fused, this many target positions at a time
+  # (run/scoring.py: fused_cross_entropy_sums); 0: the whole f32 logits [B, T, V].
   c.loss_chunk_len = 0
 
   # Loop, logging, checkpoints.

@@ -483,7 +483,7 @@ def profile(ops: list[Op], chip: flops.TpuChip) -> Profile:
   for op in ops:
     if op.opcode == "copy-start":
       copies += op.runs
-      copy_bytes += op.runs * max(array_bytes_of(op), 0)
+      copy_bytes += op.runs * op.operand_bytes  # its result tuple also holds the copy
     one = _seconds(op, chip)
     if one is None or op.runs == 0:
       continue
@@ -491,11 +491,6 @@ def profile(ops: list[Op], chip: flops.TpuChip) -> Profile:
     costed.append(CostedOp(op, part_of(op), seconds * op.runs, how))
   costed.sort(key=lambda c: -c.seconds)
   return Profile(chip.clock_hz, costed, copies, copy_bytes)
-
-
-def array_bytes_of(op: Op) -> int:
-  """An async copy's bytes: its operand's (its result tuple also holds the copy)."""
-  return op.operand_bytes
 
 
 def summary(
