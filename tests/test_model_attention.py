@@ -30,8 +30,8 @@ from tests.helpers.model_helpers import (
   tiny_config,
 )
 from transformer.model import Transformer
-from transformer.model.attention import MultiHeadAttention, Projection, attention_scores
-from transformer.model.primitives import attention_mask
+from transformer.model.attention import MultiHeadAttention, Projection
+from transformer.model.attention_kernels import AttentionMask, attention_scores
 
 
 def _attention_inputs(self_attention):
@@ -39,7 +39,7 @@ def _attention_inputs(self_attention):
   cross-attention over a zero encoder output [B, S, D]."""
   queries_BxTxD = jnp.zeros((BATCH, TARGET_LEN, D_MODEL))
   kv_len = TARGET_LEN if self_attention else SOURCE_LEN
-  mask = attention_mask(
+  mask = AttentionMask(
     jnp.ones((BATCH, TARGET_LEN), jnp.int32),
     jnp.ones((BATCH, kv_len), jnp.int32),
     causal=self_attention,
@@ -184,7 +184,7 @@ def test_bfloat16_attention_softmax_sees_unrounded_scores():
   cfg = tiny_config(dtype="bfloat16")
   rng = np.random.default_rng(2)
   x_BxTxD = jnp.asarray(rng.normal(size=(BATCH, TARGET_LEN, D_MODEL)), jnp.float32)
-  mask = attention_mask(
+  mask = AttentionMask(
     jnp.ones((BATCH, TARGET_LEN), jnp.int32), jnp.ones((BATCH, TARGET_LEN), jnp.int32), causal=False
   )
   module = MultiHeadAttention(cfg)
@@ -234,7 +234,7 @@ def test_bfloat16_forward_never_widens_bfloat16_scores(self_attention):
   module = MultiHeadAttention(cfg, self_attention=self_attention)
   variables = jax.eval_shape(module.init, jax.random.key(0), x_BxTxD, mask, **kwargs)
   jaxpr = jax.make_jaxpr(lambda v: module.apply(v, x_BxTxD, mask, **kwargs))(variables).jaxpr
-  scores_shape = (BATCH, NUM_HEADS, TARGET_LEN, mask.shape[-1])
+  scores_shape = (BATCH, NUM_HEADS, TARGET_LEN, mask.kv_segment_ids_BxS.shape[-1])
   score_dots = [
     eqn
     for eqn in _all_equations(jaxpr)

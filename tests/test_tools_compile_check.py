@@ -5,6 +5,7 @@ is not installed these tests skip and say why. Each command runs in a process of
 so that libtpu is never loaded into the test worker.
 """
 
+import collections
 import json
 import subprocess
 import sys
@@ -156,6 +157,41 @@ def test_slice_names_map_to_their_topologies():
   assert "v4-4096" in slices and "v4-8192" not in slices
   with pytest.raises(Exception, match="not a known TPU slice; known: v5e-1, v5e-4, v5e-8, v5e-16"):
     compile_check.parse_slice("v5e-15")
+
+
+@needs_libtpu
+def test_the_tpu_flash_kernel_compiles_per_device_and_every_kernel_is_costed_and_flagged():
+  """The Pallas FlashAttention kernel in the step compiled for v5e-4 on a data x tensor
+  mesh: a forward kernel per attention (encoder, decoder self, cross) with its own cost
+  estimate, and two backward kernels each (dK/dV, dQ), which carry none and are costed
+  by formula; all run inside the layer loop, per device (shard_map), and the attention
+  core's time is theirs."""
+  mesh = [a for a in TINY if not a.startswith("--mesh")] + ["--mesh=2,1,2"]
+  result = _run(
+    "--config.model.attention_kernel=tpu_flash",
+    "--config.model.scan_layers=True",
+    "--json",
+    base=mesh,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  profile = json.loads(result.stdout)["profile"]
+  kernels = profile["custom_calls"]
+  assert len(kernels) == 9, [k["name"] for k in kernels]
+  assert all(
+    k["target"] == "tpu_custom_call" and "_attend/shard_map" in k["op_name"] for k in kernels
+  )
+  costed_by = collections.Counter(
+    "own"
+    if "own cost estimate" in k["costed_by"]
+    else "formula"
+    if "formula" in k["costed_by"]
+    else k["costed_by"]
+    for k in kernels
+  )
+  assert costed_by == {"own": 3, "formula": 6}, costed_by
+  for place in ("Transformer.encode/", "self_attention_block/", "cross_attention_block/"):
+    assert sum(place in k["op_name"] for k in kernels) == 3, place
+  assert profile["by_part_s"]["attention core"] >= sum(k["seconds"] for k in kernels) > 0
 
 
 def test_collectives_are_counted_per_loop_trip_and_split_by_slice():

@@ -71,6 +71,9 @@ ENTRY %main (x: f32[8], w: f32[1024,256]) -> f32[1024,256] {
   %flash = f32[1024,256]{1,0} custom-call(%grads), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"eA==","cost_estimate":{"flops":"197000000000","transcendentals":"0","bytes_accessed":"1000","remote_bytes_transferred":"0"}}}
   %opaque = f32[1024,256]{1,0} custom-call(%flash), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"eA=="}}
   %buffer = f32[1024,256]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %q4 = bf16[2,4,256,64]{3,2,1,0} parameter(2)
+  %k4 = bf16[2,4,512,64]{3,2,1,0} parameter(3)
+  %flash_mha_bwd_dq_block_q_major_128.1 = bf16[2,4,256,64]{3,2,1,0} custom-call(%q4, %k4), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/self_attention._attend/shard_map/pallas_call"}, backend_config={"custom_call_config":{"body":"eA=="}}
   %to_vmem = (f32[1024,256]{1,0}, f32[1024,256]{1,0:S(1)}, u32[]) copy-start(%w)
   %in_vmem = f32[1024,256]{1,0:S(1)} copy-done(%to_vmem)
   ROOT %out = f32[1024,256]{1,0} add(%opaque, %in_vmem), metadata={op_name="jit(train_step)/optimizer/add"}, backend_config={"estimated_cycles":"250"}
@@ -117,8 +120,15 @@ def test_every_op_is_costed_as_the_docstring_says():
   # One without: its bytes in and out at HBM bandwidth, flagged as leaving compute out.
   assert ops["opaque"].seconds == pytest.approx(2 * MIB / V5E.hbm_bytes_per_s)
   assert "NO cost estimate" in ops["opaque"].costed_by
+  # A flash kernel without one: the slower of its FLOPs by formula, 6 per query-key
+  # pair and d_k for dQ, and its bytes.
+  dq = ops["flash_mha_bwd_dq_block_q_major_128.1"]
+  assert dq.op.operand_dims == ((2, 4, 256, 64), (2, 4, 512, 64))
+  assert op_profile.kernel_flops(dq.op) == 6 * 2 * 4 * 256 * 512 * 64
+  assert dq.seconds == pytest.approx(6 * 2 * 4 * 256 * 512 * 64 / V5E.peak_flops)
+  assert "formula" in dq.costed_by
   # Bookkeeping and the DMA copy take no time; the copy is counted.
-  assert not {"buffer", "to_vmem", "in_vmem", "scan", "init", "next", "scattered"} & set(ops)
+  assert not {"buffer", "to_vmem", "in_vmem", "scan", "init", "next", "scattered", "q4"} & set(ops)
   assert (result.async_copies, result.async_copy_bytes) == (1, MIB)
   assert result.step_s == pytest.approx(sum(c.seconds for c in result.ops))
   assert ops["scatter_sum"].seconds == pytest.approx(0.75 * MIB / V5E.ici_bytes_per_s)
@@ -139,7 +149,8 @@ def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():
   assert set(parts) <= set(op_profile.CATEGORIES)
   assert len(summary["top_ops"]) == 3 and summary["top_ops"][0]["name"] == "flash"
   kernels = {k["name"]: k for k in summary["custom_calls"]}
-  assert set(kernels) == {"flash", "opaque"}  # the allocation is not a kernel
+  # The allocation is not a kernel.
+  assert set(kernels) == {"flash", "opaque", "flash_mha_bwd_dq_block_q_major_128.1"}
   assert "NO cost estimate" in kernels["opaque"]["costed_by"]
   json.dumps(summary)  # goes into the report as it is
 

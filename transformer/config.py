@@ -36,7 +36,7 @@ VOCAB_TYPES = ("bpe", "unigram")
 RNG_IMPLS = ("threefry2x32", "philox4x32", "rbg", "unsafe_rbg")
 MESH_AXES = ("data", "fsdp", "tensor")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_KERNELS = ("einsum", "xla", "cudnn")
+ATTENTION_KERNELS = ("einsum", "xla", "cudnn", "tpu_flash")
 LM_LOSS_KINDS = ("target", "sequence")
 
 
@@ -73,7 +73,9 @@ def model_config() -> ml_collections.ConfigDict:
   m.remat = "none"
   # einsum: explicit softmax weights (attention dropout, attention maps, any d_k/d_v);
   # xla or cudnn: jax.nn.dot_product_attention with that implementation (cudnn is flash
-  # attention on NVIDIA GPUs in bf16/fp16). Both need d_k == d_v and no attention dropout.
+  # attention on NVIDIA GPUs in bf16/fp16); tpu_flash: the Pallas FlashAttention kernel
+  # for TPU. All but einsum need d_k == d_v and no attention dropout
+  # (transformer/model/attention_kernels.py).
   m.attention_kernel = "einsum"
   return m
 

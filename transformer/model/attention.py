@@ -11,7 +11,9 @@ The cache keeps K as [B, H, K, C] and V as [B, H, C, E] ('key', 'value'; 'cross_
 K/V may hold one row per group of G query rows (beam search: one per sentence for its
 G hypotheses).
 
-Q, K, V, the attention logits and the output carry sharding constraints (`constrain`):
+Without the cache, softmax(Q K^T / sqrt(d_k)) V is computed by the kernel the config
+names (attention_kernels.py), which reads the mask as an AttentionMask (segment ids and
+causality). Q, K, V, the attention logits and the output carry sharding constraints (`constrain`):
 rows over the batch axes, heads over the tensor axis, under the config's rules.
 """
 
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
+from transformer.model.attention_kernels import KERNELS, AttentionMask, einsum_attention
 from transformer.model.primitives import (
   BATCH,
   BLD,
@@ -87,7 +90,7 @@ class MultiHeadAttention(nn.Module):
   def __call__(
     self,
     x_BxLxD: Array,
-    mask_Bx1xLxS: Array | None,
+    mask: AttentionMask | None,
     *,
     positions_BxL: Array | None = None,
     memory_BxSxD: Array | None = None,
@@ -96,17 +99,18 @@ class MultiHeadAttention(nn.Module):
     cache_position: Array | None = None,
   ) -> Array:
     if self.self_attention:
-      q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS = self._self_qkv(
-        x_BxLxD, mask_Bx1xLxS, positions_BxL, use_cache, cache_position
+      q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC = self._self_qkv(
+        x_BxLxD, positions_BxL, use_cache, cache_position
       )
     else:
       q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache)
+      cache_mask_Bx1xLxC = mask.dense() if use_cache else None
     if q_BxLxHxK is None:  # the call that creates the cache only sizes it
       return jnp.zeros_like(x_BxLxD)
     if use_cache:  # K [R, H, K, S] and V [R, H, S, E], as the cache stores them
-      out_BxLxHxE = self._attend_cached(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS)
+      out_BxLxHxE = self._attend_cached(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC)
     else:
-      out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic)
+      out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, deterministic)
     out_BxLxHxE = constrain(out_BxLxHxE, BLHK)
     out_BxLxD = self._dense(self.config.d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(
       out_BxLxHxE
@@ -118,8 +122,9 @@ class MultiHeadAttention(nn.Module):
     num_in = len(axis) if isinstance(axis, tuple) else 1
     return Projection(self.config, features, axes, num_in, name=name)
 
-  def _self_qkv(self, x_BxLxD, mask_Bx1xLxS, positions_BxL, use_cache, cache_position):
-    """Q, K, V (and the mask) of self-attention; with the cache, K/V of all written slots."""
+  def _self_qkv(self, x_BxLxD, positions_BxL, use_cache, cache_position):
+    """Q, K, V of self-attention; with the cache, K/V of all written slots and the mask
+    of the slots each query sees (bool [B, 1, L, C]; None without the cache)."""
     h, k, e = self.config.num_heads, self.config.d_k, self.config.d_v
     qkv_BxLxHx2KE = constrain(
       self._dense((h, 2 * k + e), ("embed", "heads", "kv"), "qkv")(x_BxLxD), BLHK
@@ -129,7 +134,7 @@ class MultiHeadAttention(nn.Module):
       q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL)
       k_BxSxHxK = apply_rope(k_BxSxHxK, positions_BxL)
     if not use_cache:
-      return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS
+      return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, None
     # The buffers are stored as the cached attention's matmuls read them (see
     # `_attend_cached`): K as [B, H, K, C] and V as [B, H, C, E].
     batch, length = k_BxSxHxK.shape[:2]
@@ -231,73 +236,24 @@ class MultiHeadAttention(nn.Module):
     out_RxHxMxE = jnp.einsum("rhms,rhse->rhme", weights_RxHxMxS, v_RxHxSxE)
     return out_RxHxMxE.transpose(0, 2, 1, 3).reshape(batch, length, heads, -1)
 
-  def _attend(self, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask_Bx1xLxS, deterministic):
-    """softmax(Q K^T / sqrt(d_k)) V: written out, or jax.nn.dot_product_attention.
+  def _attend(self, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask: AttentionMask, deterministic):
+    """softmax(Q K^T / sqrt(d_k)) V by the config's kernel (attention_kernels.py).
 
-    In mixed precision both paths take the scores and the softmax in f32 and the
-    weights x V product in the compute dtype.
+    Attention maps (the 'intermediates' collection) need the weights themselves, which
+    only the einsum kernel forms: those calls take it. (Attention dropout needs them
+    too; config.py allows it with the einsum kernel only.)
     """
     cfg = self.config
     if cfg.attention_kernel != "einsum" and not self.is_mutable_collection("intermediates"):
-      # XLA's fused form, or cuDNN flash attention on GPU. The attention weights never
-      # materialize, so attention maps (intermediates) take the einsum path. It has no
-      # precision argument and needs none: its xla form takes bf16 Q K^T with
-      # preferred_element_type=f32 (and the BF16_BF16_F32 dot algorithm) and a f32
-      # softmax, and cuDNN's flash attention keeps the scores in f32 inside the kernel;
-      # both cast the weights to V's dtype, as below.
-      return jax.nn.dot_product_attention(
-        q_BxLxHxK,
-        k_BxSxHxK,
-        v_BxSxHxE,
-        mask=mask_Bx1xLxS,
-        scale=1.0 / math.sqrt(cfg.d_k),
-        implementation=cfg.attention_kernel,
-      )
-    # Explicit weights: sown for attention maps, and dropout-able. Scaled in f32, where
-    # 1/sqrt(d_k) costs no rounding of q, and fused by XLA with the mask and softmax.
-    logits_BxHxLxS = constrain(
-      attention_scores(q_BxLxHxK, k_BxSxHxK), (BATCH, HEADS, LENGTH, None)
-    ) / math.sqrt(cfg.d_k)
-    logits_BxHxLxS = jnp.where(mask_Bx1xLxS, logits_BxHxLxS, MASKED_LOGIT)
-    weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
-    self.sow("intermediates", "attention_weights", weights_BxHxLxS)
-    # Weights in [0, 1] lose little in bf16 (relative rounding only), and weights x V is
-    # a matmul as large as Q K^T: it runs at the compute dtype's speed.
-    weights_BxHxLxS = weights_BxHxLxS.astype(cfg.dtype)
-    if cfg.attention_dropout_rate > 0:
-      weights_BxHxLxS = nn.Dropout(cfg.attention_dropout_rate)(
-        weights_BxHxLxS, deterministic=deterministic
-      )
-    return jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
+      return KERNELS[cfg.attention_kernel](q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask)
 
+    def on_weights(weights_BxHxLxS):
+      self.sow("intermediates", "attention_weights", weights_BxHxLxS)
+      weights_BxHxLxS = weights_BxHxLxS.astype(v_BxSxHxE.dtype)
+      if cfg.attention_dropout_rate > 0:
+        weights_BxHxLxS = nn.Dropout(cfg.attention_dropout_rate)(
+          weights_BxHxLxS, deterministic=deterministic
+        )
+      return weights_BxHxLxS
 
-@jax.custom_vjp
-def attention_scores(q_BxLxHxK: Array, k_BxSxHxK: Array) -> Array:
-  """Q K^T, unscaled, as f32 [B, H, L, S] whatever the dtype of q and k.
-
-  Accumulated in f32 and never rounded to the compute dtype: scores of a few tens
-  rounded to bf16 (8 significant bits) move by ~0.1, visibly reshaping the softmax.
-  The backward pass is written out so its two matmuls stay in the compute dtype, the
-  f32 cotangent cast down to it: left to autodiff, that f32 cotangent would turn them
-  into f32 matmuls (q and k widened), twice the cost on accelerators.
-  """
-  return jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
-
-
-def _attention_scores_forward(q_BxLxHxK, k_BxSxHxK):
-  return attention_scores(q_BxLxHxK, k_BxSxHxK), (q_BxLxHxK, k_BxSxHxK)
-
-
-def _attention_scores_backward(residuals, grad_BxHxLxS):
-  q_BxLxHxK, k_BxSxHxK = residuals
-  grad_BxHxLxS = grad_BxHxLxS.astype(q_BxLxHxK.dtype)
-  grad_q_BxLxHxK = jnp.einsum(
-    "bhls,bshk->blhk", grad_BxHxLxS, k_BxSxHxK, preferred_element_type=jnp.float32
-  )
-  grad_k_BxSxHxK = jnp.einsum(
-    "bhls,blhk->bshk", grad_BxHxLxS, q_BxLxHxK, preferred_element_type=jnp.float32
-  )
-  return grad_q_BxLxHxK.astype(q_BxLxHxK.dtype), grad_k_BxSxHxK.astype(k_BxSxHxK.dtype)
-
-
-attention_scores.defvjp(_attention_scores_forward, _attention_scores_backward)
+    return einsum_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, on_weights)

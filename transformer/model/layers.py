@@ -228,14 +228,12 @@ class EncoderLayer(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x_BxSxD, mask_Bx1xSxS, positions_BxS):
+  def __call__(self, x_BxSxD, mask, positions_BxS):
     cfg, deterministic = self.config, self.deterministic
     attention = MultiHeadAttention(cfg, self_attention=True, name="self_attention")
     x_BxSxD = Sublayer(cfg, name="attention_block")(
       x_BxSxD,
-      lambda y: attention(
-        y, mask_Bx1xSxS, positions_BxL=positions_BxS, deterministic=deterministic
-      ),
+      lambda y: attention(y, mask, positions_BxL=positions_BxS, deterministic=deterministic),
       deterministic,
     )
     return Sublayer(cfg, name="ffn_block")(x_BxSxD, FeedForward(cfg, name="ffn"), deterministic)
@@ -252,10 +250,10 @@ class DecoderLayer(nn.Module):
   def __call__(
     self,
     y_BxTxD,
-    self_mask_Bx1xTxT,
+    self_mask,
     positions_BxT,
     memory_BxSxD,
-    cross_mask_Bx1xTxS,
+    cross_mask,
     cache_position: Array | None = None,
   ):
     cfg, deterministic = self.config, self.deterministic
@@ -264,7 +262,7 @@ class DecoderLayer(nn.Module):
       y_BxTxD,
       lambda z: self_attention(
         z,
-        self_mask_Bx1xTxT,
+        self_mask,
         positions_BxL=positions_BxT,
         deterministic=deterministic,
         use_cache=self.use_cache,
@@ -280,7 +278,7 @@ class DecoderLayer(nn.Module):
         y_BxTxD,
         lambda z: cross_attention(
           z,
-          cross_mask_Bx1xTxS,
+          cross_mask,
           memory_BxSxD=memory_BxSxD,
           deterministic=deterministic,
           use_cache=self.use_cache,

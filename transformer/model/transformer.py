@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer.model.attention_kernels import AttentionMask
 from transformer.model.layers import (
   DecoderLayer,
   Embed,
@@ -33,7 +34,6 @@ from transformer.model.primitives import (
   BLV,
   Array,
   ModelConfig,
-  attention_mask,
   constrain,
   default_positions,
   layer_norm,
@@ -102,9 +102,9 @@ class Encoder(nn.Module):
     x_BxSxD = InputEmbedding(cfg, self.embed, name="input")(
       source_BxS, source_positions_BxS, deterministic
     )
-    mask_Bx1xSxS = attention_mask(source_segment_ids_BxS, source_segment_ids_BxS, causal=False)
+    mask = AttentionMask(source_segment_ids_BxS, source_segment_ids_BxS, causal=False)
     x_BxSxD = layer_stack(
-      EncoderLayer, cfg, x_BxSxD, mask_Bx1xSxS, source_positions_BxS, deterministic=deterministic
+      EncoderLayer, cfg, x_BxSxD, mask, source_positions_BxS, deterministic=deterministic
     )
     if cfg.norm == "pre":
       x_BxSxD = constrain(layer_norm(cfg, "final_norm")(x_BxSxD), BLD)
@@ -158,10 +158,10 @@ class Decoder(nn.Module):
     y_BxTxD = InputEmbedding(cfg, self.embed, name="input")(
       decoder_input_BxT, target_positions_BxT, deterministic
     )
-    self_mask = attention_mask(target_segment_ids_BxT, target_segment_ids_BxT, causal=True)
+    self_mask = AttentionMask(target_segment_ids_BxT, target_segment_ids_BxT, causal=True)
     cross_mask = None
     if not cfg.decoder_only:
-      cross_mask = attention_mask(target_segment_ids_BxT, source_segment_ids_BxS, causal=False)
+      cross_mask = AttentionMask(target_segment_ids_BxT, source_segment_ids_BxS, causal=False)
     y_BxTxD = layer_stack(
       DecoderLayer,
       cfg,

@@ -83,6 +83,15 @@ _COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
 _OPERANDS = re.compile(r"%([^\s,()]+)")
 
 
+def array_dims(type_text: str) -> list[tuple[int, ...]]:
+  """The shape of each array in an HLO type."""
+  return [
+    tuple(int(d) for d in dims.split(",") if d)
+    for dtype, dims in _ARRAY.findall(type_text)
+    if dtype in DTYPE_BYTES
+  ]
+
+
 def array_bytes(type_text: str) -> list[int]:
   """Bytes of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple of them."""
   return [
@@ -247,6 +256,7 @@ class Op:
   operand_bytes: int
   custom_call_target: str | None = None
   cost_estimate: dict[str, float] | None = None  # a Pallas kernel's own, when it has one
+  operand_dims: tuple[tuple[int, ...], ...] = ()  # a custom call's operands' shapes
   collective: str | None = None  # "all-reduce", ... for a collective
   sent_bytes: float = 0.0  # what one chip sends per run (ring model), a collective's
   across_slices: bool = False  # a collective whose groups span slices (DCN)
@@ -262,11 +272,13 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
   # own: the fusion (the reduce) is the op, and carries the cycles.
   inside: set[str] = set()
   result_bytes: dict[str, int] = {}
+  result_types: dict[str, str] = {}
   for line in lines:
     instruction = _INSTRUCTION.match(line)
     if not instruction:
       continue
     result_bytes[instruction.group("name")] = sum(array_bytes(instruction.group("type")))
+    result_types[instruction.group("name")] = instruction.group("type")
     opcode = instruction.group("opcode")
     if opcode in ("while", "conditional", "call") or opcode.endswith("-start"):
       continue  # their bodies, branches and callees run as ops of their own
@@ -294,6 +306,7 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
     target = _TARGET.search(line)
     estimate = _COST_ESTIMATE.search(line)
     operands_text = line[instruction.end() :].split(")", 1)[0]
+    operands = _OPERANDS.findall(operands_text)
     collective, sent, across = None, 0.0, False
     if base in COLLECTIVES and not opcode.endswith("-done"):
       sizes = array_bytes(instruction.group("type"))
@@ -313,11 +326,16 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
         cycles=int(cycles.group(1)) if cycles else None,
         op_name=op_name.group(1) if op_name else "",
         result_bytes=result_bytes[instruction.group("name")],
-        operand_bytes=sum(result_bytes.get(name, 0) for name in _OPERANDS.findall(operands_text)),
+        operand_bytes=sum(result_bytes.get(name, 0) for name in operands),
         custom_call_target=target.group(1) if target else None,
         cost_estimate=(
           {k: float(v) for k, v in json.loads(estimate.group(1)).items()} if estimate else None
         ),
+        operand_dims=tuple(
+          dims for name in operands for dims in array_dims(result_types.get(name, ""))
+        )
+        if opcode == "custom-call"
+        else (),
         collective=collective,
         sent_bytes=sent,
         across_slices=across,
@@ -470,10 +488,41 @@ def _seconds(op: Op, chip: flops.TpuChip) -> tuple[float, str] | None:
         ),
         "kernel's own cost estimate (roofline of its FLOPs and bytes)",
       )
-    return (
-      (op.operand_bytes + op.result_bytes) / chip.hbm_bytes_per_s,
-      "NO cost estimate: its operands' and results' bytes only, compute not counted",
-    )
+    bytes_s = (op.operand_bytes + op.result_bytes) / chip.hbm_bytes_per_s
+    formula = kernel_flops(op)
+    if formula is not None:
+      return (
+        max(formula / chip.peak_flops, bytes_s),
+        "no cost estimate: FLOPs by the kernel's formula (every tile) and its operands' "
+        "and results' bytes, the slower at peak",
+      )
+    return bytes_s, "NO cost estimate: its operands' and results' bytes only, compute not counted"
+  return None
+
+
+# Pallas FlashAttention's kernels (jax.experimental.pallas.ops.tpu.flash_attention), by
+# the name JAX gives their custom calls: the matmuls per query-key pair and d_k, each
+# 2 FLOPs per multiply-add. Forward: Q K^T and P V (4). Backward for dK and dV: Q K^T
+# again, dO V^T, P^T dO and dS^T Q (8); for dQ: Q K^T, dO V^T and dS K (6).
+_KERNEL_MATMUL_FLOPS = (
+  (re.compile(r"^flash_mha_bwd_dkv"), 8),
+  (re.compile(r"^flash_mha_bwd_dq"), 6),
+  (re.compile(r"^flash_attention"), 4),
+)
+
+
+def kernel_flops(op: Op) -> float | None:
+  """A known kernel's FLOPs from its operands, or None. The flash kernels' first two
+  4-d operands are Q [B, H, L, K] and K [B, H, S, K]. Every tile is counted: a causal
+  kernel skips the tiles above the diagonal, nearly half at long lengths, so this is
+  an upper bound there."""
+  for pattern, per_pair in _KERNEL_MATMUL_FLOPS:
+    if pattern.match(op.name):
+      q_and_k = [dims for dims in op.operand_dims if len(dims) == 4][:2]
+      if len(q_and_k) < 2:
+        return None
+      (batch, heads, length, d_k), (_, _, source_len, _) = q_and_k
+      return float(per_pair * batch * heads * length * source_len * d_k)
   return None
 
 

@@ -1,0 +1,143 @@
+"""transformer/model/attention_kernels.py: every kernel computes the einsum path's
+attention, forward and gradient, with padding, packed segments and the causal mask.
+
+The TPU kernel (tpu_flash, Pallas FlashAttention) runs here in Pallas's TPU interpret
+mode, which executes the kernel's own program on the CPU, tile by tile. Padding queries
+have no defined output (no loss reads one), so outputs and losses are compared at real
+positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pallas_tpu
+
+from tests.helpers.model_helpers import D_K, packed_batch, random_params, run, tiny_config
+from transformer import config as config_lib
+from transformer.model import attention_kernels
+from transformer.model.attention_kernels import (
+  KERNELS,
+  AttentionMask,
+  einsum_attention,
+  tpu_flash_attention,
+)
+from transformer.run import sharding
+
+
+def test_every_kernel_a_config_may_name_is_implemented():
+  assert set(KERNELS) == set(config_lib.ATTENTION_KERNELS)
+
+
+def _segments(length: int, rng) -> np.ndarray:
+  """int32 [2, length]: row 0 packs two segments and ends in two padding slots, row 1
+  is one segment padded from a random point on."""
+  ids = np.ones((2, length), np.int32)
+  ids[0, length // 2 :] = 2
+  ids[0, -2:] = 0
+  ids[1, rng.integers(length // 2, length) :] = 0
+  return ids
+
+
+@pytest.mark.parametrize(
+  "length, source_len, causal",
+  [(6, 7, False), (6, 6, True), (136, 136, True)],
+  ids=["cross-short", "causal-short", "causal-two-tiles"],
+)
+def test_tpu_flash_kernel_matches_einsum_forward_and_gradient(length, source_len, causal):
+  """Lengths that are not a multiple of the kernel's tiles (padded inside), and one that
+  spans two 128-row tiles of queries and of keys."""
+  rng = np.random.default_rng(length + causal)
+  heads, d_k = 2, 16
+  q, k, v = (
+    jnp.asarray(rng.normal(size=(2, n, heads, d_k)), jnp.float32)
+    for n in (length, source_len, source_len)
+  )
+  q_ids = _segments(length, rng)
+  kv_ids = q_ids if causal else _segments(source_len, rng)
+  mask = AttentionMask(jnp.asarray(q_ids), jnp.asarray(kv_ids), causal=causal)
+  real_BxLx1x1 = jnp.asarray(q_ids != 0)[:, :, None, None]
+  weights = jnp.asarray(rng.normal(size=(2, length, heads, d_k)), jnp.float32)
+
+  def loss(kernel, q, k, v):
+    return jnp.sum(jnp.where(real_BxLx1x1, kernel(q, k, v, mask), 0.0) * weights)
+
+  with pallas_tpu.force_tpu_interpret_mode():
+    flash = jax.jit(tpu_flash_attention)(q, k, v, mask)
+    flash_grads = jax.jit(jax.grad(functools.partial(loss, tpu_flash_attention), (0, 1, 2)))(
+      q, k, v
+    )
+  real = q_ids != 0
+  np.testing.assert_allclose(
+    np.asarray(flash)[real], np.asarray(einsum_attention(q, k, v, mask))[real], atol=1e-5
+  )
+  einsum_grads = jax.grad(functools.partial(loss, einsum_attention), (0, 1, 2))(q, k, v)
+  for name, got, want in zip("qkv", flash_grads, einsum_grads):
+    np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"d loss / d {name}")
+  # The mask matters: without the segment ids, attention crosses the packed pairs.
+  unpacked = AttentionMask(jnp.ones_like(mask.q_segment_ids_BxL), mask.kv_segment_ids_BxS, causal)
+  assert not np.allclose(np.asarray(einsum_attention(q, k, v, unpacked))[real], flash[real])
+
+
+def _real_loss(cfg, batch, params):
+  """Sum of squared logits at the real target positions."""
+  logits_BxTxV = run(cfg, params, **batch)
+  real_BxTx1 = (batch["target_segment_ids"] != 0)[:, :, None]
+  return jnp.sum(jnp.where(real_BxTx1, logits_BxTxV, 0.0) ** 2)
+
+
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
+def test_tpu_flash_model_matches_einsum(decoder_only):
+  """The whole model: encoder self-attention, causal decoder self-attention and
+  cross-attention over packed pairs with padding, logits and every parameter's gradient."""
+  einsum = tiny_config(decoder_only=decoder_only, d_v=D_K, num_layers=1)
+  flash = dataclasses.replace(einsum, attention_kernel="tpu_flash")
+  params = random_params(einsum)
+  batch = packed_batch(decoder_only)
+  real = np.asarray(batch["target_segment_ids"] != 0)
+  with pallas_tpu.force_tpu_interpret_mode():
+    flash_logits = jax.jit(lambda p: run(flash, p, **batch))(params)
+    flash_grads = jax.jit(jax.grad(functools.partial(_real_loss, flash, batch)))(params)
+  np.testing.assert_allclose(
+    np.asarray(flash_logits)[real], np.asarray(run(einsum, params, **batch))[real], atol=1e-5
+  )
+  chex.assert_trees_all_close(
+    flash_grads, jax.grad(functools.partial(_real_loss, einsum, batch))(params), atol=1e-5
+  )
+
+
+def test_tpu_flash_runs_per_device_on_a_mesh(monkeypatch):
+  """Under the activation sharding of a data x tensor mesh, the kernel runs in shard_map
+  on each device's rows and heads (a custom call XLA would otherwise gather whole),
+  lengths whole, and computes what the einsum path computes on one device."""
+  seen_shapes = []
+  one_device = attention_kernels._tpu_flash_one_device
+
+  def recording(q, k, v, q_ids, kv_ids, causal):
+    seen_shapes.append((q.shape, q_ids.shape))
+    return one_device(q, k, v, q_ids, kv_ids, causal)
+
+  monkeypatch.setattr(attention_kernels, "_tpu_flash_one_device", recording)
+  einsum = tiny_config(d_v=D_K, num_layers=1)
+  flash = tiny_config(d_v=D_K, num_layers=1, attention_kernel="tpu_flash")
+  params = random_params(einsum)
+  batch = packed_batch(decoder_only=False)
+  mesh = jax.sharding.Mesh(np.reshape(jax.devices()[:4], (2, 1, 2)), config_lib.MESH_AXES)
+  on_mesh = jax.device_put((params, batch), jax.sharding.NamedSharding(mesh, jax.P()))
+  with (
+    sharding.activation_sharding(mesh, config_lib.logical_axis_rules()),
+    pallas_tpu.force_tpu_interpret_mode(),
+  ):
+    logits = jax.jit(lambda p, b: run(flash, p, **b))(*on_mesh)
+  # [B, L, H, K] = [2, 6 or 7, 2, 4]: a row and a head per device, lengths whole.
+  assert sorted(seen_shapes) == [((1, 6, 1, 4), (1, 6))] * 2 + [((1, 7, 1, 4), (1, 7))]
+  real = np.asarray(batch["target_segment_ids"] != 0)
+  np.testing.assert_allclose(
+    np.asarray(logits)[real], np.asarray(run(einsum, params, **batch))[real], atol=1e-5
+  )

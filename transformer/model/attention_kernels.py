@@ -1,0 +1,263 @@
+"""softmax(Q K^T / sqrt(d_k)) V: one interface, several kernels (`model.attention_kernel`).
+
+Every kernel is a function
+
+    kernel(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask: AttentionMask) -> out_BxLxHxE
+
+taking Q, K and V in the compute dtype and returning the heads' outputs in V's dtype.
+Scores are accumulated and soft-maxed in f32 whatever the compute dtype (mixed precision
+keeps the softmax statistics in f32), and the weights meet V in V's dtype. Where a query
+has no key it may attend to (a padding query), its output is unspecified: no loss or
+later layer reads it (a real query never attends to padding, segment id 0).
+
+  einsum      written out: the f32 scores and weights [B, H, L, S] materialize. The one
+              kernel with attention dropout and attention maps (`on_weights`); the
+              others, which never form the weights, fall back to it for those.
+  xla         jax.nn.dot_product_attention's XLA form, from the dense mask.
+  cudnn       cuDNN's flash attention on GPU (jax.nn.dot_product_attention), same mask.
+  tpu_flash   the Pallas FlashAttention kernel for TPU
+              (jax.experimental.pallas.ops.tpu.flash_attention): tiles of Q against tiles
+              of K and V in on-chip memory, the [L, S] scores never written to HBM
+              (FlashAttention, Dao et al. 2022). It reads the mask as segment ids and
+              causality, never as a dense [B, 1, L, S] array, and runs per device under
+              shard_map (a custom call is opaque to XLA's partitioner). On CPU it runs
+              only inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`,
+              as the tests do.
+
+Adding a kernel is one function below and one entry in KERNELS (config.py's
+ATTENTION_KERNELS lists the names a config may choose). The cached decoding path
+(MultiHeadAttention._attend_cached) keeps its own written-out form: its K/V live in the
+cache's layouts ([R, H, K, C] and [R, H, C, E]) and a step's attention is one query row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from transformer.model.primitives import (
+  BATCH,
+  HEADS,
+  LENGTH,
+  MASKED_LOGIT,
+  Array,
+  attention_mask,
+  constrain,
+)
+
+
+@struct.dataclass
+class AttentionMask:
+  """Who may attend to whom, as segment ids: a query may attend to a key of its own
+  segment that is not padding (id 0), and with `causal` only to keys at or before it.
+  Unpacked rows have segment ids `tokens != PAD_ID` (one segment and its padding).
+
+  q_segment_ids_BxL: int32 [B, L]; kv_segment_ids_BxS: int32 [B, S].
+  """
+
+  q_segment_ids_BxL: Array
+  kv_segment_ids_BxS: Array
+  causal: bool = struct.field(pytree_node=False, default=False)
+
+  def dense(self) -> Array:
+    """bool [B, 1, L, S], broadcast over heads."""
+    return attention_mask(self.q_segment_ids_BxL, self.kv_segment_ids_BxS, self.causal)
+
+
+Kernel = Callable[[Array, Array, Array, AttentionMask], Array]
+
+
+# ----------------------------------------------------------------------------------
+# Written out.
+
+
+def einsum_attention(
+  q_BxLxHxK: Array,
+  k_BxSxHxK: Array,
+  v_BxSxHxE: Array,
+  mask: AttentionMask,
+  on_weights: Callable[[Array], Array] | None = None,
+) -> Array:
+  """Scores, mask, softmax and weights x V as separate ops, fused by XLA where it can.
+
+  `on_weights` gets the f32 weights [B, H, L, S] and returns what meets V (the module
+  sows them for attention maps and applies attention dropout); without it they are cast
+  to V's dtype.
+  """
+  # Scaled in f32, where 1/sqrt(d_k) costs no rounding of q, and fused by XLA with the
+  # mask and softmax.
+  logits_BxHxLxS = constrain(
+    attention_scores(q_BxLxHxK, k_BxSxHxK), (BATCH, HEADS, LENGTH, None)
+  ) / math.sqrt(q_BxLxHxK.shape[-1])
+  logits_BxHxLxS = jnp.where(mask.dense(), logits_BxHxLxS, MASKED_LOGIT)
+  weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
+  # Weights in [0, 1] lose little in bf16 (relative rounding only), and weights x V is
+  # a matmul as large as Q K^T: it runs at the compute dtype's speed.
+  if on_weights is None:
+    weights_BxHxLxS = weights_BxHxLxS.astype(v_BxSxHxE.dtype)
+  else:
+    weights_BxHxLxS = on_weights(weights_BxHxLxS)
+  return jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
+
+
+@jax.custom_vjp
+def attention_scores(q_BxLxHxK: Array, k_BxSxHxK: Array) -> Array:
+  """Q K^T, unscaled, as f32 [B, H, L, S] whatever the dtype of q and k.
+
+  Accumulated in f32 and never rounded to the compute dtype: scores of a few tens
+  rounded to bf16 (8 significant bits) move by ~0.1, visibly reshaping the softmax.
+  The backward pass is written out so its two matmuls stay in the compute dtype, the
+  f32 cotangent cast down to it: left to autodiff, that f32 cotangent would turn them
+  into f32 matmuls (q and k widened), twice the cost on accelerators.
+  """
+  return jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
+
+
+def _attention_scores_forward(q_BxLxHxK, k_BxSxHxK):
+  return attention_scores(q_BxLxHxK, k_BxSxHxK), (q_BxLxHxK, k_BxSxHxK)
+
+
+def _attention_scores_backward(residuals, grad_BxHxLxS):
+  q_BxLxHxK, k_BxSxHxK = residuals
+  grad_BxHxLxS = grad_BxHxLxS.astype(q_BxLxHxK.dtype)
+  grad_q_BxLxHxK = jnp.einsum(
+    "bhls,bshk->blhk", grad_BxHxLxS, k_BxSxHxK, preferred_element_type=jnp.float32
+  )
+  grad_k_BxSxHxK = jnp.einsum(
+    "bhls,blhk->bshk", grad_BxHxLxS, q_BxLxHxK, preferred_element_type=jnp.float32
+  )
+  return grad_q_BxLxHxK.astype(q_BxLxHxK.dtype), grad_k_BxSxHxK.astype(k_BxSxHxK.dtype)
+
+
+attention_scores.defvjp(_attention_scores_forward, _attention_scores_backward)
+
+
+# ----------------------------------------------------------------------------------
+# jax.nn.dot_product_attention: XLA's fused form, or cuDNN's flash attention on GPU.
+
+
+def _dot_product_attention(implementation: str) -> Kernel:
+  def kernel(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask):
+    # No precision argument, and none is needed: the xla form takes bf16 Q K^T with
+    # preferred_element_type=f32 (the BF16_BF16_F32 dot algorithm) and a f32 softmax,
+    # cuDNN keeps the scores in f32 inside the kernel; both cast the weights to V's dtype.
+    return jax.nn.dot_product_attention(
+      q_BxLxHxK,
+      k_BxSxHxK,
+      v_BxSxHxE,
+      mask=mask.dense(),
+      scale=1.0 / math.sqrt(q_BxLxHxK.shape[-1]),
+      implementation=implementation,
+    )
+
+  return kernel
+
+
+# ----------------------------------------------------------------------------------
+# Pallas FlashAttention on TPU.
+
+# The kernel's tile along L and S. 128 fills the TPU's 128-lane vector registers and
+# MXU rows, and the kernel needs key tiles of a multiple of it; a query sequence
+# shorter than 128 is one tile, rounded up to the 8-row sublane.
+_TPU_TILE = 128
+
+
+def _tile_len(length: int, keys: bool) -> tuple[int, int]:
+  """(tile, padded length): 128-row tiles, or for queries one tile of up to 128 rows."""
+  if length <= _TPU_TILE and not keys:
+    tile = -(-length // 8) * 8
+    return tile, tile
+  return _TPU_TILE, -(-length // _TPU_TILE) * _TPU_TILE
+
+
+def tpu_flash_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask):
+  return _per_device(_tpu_flash_one_device)(
+    q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask.q_segment_ids_BxL, mask.kv_segment_ids_BxS, mask.causal
+  )
+
+
+def _tpu_flash_one_device(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, q_ids_BxL, kv_ids_BxS, causal):
+  # Imported here: Pallas's TPU modules are needed only by this kernel.
+  from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+  length, source_len = q_BxLxHxK.shape[1], k_BxSxHxK.shape[1]
+  q_tile, padded_len = _tile_len(length, keys=False)
+  kv_tile, padded_source_len = _tile_len(source_len, keys=True)
+
+  def heads_first(x_BxLxHxK, padded):
+    # [B, H, L, K], the kernel's layout; padding rows get segment id 0, which no real
+    # query attends to, and their own outputs are cut off below.
+    x_BxLxHxK = jnp.pad(x_BxLxHxK, ((0, 0), (0, padded - x_BxLxHxK.shape[1]), (0, 0), (0, 0)))
+    return x_BxLxHxK.transpose(0, 2, 1, 3)
+
+  def padded_ids(ids_BxL, padded):
+    return jnp.pad(ids_BxL.astype(jnp.int32), ((0, 0), (0, padded - ids_BxL.shape[1])))
+
+  out_BxHxLxE = pallas_flash.flash_attention(
+    heads_first(q_BxLxHxK, padded_len),
+    heads_first(k_BxSxHxK, padded_source_len),
+    heads_first(v_BxSxHxE, padded_source_len),
+    segment_ids=pallas_flash.SegmentIds(
+      q=padded_ids(q_ids_BxL, padded_len), kv=padded_ids(kv_ids_BxS, padded_source_len)
+    ),
+    causal=causal,
+    sm_scale=1.0 / math.sqrt(q_BxLxHxK.shape[-1]),
+    block_sizes=pallas_flash.BlockSizes(
+      block_q=q_tile,
+      block_k_major=kv_tile,
+      block_k=kv_tile,
+      block_b=1,
+      block_q_major_dkv=q_tile,
+      block_k_major_dkv=kv_tile,
+      block_k_dkv=kv_tile,
+      block_q_dkv=q_tile,
+      block_k_major_dq=kv_tile,
+      block_k_dq=kv_tile,
+      block_q_dq=q_tile,
+    ),
+  )
+  return out_BxHxLxE.transpose(0, 2, 1, 3)[:, :length].astype(v_BxSxHxE.dtype)
+
+
+def _per_device(kernel):
+  """`kernel(q, k, v, q_ids, kv_ids, causal)` run on each device's rows and heads.
+
+  A Pallas call is a custom call that XLA's partitioner cannot split: left to it, a
+  sharded Q, K and V would be gathered whole onto every device. Under the model's
+  activation sharding (a mesh and axis rules in context), shard_map hands each device
+  its own rows and heads, as the rules place them; lengths and d_k stay whole, which
+  attention needs. Without a mesh (the model called directly) the kernel runs as is.
+  """
+
+  def run(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, q_ids_BxL, kv_ids_BxS, causal):
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+      return kernel(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, q_ids_BxL, kv_ids_BxS, causal)
+    rows, heads = nn.logical_to_mesh_axes((BATCH, HEADS), rules)
+    qkv_spec = jax.P(rows, None, heads, None)
+    ids_spec = jax.P(rows, None)
+    return jax.shard_map(
+      lambda *arrays: kernel(*arrays, causal),
+      mesh=mesh,
+      in_specs=(qkv_spec, qkv_spec, qkv_spec, ids_spec, ids_spec),
+      out_specs=qkv_spec,
+      check_vma=False,
+    )(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, q_ids_BxL, kv_ids_BxS)
+
+  return run
+
+
+# ----------------------------------------------------------------------------------
+
+KERNELS: dict[str, Kernel] = {
+  "einsum": einsum_attention,
+  "xla": _dot_product_attention("xla"),
+  "cudnn": _dot_product_attention("cudnn"),
+  "tpu_flash": tpu_flash_attention,
+}
