@@ -117,13 +117,13 @@ def test_tpu_flash_runs_per_device_on_a_mesh(monkeypatch):
   on each device's rows and heads (a custom call XLA would otherwise gather whole),
   lengths whole, and computes what the einsum path computes on one device."""
   seen_shapes = []
-  one_device = attention_kernels._tpu_flash_one_device
+  one_device = attention_kernels.tpu_flash_on_one_device
 
   def recording(q, k, v, q_ids, kv_ids, causal):
     seen_shapes.append((q.shape, q_ids.shape))
     return one_device(q, k, v, q_ids, kv_ids, causal)
 
-  monkeypatch.setattr(attention_kernels, "_tpu_flash_one_device", recording)
+  monkeypatch.setattr(attention_kernels, "tpu_flash_on_one_device", recording)
   einsum = tiny_config(d_v=D_K, num_layers=1)
   flash = tiny_config(d_v=D_K, num_layers=1, attention_kernel="tpu_flash")
   params = random_params(einsum)

@@ -197,16 +197,21 @@ def test_bfloat16_compute_keeps_float32_parameters_and_adam_state():
 
 
 def test_dropout_prng_choice_changes_masks_not_determinism():
+  """rbg, the WMT configs' choice: the same (seed, step) draws the same masks, here on
+  any mesh (XLA's CPU backend; TPU does not promise it across meshes)."""
   devices = jax.devices()[:1]
   config = tiny_config()
   config.model.dropout_rate = 0.3
   threefry, _, _ = run_steps(config, devices)
-  config.dropout_rng_impl = "unsafe_rbg"
+  config.dropout_rng_impl = "rbg"
   rbg, _, _ = run_steps(config, devices)
   rbg_again, _, _ = run_steps(config, devices)
   assert rbg == rbg_again  # the same (seed, step) draws the same masks
   assert rbg != threefry  # other bits, so other masks
   assert all(math.isfinite(x) for x in rbg)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+  sharded, _, _ = run_steps(config, jax.devices()[:8])
+  np.testing.assert_allclose(sharded, rbg, rtol=1e-5)
   config.dropout_rng_impl = "mersenne"
   with pytest.raises(config_lib.ConfigError, match="config.dropout_rng_impl"):
     config_lib.validate(config)

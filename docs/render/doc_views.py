@@ -744,6 +744,40 @@ def decoder_only_vs_encoder_decoder() -> str:
   )
 
 
+def mixed_precision() -> str:
+  """bfloat16 against float32 on the default: validation perplexity and BLEU, and the
+  perplexity's change, against the sweep's criterion of 2%."""
+  records = {r["row"]: r for r in latest(read_records("mixed_precision"), key=lambda r: r["row"])}
+  reference = records["float32"]["ppl"]
+  rows = [
+    (
+      f"`model.dtype={r['row']}`",
+      f"{r['ppl']:.2f}",
+      f"{100 * (r['ppl'] / reference - 1):+.1f}%",
+      f"{r['bleu']:.2f}",
+    )
+    for r in records.values()
+  ]
+  first = next(iter(records.values()))
+  return (
+    table(
+      (
+        "compute dtype",
+        "validation ppl",
+        "ppl vs float32",
+        f"BLEU (first {first['bleu_sentences']} validation sentences)",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + source("mixed_precision", list(records.values()))
+  )
+
+
+def mixed_precision_expected() -> str:
+  return _sweep_expected("mixed_precision")
+
+
 def _sweep_expected(name: str) -> str:
   records = latest(read_records(name), key=lambda r: r["row"])
   rows = "; ".join(f"{r['row']} {r['ppl']:.2f} and {r['bleu']:.2f}" for r in records)
@@ -1263,6 +1297,8 @@ def views() -> dict[str, Callable[[], str]]:
       decoder_only_vs_encoder_decoder,
       table3_small_expected,
       decoder_only_vs_encoder_decoder_expected,
+      mixed_precision,
+      mixed_precision_expected,
       input_padding,
       speculative,
       ctranslate2_quality,

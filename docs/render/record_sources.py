@@ -32,6 +32,7 @@ _TRAIN_STEP_MODEL = (
   "transformer/model/transformer.py",
   "transformer/model/layers.py",
   "transformer/model/attention.py",
+  "transformer/model/attention_kernels.py",
   "transformer/model/primitives.py",
 )
 
@@ -135,6 +136,15 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
     "configs/sweeps/decoder_only_vs_encoder_decoder.py",
     "configs/default.py",
   ),
+  "mixed_precision": (
+    "transformer/sweeps/",
+    "transformer/model/",
+    "transformer/data/",
+    "transformer/training/",
+    "transformer/evaluation/",
+    "configs/sweeps/mixed_precision.py",
+    "configs/default.py",
+  ),
   # bench --only speculative: two trained runs decoded greedily and speculatively.
   "speculative": (
     "transformer/tools/bench/",
@@ -202,13 +212,13 @@ AWAITING_RERUN: dict[str, str] = {
     "table3_small",
   )
 }
-# The WMT configs now recompute each layer (model.remat = "full"), which changes their
-# compiled steps: base's and big's v5e-8 records are remade with it, the other slices'
-# and Table 3's rows are not yet.
+# The WMT configs now recompute each layer (model.remat = "full") and draw dropout masks
+# with rbg, which changes their compiled steps: base's and big's v5e-8 records are remade
+# with both, the other slices' and Table 3's rows are not yet.
 for _name in ("compile_check", "table3_compile_check"):
   AWAITING_RERUN[_name] = (
-    "the WMT configs now recompute each layer (remat=full): the slices and rows not yet "
-    "recompiled show the step as it was"
+    "the WMT configs now recompute each layer (remat=full) and draw dropout masks with "
+    "rbg: the slices and rows not yet recompiled show the step as it was"
   )
 AWAITING_RERUN["make_test"] = (
   "the suite grew (tests of every first-day item): rerun on an idle machine"

@@ -90,7 +90,7 @@ class MultiHeadAttention(nn.Module):
   def __call__(
     self,
     x_BxLxD: Array,
-    mask: AttentionMask | None,
+    mask: AttentionMask,
     *,
     positions_BxL: Array | None = None,
     memory_BxSxD: Array | None = None,

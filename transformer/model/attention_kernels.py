@@ -176,12 +176,14 @@ def _tile_len(length: int, keys: bool) -> tuple[int, int]:
 
 
 def tpu_flash_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask):
-  return _per_device(_tpu_flash_one_device)(
+  return _per_device(tpu_flash_on_one_device)(
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask.q_segment_ids_BxL, mask.kv_segment_ids_BxS, mask.causal
   )
 
 
-def _tpu_flash_one_device(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, q_ids_BxL, kv_ids_BxS, causal):
+def tpu_flash_on_one_device(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, q_ids_BxL, kv_ids_BxS, causal):
+  """The Pallas kernel on one device's arrays: Q, K, V padded to whole tiles and laid
+  out heads first, as the kernel reads them; returns [B, L, H, E] in V's dtype."""
   # Imported here: Pallas's TPU modules are needed only by this kernel.
   from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 
