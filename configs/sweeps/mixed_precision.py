@@ -5,9 +5,10 @@
     python -m transformer.sweeps --sweep configs/sweeps/mixed_precision.py \
         --workdir workdirs/mixed_precision --collect --output_dir docs/results
 
-Both rows are `configs/default.py` at the CPU scale of BASE_OVERRIDES below (300 steps,
-the same seed, so the same batches and initial parameters): only `model.dtype`, the
-compute dtype of activations and matmuls, differs.
+Each pair of rows is `configs/default.py` at the CPU scale of BASE_OVERRIDES below (300
+steps, the same seed, so the same batches and initial parameters): only `model.dtype`,
+the compute dtype of activations and matmuls, differs. The second pair repeats the first
+at another seed.
 
 <!-- results:mixed_precision_expected -->
 <!-- /results -->
@@ -38,7 +39,11 @@ BASE_OVERRIDES = {
 
 
 def get_sweep():
+  # The same pair at a second seed: how far two float32 runs of different seeds end
+  # apart is the noise against which the bfloat16 gap is read.
   return [
     Row("float32", {"model.dtype": "float32"}),
     Row("bfloat16", {"model.dtype": "bfloat16"}),
+    Row("float32_seed1", {"model.dtype": "float32", "seed": 1}),
+    Row("bfloat16_seed1", {"model.dtype": "bfloat16", "seed": 1}),
   ]

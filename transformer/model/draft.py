@@ -73,7 +73,7 @@ class FrozenEmbed(nn.Module):
 
   def attend(self, x_BxLxD: Array) -> Array:
     batch, length, d_model = x_BxLxD.shape
-    x_BLxD = x_BxLxD.reshape(batch * length, d_model)
+    x_BLxD = x_BxLxD.reshape(batch * length, d_model).astype(self.config.dtype)
     if not self.shortlist or not self.is_mutable_collection("cache"):
       return tied_projection(x_BLxD, self._table_VxD()).reshape(batch, length, -1)
     ids_Z = jnp.array(self.shortlist, jnp.int32)

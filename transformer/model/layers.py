@@ -24,6 +24,7 @@ from transformer.model.attention import MultiHeadAttention
 from transformer.model.primitives import (
   BLD,
   BLF,
+  RESIDUAL_DTYPE,
   Array,
   ModelConfig,
   constrain,
@@ -69,7 +70,8 @@ class Embed(nn.Module):
   def attend(self, x_BxLxD: Array) -> Array:
     table_VxD = self.output_table()
     batch, length, d_model = x_BxLxD.shape
-    logits_NxV = tied_projection(x_BxLxD.reshape(batch * length, d_model), table_VxD)
+    x_NxD = x_BxLxD.reshape(batch * length, d_model).astype(self.config.dtype)
+    logits_NxV = tied_projection(x_NxD, table_VxD)
     return logits_NxV.reshape(batch, length, -1)
 
 
@@ -143,7 +145,8 @@ _logits.defvjp(_logits_forward, _logits_backward)
 
 
 class InputEmbedding(nn.Module):
-  """ids -> embedding * sqrt(D) + positions, then dropout (the paper's input sum)."""
+  """ids -> embedding * sqrt(D) + positions, then dropout (the paper's input sum), in
+  the residual stream's float32 (primitives.RESIDUAL_DTYPE)."""
 
   config: ModelConfig
   embed: Embed
@@ -151,7 +154,7 @@ class InputEmbedding(nn.Module):
   @nn.compact
   def __call__(self, ids_BxL, positions_BxL, deterministic):
     cfg = self.config
-    x_BxLxD = self.embed(ids_BxL) * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
+    x_BxLxD = self.embed(ids_BxL).astype(RESIDUAL_DTYPE) * math.sqrt(cfg.d_model)
     if cfg.positional == "sinusoidal":
       x_BxLxD = x_BxLxD + sinusoidal_encoding(positions_BxL, cfg.d_model).astype(x_BxLxD.dtype)
     elif cfg.positional == "learned":

@@ -177,8 +177,10 @@ class Decoder(nn.Module):
     if cfg.norm == "pre":
       y_BxTxD = constrain(layer_norm(cfg, "final_norm")(y_BxTxD), BLD)
     if features_only:
-      # The final hidden states and the pre-softmax weight, for a loss that fuses the
-      # projection (transformer/run/scoring.py: fused_cross_entropy_sums).
+      # The final hidden states and the pre-softmax weight, both in the compute dtype
+      # (the matmul's inputs), for a loss that fuses the projection
+      # (transformer/run/scoring.py: fused_cross_entropy_sums).
+      y_BxTxD = y_BxTxD.astype(cfg.dtype)
       if cfg.tie_embeddings:
         return y_BxTxD, self.embed.output_table(), True
       return y_BxTxD, OutputProjection(cfg, name="output_projection").weight(), False
