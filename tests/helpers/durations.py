@@ -4,15 +4,15 @@
 
 tests/durations.json maps each test's node id to its seconds (setup, call and teardown
 together; a session fixture's set-up counts for the first test that uses it), measured on
-two xdist workers as `make test` runs; tests/durations_fast.json the same, measured in the
+three xdist workers as `make test` runs; tests/durations_fast.json the same, measured in the
 fast tier's own run (`-m "not slow"`), where a test is often the first of its worker to
 compile a program or build a shared fixture that a slow test built before it in the full
 suite (a test of 1.4 s there took 25 s here). Two things follow from them:
 
 - Order: files run longest first (files not yet measured before them all). `make test`
-  hands whole files to two workers (--dist loadfile, in collection order with
+  hands whole files to three workers (--dist loadfile, in collection order with
   --no-loadscope-reorder); a long file picked up last would leave one worker running it
-  alone while the other sits idle.
+  alone while the others sit idle.
 - The fast tier: a test measured above SLOW_TEST_S in either run is marked `slow`, so
   `pytest -m "not slow"` (make test-fast) skips it, except each file's quickest test,
   which stays (if under QUICKEST_KEPT_MAX_S), so that the fast tier still touches every
@@ -33,7 +33,7 @@ import pytest
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(_TESTS, "durations.json")  # the full suite's run
 FAST_PATH = os.path.join(_TESTS, "durations_fast.json")  # the fast tier's own run
-# Measured with two workers on a 2-core machine: every test above this, in either run,
+# Measured with three workers on a 2-core machine: every test above this, in either run,
 # goes to the full suite only.
 SLOW_TEST_S = 2.0
 # A file's quickest test stays fast only up to this: a file of one long test (a pod
