@@ -228,9 +228,6 @@ AWAITING_RERUN["mixed_precision"] = (
   "float32 rows from before the float32 residual stream (their computation unchanged), "
   "and the bf16 rows that change was measured against"
 )
-AWAITING_RERUN["make_test"] = (
-  "the suite grew (tests of every first-day item): rerun on an idle machine"
-)
 
 
 def rendered_records(
