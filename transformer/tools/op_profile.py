@@ -83,22 +83,23 @@ _COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
 _OPERANDS = re.compile(r"%([^\s,()]+)")
 
 
-def array_dims(type_text: str) -> list[tuple[int, ...]]:
-  """The shape of each array in an HLO type."""
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(dtype, shape) of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple of them."""
   return [
-    tuple(int(d) for d in dims.split(",") if d)
+    (dtype, tuple(int(d) for d in dims.split(",") if d))
     for dtype, dims in _ARRAY.findall(type_text)
     if dtype in DTYPE_BYTES
   ]
+
+
+def array_dims(type_text: str) -> list[tuple[int, ...]]:
+  """The shape of each array in an HLO type."""
+  return [dims for _, dims in _arrays(type_text)]
 
 
 def array_bytes(type_text: str) -> list[int]:
-  """Bytes of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple of them."""
-  return [
-    math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
-    for dtype, dims in _ARRAY.findall(type_text)
-    if dtype in DTYPE_BYTES
-  ]
+  """Bytes of each array in an HLO type."""
+  return [math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in _arrays(type_text)]
 
 
 _CONSTANT = re.compile(r"^\s*%(?P<name>[^\s=]+) = s32\[\]\S* constant\((?P<value>-?\d+)\)")
