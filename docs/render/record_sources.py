@@ -181,11 +181,18 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Record files allowed to trail the code they measure, with why. `make test`'s record
+# measures the whole package and suite, so any commit after it, its own record's commit
+# included, would make it stale: it is remade when the suite's size or time moves, and
+# its view names the commit it was taken at. check() leaves these out.
+TRAILS_THE_CODE: dict[str, str] = {
+  "make_test": "the suite's own record: every later commit moves it a little",
+}
+
 # Record files whose shown records predate code they measure, each with why it is not
 # rerun yet. The list is strict both ways: a file that goes stale and is not here fails
 # tests/test_render_docs.py, and so does a file here that is fresh again, until its entry
-# goes. It lives here, not in the tests, because `make test`'s own record measures tests/:
-# taking make_test off this list must not make that record stale.
+# goes. It lives here, not in the tests, so that editing it changes no record's producers.
 # Why the records below wait: two changes touched files they measure. The first day on a
 # pod (jax.distributed's start-up, the exit paths, bounded reads, a notice's place in the
 # loop, a log line's wording, config.final_step) changed no compiled step, batch or
@@ -401,7 +408,10 @@ def check(root: str = doc_views.REPO_ROOT) -> tuple[list[str], str | None]:
   reason = unavailable(root)
   if reason:
     return [], reason
-  return stale(rendered_records(), PRODUCERS, root), None
+  shown = {
+    name: records for name, records in rendered_records().items() if name not in TRAILS_THE_CODE
+  }
+  return stale(shown, PRODUCERS, root), None
 
 
 def main() -> int:
