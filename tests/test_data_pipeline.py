@@ -436,3 +436,27 @@ def test_a_data_state_of_a_newer_format_is_a_one_line_error(setup):
     iterator.set_state(state)
   assert "\n" not in str(error.value)
   assert f"format {pipeline.DATA_STATE_FORMAT + 1}, written by a newer version" in str(error.value)
+
+
+def test_the_package_loads_tensorflow_only_when_a_name_is_used():
+  """Tools that never read a sentence import `transformer.data` through the serving
+  layer; TensorFlow comes with the first name used, and every exported name resolves."""
+  import subprocess
+  import sys
+
+  import transformer.data
+
+  code = (
+    "import sys\n"
+    "import transformer.tools.compile_check, transformer.tools.memory, transformer.run\n"
+    "assert 'tensorflow' not in sys.modules, 'imported with the tools'\n"
+    "from transformer import data\n"
+    "data.make_source\n"
+    "assert 'tensorflow' in sys.modules, 'not imported on use'\n"
+  )
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-2000:]
+  for name in transformer.data.__all__:
+    assert getattr(transformer.data, name).__name__ == name
+  with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+    transformer.data.nothing  # noqa: B018
