@@ -22,7 +22,6 @@ if processes.TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist's w
     os.environ.get("XLA_FLAGS", "") + " " + processes.xla_flags(devices=8)
   ).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.update(processes.SKIP_KERAS)
 
 # One persistent compilation cache for the whole run, made by the first process that
 # loads this file (pytest, or xdist's controller) and inherited through the environment

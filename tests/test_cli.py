@@ -151,7 +151,7 @@ def test_a_command_that_starts_tensorflow_prints_only_its_own_lines(tmp_path):
 
 
 @pytest.mark.slow  # processes of their own that import TensorFlow
-@pytest.mark.parametrize("tool", ["input_speed", "export", "compare_ctranslate2"])
+@pytest.mark.parametrize("tool", ["input_speed", "compare_ctranslate2"])
 def test_a_tool_that_imports_tensorflow_first_prints_none_of_its_start_up_lines(tool):
   """These tools import the input pipeline (and TensorFlow) as they load, before
   cli.run: `--help` shows their help and none of TensorFlow's start-up lines."""

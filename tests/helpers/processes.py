@@ -21,14 +21,6 @@ TEST_XLA_FLAGS = (
 )
 
 
-# TensorFlow imports Keras (and Keras matplotlib) at its own import, to register Keras's
-# optimizers, unless TF_USE_LEGACY_KERAS points it at tf_keras, which is not installed: it
-# then skips that step. Nothing here uses Keras; every process of the suite imports
-# TensorFlow, and skipping it took three test files from 228 s of CPU to 197 s. Users'
-# runs keep TensorFlow's default: nothing outside tests/ sets this.
-SKIP_KERAS = {"TF_USE_LEGACY_KERAS": "1"}
-
-
 def xla_flags(devices: int) -> str:
   """XLA_FLAGS for a process of the suite with `devices` fake CPU devices."""
   return f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
@@ -37,5 +29,5 @@ def xla_flags(devices: int) -> str:
 def subprocess_env(devices: int = 1, **extra: str) -> dict[str, str]:
   """This process's environment for a child with `devices` CPU devices, plus `extra`."""
   env = dict(os.environ)
-  env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **SKIP_KERAS, **extra)
+  env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **extra)
   return env
