@@ -82,6 +82,56 @@ def test_meshes_agree_with_one_device(mesh_shape):
   assert shard_shape == (64 // mesh_shape[2], 32 // mesh_shape[1])
 
 
+@pytest.mark.parametrize("mesh_shape", [(4, 2, 1), (2, 2, 2)])
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_an_optimizer_state_split_over_data_trains_as_a_replicated_one(
+  mesh_shape, grad_accum_steps
+):
+  config = tiny_config()
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
+  config.grad_accum_steps = grad_accum_steps
+  losses, params, _ = run_steps(config, jax.devices())
+  config.shard_optimizer_state = True
+  split_losses, split_params, train_state = run_steps(config, jax.devices())
+  # The same arithmetic, summed in another order (a reduce-scatter, not an all-reduce).
+  np.testing.assert_allclose(split_losses, losses, rtol=1e-6)
+  assert_trees_close(split_params, params, rtol=1e-5)
+  # The parameters keep their shardings; every per-parameter array of the optimizer's
+  # state is also split over data: each device holds 1/data of it.
+  data = mesh_shape[0]
+  embedding = train_state.params["shared_embedding"]["embedding"]
+  assert embedding.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+  moments = [
+    leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(train_state.opt_state)
+    if "shared_embedding" in jax.tree_util.keystr(path)
+  ]
+  # Adam's mu and nu, and with accumulation the summed gradient.
+  assert len(moments) == (2 if grad_accum_steps == 1 else 3)
+  for moment in moments:
+    assert "data" in jax.tree.leaves(tuple(moment.sharding.spec))
+    local = moment.addressable_shards[0].data.size
+    assert local * data * mesh_shape[1] * mesh_shape[2] == moment.size
+
+
+def test_split_over_takes_the_largest_whole_dimension_the_axis_divides():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2, 1), ("data", "fsdp", "tensor"))
+  P = jax.sharding.PartitionSpec
+
+  def split(spec, shape):
+    return sharding.split_over(jax.sharding.NamedSharding(mesh, spec), shape, "data").spec
+
+  assert split(P(None, "fsdp"), (6, 512, 64)) == P(None, ("fsdp", "data"), None)  # 256 a device
+  assert split(P("fsdp", None), (64, 128)) == P("fsdp", "data")
+  assert split(P("fsdp", None), (512, 128)) == P(("fsdp", "data"), None)
+  assert split(P("tensor", "fsdp"), (64, 32)) == P(("tensor", "data"), "fsdp")
+  assert split(P(None, None), (8, 4)) == P("data", None)
+  assert split(P(None, "fsdp"), (6, 2)) == P(None, "fsdp")  # neither divides by 4
+  assert split(P(), ()) == P()  # a scalar stays replicated
+  assert split(P(None), (6,)) == P(None)  # nothing divides
+  assert split(P(("data", "fsdp")), (64,)) == P(("data", "fsdp"))  # already split over data
+
+
 def unequal_microbatches(batch, count=4):
   """`count` row slices of `batch`, padded to clearly unequal real-token counts."""
   parts = []

@@ -188,6 +188,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.weight_decay = 0.0
   c.grad_clip_norm = 0.0  # 0 = no clipping
   c.grad_accum_steps = 1
+  # True: the optimizer's state (Adam's moments, and the accumulated gradient with
+  # grad_accum_steps > 1) is also split over the mesh's data axis, and so is the
+  # update: each data-parallel device updates 1/data of every parameter and the new
+  # parameters are gathered (ZeRO stage 1). The same arithmetic; less memory, and no
+  # device repeats another's update. False: replicated as the parameters are.
+  c.shard_optimizer_state = False
   c.label_smoothing = 0.1
   # > 0: training's projection and loss fused, this many target positions at a time
   # (run/scoring.py: fused_cross_entropy_sums); 0: the whole f32 logits [B, T, V].

@@ -120,6 +120,24 @@ def logical_to_sharding(tree: Any, mesh: Mesh, rules) -> Any:
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
+def split_over(sharding: NamedSharding, shape: Sequence[int], axis: str) -> NamedSharding:
+  """`sharding` with one more split, over the mesh axis `axis`, of the dimension whose
+  part on each device is longest among those it then still divides evenly (beside any
+  axes already splitting it). Unchanged where the axis has size 1, the array already
+  uses it, or no dimension qualifies (a scalar, say)."""
+  mesh_shape = sharding.mesh.shape
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  axes = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
+  per_device = [n // math.prod(mesh_shape[a] for a in names) for n, names in zip(shape, axes)]
+  size = mesh_shape[axis]
+  fits = [i for i, n in enumerate(per_device) if n % size == 0]
+  if size == 1 or any(axis in names for names in axes) or not fits:
+    return sharding
+  i = max(fits, key=lambda i: per_device[i])
+  spec[i] = axes[i] + (axis,) if axes[i] else axis
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
   """Rows (the leading axis) split over the mesh axes the 'batch' rule names."""
   spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules)

@@ -48,6 +48,9 @@ class Setup:
   optimizer: optax.GradientTransformation
   abstract_state: TrainState  # ShapeDtypeStructs, unboxed
   state_shardings: TrainState  # NamedShardings, same tree
+  # The gradients' shardings, a tree like the parameters', where the update is split
+  # over the data axis (config.shard_optimizer_state); None: as the partitioner chooses.
+  grad_shardings: Any = None
 
   @property
   def config(self) -> ml_collections.ConfigDict:
@@ -95,4 +98,17 @@ def setup(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> Setup:
     lambda rng: init_boxed_state(model_setup.model, optimizer, config, rng), jax.random.key(0)
   )
   shardings = sharding.logical_to_sharding(boxed, model_setup.mesh, model_setup.rules)
-  return Setup(model_setup, optimizer, nn.unbox(boxed), shardings)
+  abstract = nn.unbox(boxed)
+  grad_shardings = None
+  if config.shard_optimizer_state:
+    # Every array of the optimizer's state is per parameter (Adam's moments, an
+    # accumulated gradient) and splits over data as the gradient does; scalars (Adam's
+    # count) stay replicated.
+    def over_data(x, s):
+      return sharding.split_over(s, x.shape, "data")
+
+    shardings = shardings.replace(
+      opt_state=jax.tree.map(over_data, abstract.opt_state, shardings.opt_state)
+    )
+    grad_shardings = jax.tree.map(over_data, abstract.params, shardings.params)
+  return Setup(model_setup, optimizer, abstract, shardings, grad_shardings)

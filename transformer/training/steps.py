@@ -73,6 +73,8 @@ def train_step(
   model: Model,
   optimizer,
   config: ml_collections.ConfigDict,
+  grad_shardings=None,
+  param_shardings=None,
 ) -> tuple[TrainState, dict]:
   """One update on a global batch, or one microbatch of it. Returns the new state and metrics.
 
@@ -82,6 +84,10 @@ def train_step(
   microbatch's sums; `loss` is its per-token loss, and `grad_norm` the global norm of its
   per-token mean gradient (with or without accumulation; before clipping); `token_counts`
   is flops.count_tokens of the batch (for MFU on real tokens), a dict of its own.
+
+  grad_shardings (Setup.grad_shardings): where given, the gradients are placed so, split
+  over the data axis: the partitioner then sums them with a reduce-scatter rather than an
+  all-reduce, each device updates its part, and the new parameters are gathered.
   """
   # Dropout masks depend only on (seed, step): a resumed run draws the same ones.
   dropout_rng = jax.random.fold_in(
@@ -90,9 +96,19 @@ def train_step(
   loss_kwargs = dict(
     model=model, label_smoothing=config.label_smoothing, loss_chunk_len=config.loss_chunk_len
   )
+
+  def placed(grads):
+    if grad_shardings is None:
+      return grads
+    # Summed as the parameters are placed first: a constraint on the backward pass's
+    # result alone reaches back into it, and the partitioner then split its matmuls too.
+    grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+    return jax.lax.with_sharding_constraint(grads, grad_shardings)
+
   if config.grad_accum_steps > 1:
     grad_fn = jax.value_and_grad(_summed_loss_fn, has_aux=True)
     (_, (loss, sums)), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
+    grads = placed(grads)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params, num_tokens=sums["num_tokens"]
@@ -101,6 +117,7 @@ def train_step(
   else:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, sums), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
+    grads = placed(grads)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       grad_norm = optax.tree_utils.tree_norm(grads)
@@ -122,7 +139,12 @@ def jit_train_step(setup: Setup):
   """train_step compiled over the mesh: state sharded in and out, and donated."""
   step = sharding.with_activation_sharding(
     functools.partial(
-      train_step, model=setup.model, optimizer=setup.optimizer, config=setup.config
+      train_step,
+      model=setup.model,
+      optimizer=setup.optimizer,
+      config=setup.config,
+      grad_shardings=setup.grad_shardings,
+      param_shardings=setup.state_shardings.params,
     ),
     setup.mesh,
     setup.rules,
