@@ -27,8 +27,9 @@ from docs.render import doc_views
 Record = dict[str, Any]
 
 # The model's training-step code, without decoding (model/decoding/) and the draft
-# (model/draft.py), which a training step never runs.
+# (model/draft.py), which a training step never runs, and the shardings it is placed by.
 _TRAIN_STEP_MODEL = (
+  "transformer/run/sharding.py",
   "transformer/model/transformer.py",
   "transformer/model/layers.py",
   "transformer/model/attention.py",
@@ -219,13 +220,15 @@ AWAITING_RERUN: dict[str, str] = {
     "table3_small",
   )
 }
-# The WMT configs now recompute each layer (model.remat = "full") and draw dropout masks
-# with rbg, which changes their compiled steps: base's and big's v5e-8 records are remade
-# with both, the other slices' and Table 3's rows are not yet.
+# The WMT configs now recompute each layer (model.remat = "full"), draw dropout masks
+# with rbg and split the optimizer's state over data, which changes their compiled steps:
+# base's and big's v5e-8 records are remade with all three, the other slices' and Table
+# 3's rows are not yet.
 for _name in ("compile_check", "table3_compile_check"):
   AWAITING_RERUN[_name] = (
-    "the WMT configs now recompute each layer (remat=full) and draw dropout masks with "
-    "rbg: the slices and rows not yet recompiled show the step as it was"
+    "the WMT configs now recompute each layer (remat=full), draw dropout masks with rbg "
+    "and split the optimizer state over data: the slices and rows not yet recompiled show "
+    "the step as it was"
   )
 # The mixed-precision sweep's float32 rows, and its bf16 rows as they were, ran the commit
 # before the residual stream went to float32 in every precision: that change leaves a
