@@ -110,11 +110,16 @@ def _module_path(dotted: str) -> str | None:
 
 @functools.cache
 def _names_in(path: str) -> dict[str, ast.AST]:
-  """Top-level names a module defines or imports."""
+  """Top-level names a module defines or imports, also under `if` (a package that loads
+  its modules on first use imports their names under `if TYPE_CHECKING:`)."""
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read())
   names: dict[str, ast.AST] = {}
-  for node in tree.body:
+  nodes = list(tree.body)
+  while nodes:
+    node = nodes.pop(0)
+    if isinstance(node, ast.If):
+      nodes += node.body + node.orelse
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
       names[node.name] = node
     elif isinstance(node, ast.Assign):

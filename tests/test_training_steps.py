@@ -82,8 +82,7 @@ def test_meshes_agree_with_one_device(mesh_shape):
   assert shard_shape == (64 // mesh_shape[2], 32 // mesh_shape[1])
 
 
-@pytest.mark.parametrize("mesh_shape", [(4, 2, 1), (2, 2, 2)])
-@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+@pytest.mark.parametrize("mesh_shape, grad_accum_steps", [((4, 2, 1), 1), ((2, 2, 2), 2)])
 def test_an_optimizer_state_split_over_data_trains_as_a_replicated_one(
   mesh_shape, grad_accum_steps
 ):
