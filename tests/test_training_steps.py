@@ -82,6 +82,7 @@ def test_meshes_agree_with_one_device(mesh_shape):
   assert shard_shape == (64 // mesh_shape[2], 32 // mesh_shape[1])
 
 
+@pytest.mark.slow  # four sharded steps compiled on 8 devices per case
 @pytest.mark.parametrize("mesh_shape, grad_accum_steps", [((4, 2, 1), 1), ((2, 2, 2), 2)])
 def test_an_optimizer_state_split_over_data_trains_as_a_replicated_one(
   mesh_shape, grad_accum_steps
