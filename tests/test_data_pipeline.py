@@ -456,6 +456,7 @@ def test_the_package_loads_tensorflow_only_when_a_name_is_used():
   )
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-2000:]
+  assert sorted(transformer.data.__all__) == sorted(transformer.data._MODULE_OF)
   for name in transformer.data.__all__:
     assert getattr(transformer.data, name).__name__ == name
   with pytest.raises(AttributeError, match="no attribute 'nothing'"):

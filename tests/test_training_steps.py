@@ -94,7 +94,7 @@ def test_an_optimizer_state_split_over_data_trains_as_a_replicated_one(
   config.shard_optimizer_state = True
   split_losses, split_params, train_state = run_steps(config, jax.devices())
   # The same arithmetic, summed in another order (a reduce-scatter, not an all-reduce).
-  np.testing.assert_allclose(split_losses, losses, rtol=1e-6)
+  np.testing.assert_allclose(split_losses, losses, rtol=1e-5)
   assert_trees_close(split_params, params, rtol=1e-5)
   # The parameters keep their shardings; every per-parameter array of the optimizer's
   # state is also split over data: each device holds 1/data of it.

@@ -85,9 +85,9 @@ def train_step(
   per-token mean gradient (with or without accumulation; before clipping); `token_counts`
   is flops.count_tokens of the batch (for MFU on real tokens), a dict of its own.
 
-  grad_shardings (Setup.grad_shardings): where given, the gradients are placed so, split
-  over the data axis: the partitioner then sums them with a reduce-scatter rather than an
-  all-reduce, each device updates its part, and the new parameters are gathered.
+  grad_shardings (Setup.grad_shardings): where given, the gradients, summed as the
+  parameters are placed (`param_shardings`), are then split over the data axis: each
+  device updates its part, and the new parameters are gathered.
   """
   # Dropout masks depend only on (seed, step): a resumed run draws the same ones.
   dropout_rng = jax.random.fold_in(
