@@ -119,6 +119,63 @@ def test_float16_is_rejected_for_lack_of_loss_scaling(key):
   assert "use bfloat16" in message and "loss scaling" in message
 
 
+def _auto_model(**overrides) -> ml_collections.ConfigDict:
+  model = load_config("configs/wmt14.py", "base").model
+  model.update(overrides)
+  return model
+
+
+@pytest.mark.parametrize(
+  "platform, dtype, kernel",
+  [
+    ("cuda", "bfloat16", "cudnn"),
+    ("rocm", "bfloat16", "einsum"),  # cuDNN is NVIDIA's
+    ("tpu", "float32", "einsum"),
+    ("cpu", "float32", "einsum"),
+  ],
+)
+def test_auto_resolves_to_each_platforms_measured_choice(platform, dtype, kernel):
+  model = _auto_model()
+  assert (model.dtype, model.attention_kernel) == ("auto", "auto")  # the WMT configs'
+  resolved = config_lib.resolve_auto(model, platform)
+  assert resolved == {"dtype": dtype, "attention_kernel": kernel}
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {"dtype": "float32"},  # cuDNN's flash attention takes 16-bit inputs only
+    {"attention_dropout_rate": 0.1},
+    {"d_v": 32},
+    {"d_k": 12, "d_v": 12},
+    {"d_k": 512, "d_v": 512},  # Table 3 (A)'s one head
+  ],
+  ids=["float32", "attention_dropout", "d_k_not_d_v", "d_k_not_a_multiple_of_8", "d_k_512"],
+)
+def test_auto_attention_falls_back_to_einsum_where_cudnn_cannot_run(overrides):
+  resolved = config_lib.resolve_auto(_auto_model(**overrides), "cuda")
+  assert resolved["attention_kernel"] == "einsum"
+
+
+def test_auto_leaves_explicit_choices_alone_and_rejects_unknown_platforms():
+  explicit = _auto_model(dtype="float32", attention_kernel="xla")
+  assert config_lib.resolve_auto(explicit, "cuda") == {
+    "dtype": "float32",
+    "attention_kernel": "xla",
+  }
+  with pytest.raises(config_lib.ConfigError, match="platform 'gpu'"):
+    config_lib.resolve_auto(_auto_model(), "gpu")
+
+
+def test_model_config_resolves_auto_for_this_process_or_a_named_platform():
+  config = load_config("configs/wmt14.py", "base")
+  here = ModelConfig.from_config(config)  # the tests run on CPU
+  assert (here.dtype, here.attention_kernel) == (jnp.float32, "einsum")
+  gpu = ModelConfig.from_config(config, platform="cuda")
+  assert (gpu.dtype, gpu.attention_kernel) == (jnp.bfloat16, "cudnn")
+  assert gpu.param_dtype == jnp.float32  # mixed precision: parameters stay float32
+
+
 def test_odd_d_model_fails_only_for_sinusoids():
   assert "d_model must be even" in _bad(lambda c: setattr(c.model, "d_model", 511))
   config = config_lib.base_config()

@@ -141,3 +141,88 @@ def test_tpu_flash_runs_per_device_on_a_mesh(monkeypatch):
   np.testing.assert_allclose(
     np.asarray(logits)[real], np.asarray(run(einsum, params, **batch))[real], atol=1e-5
   )
+
+
+def _nvidia_gpu():
+  """The first NVIDIA GPU, or skip: cuDNN's kernel runs on nothing else. bench/gpu.sh
+  runs these tests on one (`JAX_PLATFORMS=cuda,cpu`)."""
+  gpus = [d for d in jax.devices() if "nvidia" in d.device_kind.lower()]
+  if not gpus:
+    pytest.skip("cuDNN's flash attention needs an NVIDIA GPU (bench/gpu.sh runs this)")
+  return gpus[0]
+
+
+def _close_in_bf16(got, want, what: str) -> None:
+  """Equal to bf16 rounding: within 2% of the largest magnitude (bf16 keeps 8 bits,
+  0.4%; the two kernels round the weights and sum in different orders)."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  scale = float(np.abs(want).max())
+  assert float(np.abs(got - want).max()) <= 2e-2 * scale, what
+
+
+@pytest.mark.parametrize(
+  "length, source_len, causal",
+  [(64, 96, False), (128, 128, True)],
+  ids=["cross", "causal"],
+)
+def test_cudnn_kernel_matches_einsum_on_an_nvidia_gpu(length, source_len, causal):
+  """bf16 (cuDNN takes 16-bit inputs only), padding and packed segments, forward and
+  gradient. Every output is finite, padding rows too: they flow on through the layers,
+  and a NaN there would reach the weights' gradients (x^T g with g = 0 is NaN)."""
+  gpu = _nvidia_gpu()
+  rng = np.random.default_rng(length + causal)
+  heads, d_k = 4, 64
+  with jax.default_device(gpu):
+    q, k, v = (
+      jnp.asarray(rng.normal(size=(2, n, heads, d_k)), jnp.bfloat16)
+      for n in (length, source_len, source_len)
+    )
+    q_ids = _segments(length, rng)
+    kv_ids = q_ids if causal else _segments(source_len, rng)
+    mask = AttentionMask(jnp.asarray(q_ids), jnp.asarray(kv_ids), causal=causal)
+    real_BxLx1x1 = jnp.asarray(q_ids != 0)[:, :, None, None]
+    weights = jnp.asarray(rng.normal(size=(2, length, heads, d_k)), jnp.float32)
+    cudnn = KERNELS["cudnn"]
+
+    def loss(kernel, q, k, v):
+      out = kernel(q, k, v, mask).astype(jnp.float32)
+      return jnp.sum(jnp.where(real_BxLx1x1, out, 0.0) * weights)
+
+    got = jax.jit(cudnn)(q, k, v, mask)
+    want = jax.jit(einsum_attention)(q, k, v, mask)
+    got_grads = jax.jit(jax.grad(functools.partial(loss, cudnn), (0, 1, 2)))(q, k, v)
+    want_grads = jax.jit(jax.grad(functools.partial(loss, einsum_attention), (0, 1, 2)))(q, k, v)
+  assert got.dtype == jnp.bfloat16
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  real = q_ids != 0
+  _close_in_bf16(np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], "out")
+  for name, g, w in zip("qkv", got_grads, want_grads):
+    assert np.isfinite(np.asarray(g, np.float32)).all(), f"d loss / d {name}"
+    _close_in_bf16(g, w, f"d loss / d {name}")
+
+
+def test_cudnn_model_matches_einsum_on_an_nvidia_gpu():
+  """The whole model in bf16 on packed pairs with padding: logits at real positions and
+  every parameter's gradient, all finite."""
+  gpu = _nvidia_gpu()
+  einsum = tiny_config(d_k=16, d_v=16, num_layers=1, dtype=jnp.bfloat16)
+  cudnn = dataclasses.replace(einsum, attention_kernel="cudnn")
+  with jax.default_device(gpu):
+    params = random_params(einsum)
+    # cuDNN's backward pass with a mask needs even lengths: pad the helper's 7 and 6 to 8.
+    batch = {
+      key: jnp.pad(value, ((0, 0), (0, 8 - value.shape[1])))
+      for key, value in packed_batch(decoder_only=False).items()
+    }
+    got = jax.jit(lambda p: run(cudnn, p, **batch))(params)
+    want = jax.jit(lambda p: run(einsum, p, **batch))(params)
+    got_grads = jax.jit(jax.grad(functools.partial(_real_loss, cudnn, batch)))(params)
+    want_grads = jax.jit(jax.grad(functools.partial(_real_loss, einsum, batch)))(params)
+  real = np.asarray(batch["target_segment_ids"] != 0)
+  _close_in_bf16(np.asarray(got)[real], np.asarray(want)[real], "logits")
+  for path, g in jax.tree_util.tree_leaves_with_path(got_grads):
+    w = want_grads
+    for key in path:
+      w = w[key.key]
+    assert np.isfinite(np.asarray(g)).all(), jax.tree_util.keystr(path)
+    _close_in_bf16(g, w, jax.tree_util.keystr(path))

@@ -396,3 +396,20 @@ def test_a_search_where_no_mesh_can_run_is_one_line_with_the_last_reason():
   )
   assert result.stderr.count("fewer than the") == 4  # a line per refused candidate
   assert "Traceback" not in result.stderr
+
+
+def test_an_auto_precision_and_kernel_are_resolved_for_tpu_not_for_this_machine(monkeypatch):
+  from transformer import config as config_lib
+
+  config = config_lib.load_config("configs/wmt14.py:base")
+  platforms = []
+  resolve = config_lib.resolve_auto
+  monkeypatch.setattr(
+    config_lib,
+    "resolve_auto",
+    lambda model, platform: platforms.append(platform) or resolve(model, platform),
+  )
+  prepared = compile_check.prepare_config(config, None, 1)
+  assert platforms == ["tpu"]
+  assert (prepared.model.dtype, prepared.model.attention_kernel) == ("float32", "einsum")
+  assert config.model.dtype == "auto"  # the caller's config is left as it was

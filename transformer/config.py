@@ -31,6 +31,8 @@ POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
 NORM_KINDS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 DTYPES = ("float32", "bfloat16")
+# "auto": the choice measured fastest on the platform the run finds (resolve_auto).
+AUTO = "auto"
 BATCHING_KINDS = ("tokens", "packed")
 VOCAB_TYPES = ("bpe", "unigram")
 RNG_IMPLS = ("threefry2x32", "philox4x32", "rbg", "unsafe_rbg")
@@ -62,7 +64,9 @@ def model_config() -> ml_collections.ConfigDict:
   m.activation = "relu"  # relu (paper) | gelu | swiglu
   m.tie_embeddings = True  # one matrix: source, target embedding and output projection
   m.decoder_only = False  # GPT-style LM: no encoder, no cross-attention
-  m.dtype = "float32"  # compute dtype; bfloat16 for mixed precision
+  # Compute dtype: float32, bfloat16 for mixed precision, or auto: bfloat16 on a GPU,
+  # float32 on TPU and CPU (resolve_auto says why).
+  m.dtype = "float32"
   m.param_dtype = "float32"  # parameters and optimizer state
   m.layer_norm_epsilon = 1e-6
   # Compile the N layers of each stack as one nn.scan over stacked parameters: compile
@@ -75,7 +79,8 @@ def model_config() -> ml_collections.ConfigDict:
   # xla or cudnn: jax.nn.dot_product_attention with that implementation (cudnn is flash
   # attention on NVIDIA GPUs in bf16/fp16); tpu_flash: the Pallas FlashAttention kernel
   # for TPU. All but einsum need d_k == d_v and no attention dropout
-  # (transformer/model/attention_kernels.py).
+  # (transformer/model/attention_kernels.py). auto: cudnn on an NVIDIA GPU where it can
+  # run (bf16, d_k == d_v, no attention dropout), else einsum (resolve_auto).
   m.attention_kernel = "einsum"
   return m
 
@@ -322,6 +327,49 @@ def _check_choice(flat: dict, key: str, choices) -> None:
   _check(flat[key] in choices, key, f"{flat[key]!r} is not one of {', '.join(choices)}")
 
 
+# Platforms as resolve_auto names them: jax.default_backend()'s, with a GPU told apart by
+# its maker (cuDNN is NVIDIA's).
+PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
+
+
+def resolve_auto(model: ml_collections.ConfigDict, platform: str) -> dict[str, str]:
+  """{"dtype": ..., "attention_kernel": ...}: model.dtype and model.attention_kernel, an
+  "auto" among them replaced by the choice measured fastest on `platform` (PLATFORMS):
+
+  - dtype: bfloat16 on a GPU, where the tensor cores run it at twice TF32's rate and
+    Transformer-big's step took 128 ms against 234 in float32 on an H200
+    (docs/performance.md, "GPU"); float32 on TPU, where the per-op profile put bf16's
+    step 13% above float32's (the matmuls already multiply in bf16 at the default
+    precision), and on CPU, which has no bf16 units;
+  - attention_kernel: cudnn (flash attention) on an NVIDIA GPU when it can run there: a
+    16-bit dtype, d_k == d_v, a head dimension cuDNN takes on every GPU it supports (a
+    multiple of 8, at most 128; Hopper takes 256) and no attention dropout (110 against
+    128 ms for big); einsum everywhere else (on TPU XLA's kernel compiles to the same
+    program, and the Pallas kernel is slower at the paper's lengths). cuDNN's backward
+    pass also needs even lengths, which batches padded to multiples of 8 always have.
+
+  Parameters and checkpoints do not depend on either, so a run trained on one platform
+  resumes, evaluates and decodes on another.
+  """
+  if platform not in PLATFORMS:
+    raise ConfigError(f"platform {platform!r} is not one of {', '.join(PLATFORMS)}")
+  dtype = model.dtype
+  if dtype == AUTO:
+    dtype = "bfloat16" if platform in ("cuda", "rocm") else "float32"
+  kernel = model.attention_kernel
+  if kernel == AUTO:
+    fused_ok = (
+      platform == "cuda"
+      and dtype == "bfloat16"
+      and model.d_k == model.d_v
+      and model.d_k % 8 == 0
+      and model.d_k <= 128
+      and model.attention_dropout_rate == 0
+    )
+    kernel = "cudnn" if fused_ok else "einsum"
+  return {"dtype": dtype, "attention_kernel": kernel}
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first bad key; cheap, runs before any compile."""
   flat = flatten(config)
@@ -365,10 +413,10 @@ def _check_model(m: ml_collections.ConfigDict, flat: dict) -> None:
       key,
       "float16 is not supported (no dynamic loss scaling); use bfloat16",
     )
-    _check_choice(flat, key, DTYPES)
+    _check_choice(flat, key, (*DTYPES, AUTO) if key == "model.dtype" else DTYPES)
   _check_choice(flat, "model.remat", REMAT_POLICIES)
-  _check_choice(flat, "model.attention_kernel", ATTENTION_KERNELS)
-  if m.attention_kernel != "einsum":
+  _check_choice(flat, "model.attention_kernel", (*ATTENTION_KERNELS, AUTO))
+  if m.attention_kernel not in ("einsum", AUTO):  # auto falls back to einsum by itself
     _check(
       m.d_k == m.d_v,
       "model.attention_kernel",

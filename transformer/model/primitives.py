@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from transformer.config import PAD_ID, position_table_size
+from transformer.config import AUTO, PAD_ID, position_table_size, resolve_auto
 
 Array = jax.Array
 
@@ -89,12 +89,30 @@ class ModelConfig:
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> ModelConfig:
-    """Reads `config.model`'s keys that are fields here, plus the vocabulary and lengths."""
+  def from_config(
+    cls, config: ml_collections.ConfigDict, platform: str | None = None
+  ) -> ModelConfig:
+    """Reads `config.model`'s keys that are fields here, plus the vocabulary and lengths.
+
+    An "auto" dtype or attention kernel is resolved for `platform` (config.PLATFORMS),
+    by default the one this process runs on (`current_platform`): a tool that compiles
+    for another, as compile_check does for TPUs, names it.
+    """
     model = {
       f.name: config.model[f.name] for f in dataclasses.fields(cls) if f.name in config.model
     }
+    if AUTO in (config.model.dtype, config.model.attention_kernel):
+      model.update(resolve_auto(config.model, platform or current_platform()))
     return cls(vocab_size=config.vocab_size, max_position=position_table_size(config), **model)
+
+
+def current_platform() -> str:
+  """This process's platform as config.resolve_auto names it: jax.default_backend(),
+  with a GPU named by its maker ("cuda" for NVIDIA's, whose device kinds name it)."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  return "cuda" if "nvidia" in jax.devices()[0].device_kind.lower() else "rocm"
 
 
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:

@@ -381,9 +381,11 @@ def _cost(compiled) -> dict[str, float]:
 
 
 def prepare_config(config, mesh: str | None, num_slices: int):
-  """A copy with the in-slice mesh and, across slices, the config's dcn_* (data
-  parallelism where they are all 1)."""
+  """A copy with the in-slice mesh, across slices the config's dcn_* (data parallelism
+  where they are all 1), and an "auto" dtype or attention kernel resolved for TPU, not
+  for this machine."""
   config = copy.deepcopy(config)
+  config.model.update(config_lib.resolve_auto(config.model, "tpu"))
   if mesh is not None:
     for axis, size in zip(config_lib.MESH_AXES, memory.parse_mesh(mesh)):
       config.mesh[axis] = size

@@ -41,6 +41,9 @@ def describe(config: ml_collections.ConfigDict) -> dict:
     "positional": m.positional,
     "norm": m.norm,
     "decoder_only": m.decoder_only,
+    # As this process runs them: an "auto" of the config resolved for its platform.
+    "dtype": model_config.dtype.name,
+    "attention_kernel": model_config.attention_kernel,
     "mesh": {axis: ici[i] * dcn[i] for i, axis in enumerate(MESH_AXES)},
     "num_devices": jax.device_count(),
   }

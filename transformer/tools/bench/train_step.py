@@ -102,6 +102,9 @@ def measure(
     "hfu": flops.utilisation(step_flops, step_time, peak),
     "padding_efficiency": float(counts["target_tokens"] / counts["target_slots"]),
     "num_params": run.num_params,
+    # As run here: an "auto" of the config resolved for this platform.
+    "dtype": run.model.config.dtype.name,
+    "attention_kernel": run.model.config.attention_kernel,
     # The host's side of a step: pages first touched (a CPU step whose buffers are
     # mapped afresh faults in every one of them; transformer/host_memory.py) and the
     # kernel time, per timed step, over all of the process's threads.
