@@ -55,9 +55,9 @@ run() {  # run LABEL CONFIG [FLAGS...]
 
 # First, cuDNN's attention against the einsum path on this GPU (padding, packing, the
 # causal mask; forward and gradient): the kernel that `auto` picks on NVIDIA GPUs. On a
-# CPU (SMOKE=1) these tests skip.
+# CPU (SMOKE=1) these tests skip. Not captured (-s): a process that aborts still shows why.
 echo "== cudnn tests" >&2
-if ! JAX_PLATFORMS=$TEST_PLATFORMS timeout "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rs \
+if ! JAX_PLATFORMS=$TEST_PLATFORMS timeout "$LIMIT" "$PY" -m pytest -q -s -p no:cacheprovider -rs \
     tests/test_model_attention_kernels.py -k cudnn >&2; then
   echo "{\"name\": \"failed\", \"label\": \"cudnn-tests\"}" >> "$LOG"
   FAILED_ROWS=$((FAILED_ROWS + 1))

@@ -17,7 +17,12 @@ if REPO_ROOT not in sys.path:
 from tests.helpers import processes  # noqa: E402  (no JAX in it)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if processes.TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist's workers inherit
+# The suite's CPU compiler flags and fake devices are for CPU runs (all of CI's): a run
+# on a GPU (bench/gpu.sh: JAX_PLATFORMS=cuda,cpu) compiles with XLA's own flags, which
+# those, CPU-only and version-bound, could make it refuse.
+_ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
+_FLAGS_SET = processes.TEST_XLA_FLAGS in os.environ.get("XLA_FLAGS", "")  # xdist's workers inherit
+if _ON_CPU and not _FLAGS_SET:
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " " + processes.xla_flags(devices=8)
   ).strip()
