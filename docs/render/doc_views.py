@@ -661,8 +661,20 @@ def table3_cost() -> str:
   cheapest = min(hundred_k, key=_training_flops)
   dearest = max(hundred_k, key=_training_flops)
   total = sum(_training_flops(r) for r in records)
-  # 8 A100s at an assumed 40% of their dense bf16 peak (312 TFLOP/s each).
-  sustained = 8 * 312e12 * 0.4
+  # The WMT configs' steps on one GPU, as bench/gpu.sh measured them, priced at each
+  # config's num_train_steps.
+  from transformer import config as config_lib
+
+  gpu = [r for r in _one_sitting(read_records("gpu")) if r["name"] == "train_step"]
+  gpu_by_label = {r["label"]: r for r in gpu}
+  gpu_hours = {
+    model: config_lib.load_config(f"configs/wmt14.py:{model}").num_train_steps
+    * gpu_by_label[model]["step_time_s"]
+    / 3600
+    for model in ("base", "big")
+  }
+  shown_gpu = [gpu_by_label["base"], gpu_by_label["big"]]
+  device = read_records("gpu")[-1]["machine"].split(" (")[0].removeprefix("one ")
   return (
     f"Every row's parameter count is within {100 * abs(furthest):.0f}% of the paper's "
     f"({furthest_name} is the furthest, {100 * furthest:+.1f}%). By our FLOP count a "
@@ -671,11 +683,14 @@ def table3_cost() -> str:
     f"{_scientific(_training_flops(cheapest))} for {cheapest['name']} to "
     f"{_scientific(_training_flops(dearest))} for {dearest['name']}), big about "
     f"{_scientific(_training_flops(by_name['big']))}, and the whole table about "
-    f"{_scientific(total)}. At an assumed 40% of bf16 peak "
-    f"(`--config.model.dtype=bfloat16`), one machine with 8 A100s would need about "
-    f"{_training_flops(by_name['base']) / sustained / 60:.0f} minutes per 100K-step base "
-    f"row and about {total / sustained / 3600:.0f} hours for the table: estimates from "
-    "FLOPs, not measurements.\n\n" + source("table3_dry_run", records)
+    f"{_scientific(total)}. On one {device}, at the steps bench/gpu.sh measured there "
+    f"(96 x 256 target tokens, the configs' bf16 and cuDNN attention; "
+    f'docs/performance.md, "GPU"), base\'s 100K steps take about '
+    f"{gpu_hours['base']:.1f} hours and big's 300K about {gpu_hours['big']:.1f}: the "
+    "measured step times the steps, with no input pipeline, evaluation or checkpoints.\n\n"
+    + source("table3_dry_run", records)
+    + "\n"
+    + source("gpu", shown_gpu)
   )
 
 
@@ -1054,9 +1069,9 @@ def _predicted_step(r) -> tuple[float, float, str]:
   return r["step_s"], r["mfu"], f"roofline, {r['bound']}"
 
 
-def tpu_step_profile() -> str:
-  """Where a v5e-8 step's time goes, by model part, for each WMT model: the per-op
-  profile of compile_check's newest record of it (the config's mesh, the paper's batch)."""
+def _v5e8_profiles() -> list[Record]:
+  """compile_check's newest record of each WMT config on a v5e-8 with a per-op profile
+  (the config's mesh, the paper's batch, no overrides), sorted by config."""
   records = [
     r
     for r in latest(
@@ -1068,7 +1083,13 @@ def tpu_step_profile() -> str:
     and _command_flag(r["command"], "mesh") is None
     and _command_flag(r["command"], "batch_tokens") is None
   ]
-  records.sort(key=lambda r: _command_flag(r["command"], "config") or "")
+  return sorted(records, key=lambda r: _command_flag(r["command"], "config") or "")
+
+
+def tpu_step_profile() -> str:
+  """Where a v5e-8 step's time goes, by model part, for each WMT model: the per-op
+  profile of compile_check's newest record of it (the config's mesh, the paper's batch)."""
+  records = _v5e8_profiles()
   models = [(_command_flag(r["command"], "config") or "").rsplit(":", 1)[-1] for r in records]
   parts: list[str] = []
   for r in records:
@@ -1100,6 +1121,85 @@ def tpu_step_profile() -> str:
     + "\n".join(top)
     + "\n\n"
     + source("compile_check", records)
+  )
+
+
+# bench/gpu.sh's labels: what each row changes from the WMT config as it is.
+_GPU_ROWS = {
+  "base": "base, the config (`auto`)",
+  "big": "big, the config (`auto`)",
+  "base-f32": "base, `model.dtype=float32`",
+  "big-f32": "big, `model.dtype=float32`",
+  "base-bf16-einsum": "base, bf16, `model.attention_kernel=einsum`",
+  "big-bf16-einsum": "big, bf16, `model.attention_kernel=einsum`",
+  "big-noremat": "big, the config, `model.remat=none`",
+}
+
+
+def gpu_train_step() -> str:
+  """bench/gpu.sh's newest sitting: the WMT steps on one GPU at the paper's batch, with
+  the TPU prediction for the same configs beside them."""
+  sitting = _one_sitting(read_records("gpu"))
+  peaks = {r["label"]: r for r in sitting if r["name"] == "peak"}
+  steps = [r for r in sitting if r["name"] == "train_step"]
+  rows = []
+  for r in steps:
+    rows.append(
+      (
+        _GPU_ROWS.get(r["label"], r["label"]),
+        f"{r['dtype']}, {r['attention_kernel']}",
+        f"{1e3 * r['step_time_s']:.1f} ms",
+        _thousands(r["tokens_per_sec"]),
+        _percent(r["mfu"]),
+        f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
+        f"{r['compile_s']:.0f} s",
+      )
+    )
+  device = peaks[steps[0]["label"]]["device"]
+  peak_flops = peaks[steps[0]["label"]]["peak_flops_per_sec"]
+  versions = steps[0]["versions"]
+  beams = [r for r in sitting if r["name"] == "beam_search"]
+  beam_lines = [
+    f"Beam search on {b['label']} (beam {b['beam_size']}, {b['sentences']} sentences, "
+    f"{b['steps']} output tokens each, with the cache, untrained parameters): "
+    f"{1e3 * b['step_time_s']:.1f} ms per step, {_thousands(b['tokens_per_sec'])} output "
+    f"tokens/s, {b['sentences_per_sec']:.0f} sentences/s."
+    for b in beams
+  ]
+  predicted = []
+  profiles = _v5e8_profiles()
+  for p in profiles:
+    model = (_command_flag(p["command"], "config") or "").rsplit(":", 1)[-1]
+    per_chip = p["rows"] * p["seq_len"] / p["profile"]["step_s"] / p["chips"]
+    predicted.append(
+      f"{model} {_thousands(per_chip)} target tokens/s per chip ({p['profile']['mfu']:.0%} MFU)"
+    )
+  return (
+    f"One {device}, the paper's batch (96 x 256 target tokens a step), "
+    f"jax {versions['jax']} and flax {versions['flax']}; MFU against the datasheet's dense "
+    f"bf16 peak, {peak_flops / 1e12:.0f} TFLOP/s; measured:\n\n"
+    + table(
+      (
+        "run",
+        "dtype, attention",
+        "step (median)",
+        "target tokens/s",
+        "MFU",
+        "peak GPU memory",
+        "compile",
+      ),
+      rows,
+    )
+    + "\n\n"
+    + "\n".join(beam_lines)
+    + ("\n\n" if beam_lines else "")
+    + "Beside them, predicted for a TPU by the per-op profile (v5e-8, float32, the "
+    "config's mesh; not measured): "
+    + "; ".join(predicted)
+    + ".\n\n"
+    + source("gpu", steps + beams)  # a peak record's "source" names its peak's, not a page
+    + "\n"
+    + source("compile_check", profiles)
   )
 
 
@@ -1297,6 +1397,7 @@ def views() -> dict[str, Callable[[], str]]:
       before_you_launch,
       tpu_step_profile,
       tpu_step_experiments,
+      gpu_train_step,
       flax_train_step,
       flax_beam_search,
       table2_predicted_time,

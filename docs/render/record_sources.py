@@ -61,6 +61,18 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
     "configs/wmt14.py",
     "bench/cpu.sh",
   ),
+  # bench on one GPU (bench/gpu.sh): the WMT configs' training steps, their precisions and
+  # attention kernels, and big's beam search.
+  "gpu": (
+    "transformer/tools/bench/",
+    "transformer/tools/decoding_speed.py",
+    "transformer/config.py",
+    "transformer/model/",
+    "transformer/training/",
+    "transformer/run/sharding.py",
+    "configs/wmt14.py",
+    "bench/gpu.sh",
+  ),
   # The default's input pipeline (input_speed) and training loop (bench --only
   # train_loop), with freed host memory kept or returned.
   "host_memory": (
@@ -228,7 +240,8 @@ for _name in ("compile_check", "table3_compile_check"):
   AWAITING_RERUN[_name] = (
     "the WMT configs now recompute each layer (remat=full), draw dropout masks with rbg "
     "and split the optimizer state over data: the slices and rows not yet recompiled show "
-    "the step as it was"
+    "the step as it was; their dtype and attention kernel are now 'auto', which "
+    "compile_check resolves for TPU to the float32 and einsum the records ran"
   )
 # The mixed-precision sweep's float32 rows, and its bf16 rows as they were, ran the commit
 # before the residual stream went to float32 in every precision: that change leaves a
