@@ -78,6 +78,7 @@ def test_training_shows_library_info_only_at_verbosity_1(small_corpus, tmp_path)
   --verbosity=1 theirs appear too. Run from outside the repository."""
   quiet = _train(small_corpus, str(tmp_path / "quiet")).stderr
   assert "loop.py" in quiet and "parameters" in quiet  # our own INFO: "N parameters"
+  assert "computes in float32, attention kernel einsum" in quiet  # the default's, on CPU
   assert "checkpoint_manager.py" not in quiet and "CheckpointManager" not in quiet
   loud = _train(small_corpus, str(tmp_path / "loud"), "--verbosity=1").stderr
   assert "checkpoint_manager.py" in loud

@@ -62,14 +62,18 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
     "bench/cpu.sh",
   ),
   # bench on one GPU (bench/gpu.sh): the WMT configs' training steps, their precisions and
-  # attention kernels, and big's beam search.
+  # attention kernels, and big's beam search (bench's train_step and beam_search, which
+  # run no training loop).
   "gpu": (
     "transformer/tools/bench/",
     "transformer/tools/decoding_speed.py",
     "transformer/config.py",
     "transformer/model/",
-    "transformer/training/",
-    "transformer/run/sharding.py",
+    "transformer/run/",
+    "transformer/training/steps.py",
+    "transformer/training/state.py",
+    "transformer/training/optimizer.py",
+    "transformer/training/flops.py",
     "configs/wmt14.py",
     "bench/gpu.sh",
   ),

@@ -324,7 +324,13 @@ class TrainingRun:
       workdir, config.keep_checkpoints, clean_torn=True, timeout_s=config.storage_timeout_s
     )
     self.state = self._restore_or_init()
-    logging.info("%s parameters", f"{self.setup.num_params:,}")
+    model_config = self.setup.model.config  # an "auto" dtype or kernel, resolved here
+    logging.info(
+      "%s parameters; computes in %s, attention kernel %s",
+      f"{self.setup.num_params:,}",
+      model_config.dtype.name,
+      model_config.attention_kernel,
+    )
     self.writer = reporting.MetricsWriter(
       workdir, enabled=self.is_chief, timeout_s=config.storage_timeout_s
     )
