@@ -23,15 +23,18 @@ from tests.helpers.model_helpers import (
   abstract_variables,
   boxed_params,
   example_inputs,
+  packed_batch,
   param_shapes,
   random_params,
   random_tokens,
   run,
   tiny_config,
 )
+from transformer import config as config_lib
 from transformer.model import Transformer, stack_layer_params
 from transformer.model.layers import Embed
 from transformer.model.transformer import Decoder, Encoder
+from transformer.run import sharding
 
 
 @pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
@@ -255,3 +258,66 @@ def test_scanned_program_size_does_not_grow_with_depth():
 
   assert program_size(12, True) < 1.05 * program_size(2, True)
   assert program_size(12, False) > 3 * program_size(2, False)
+
+
+def _layer_gradients(cfg, mesh_shape):
+  """Each stacked layer parameter's gradient and its placement, from one jitted grad on a
+  mesh of mesh_shape with the axis rules in context and every input replicated."""
+  mesh = jax.sharding.Mesh(np.reshape(jax.devices(), mesh_shape), config_lib.MESH_AXES)
+  rules = config_lib.logical_axis_rules()
+  params, batch = random_params(cfg), packed_batch(decoder_only=False)
+  loss = lambda p, b: jnp.sum(run(cfg, p, **b) ** 2)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  grads = jax.jit(jax.grad(sharding.with_activation_sharding(loss, mesh, rules)))(
+    jax.device_put(params, replicated), jax.device_put(batch, replicated)
+  )
+  return mesh, {
+    jax.tree_util.keystr(path): leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(grads)
+    if "['layers']" in jax.tree_util.keystr(path)
+  }
+
+
+def test_scanned_layers_split_their_gradients_over_data_as_the_optimizer_state_is():
+  """split_layer_grads (config.shard_optimizer_state): on an all data-parallel mesh each
+  layer's gradient leaves the layer loop split over data, by the rule that splits the
+  optimizer's state (run/sharding.py: split_over on the stacked shape), with the same
+  values and the same parameters as without it; on a mesh with fsdp it changes nothing."""
+  cfg = tiny_config(scan_layers=True, d_model=16, d_ff=32)
+  split_cfg = dataclasses.replace(cfg, split_layer_grads=True)
+  mesh, plain = _layer_gradients(cfg, (8, 1, 1))
+  _, split = _layer_gradients(split_cfg, (8, 1, 1))
+  assert split.keys() == plain.keys() and len(split) > 10
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  for name, grad in split.items():
+    # The same sums in another order: equal to float32 rounding, in the whole array's norm.
+    error = np.linalg.norm(np.asarray(grad) - plain[name]) / np.linalg.norm(plain[name])
+    assert error <= 1e-5, f"{name}: relative error {error:.1e}"
+    assert plain[name].sharding.spec == jax.sharding.PartitionSpec(), name
+    want = sharding.split_over(replicated, grad.shape, "data")
+    assert grad.sharding.is_equivalent_to(want, grad.ndim), (name, grad.sharding.spec, want.spec)
+  assert any("data" in jax.tree.leaves(tuple(g.sharding.spec)) for g in split.values())
+  # The parameters themselves, their names and initial values, are the same.
+  chex.assert_trees_all_equal(random_params(split_cfg), random_params(cfg))
+  init = lambda c: Transformer(c).init(jax.random.key(0), **packed_batch(False))
+  chex.assert_trees_all_equal(init(split_cfg), init(cfg))
+  # Cached decoding (the cache collection passes the wrapper) is unchanged too.
+  from transformer.model import decoding
+
+  source = jnp.array([[5, 6, 7, config_lib.EOS_ID]], jnp.int32)
+  searched = [
+    decoding.decode(
+      Transformer(c),
+      random_params(cfg),
+      decoding.translation_prompts(source, 6, False),
+      decoding.BeamSearch(beam_size=2, alpha=0.6),
+    )
+    for c in (cfg, split_cfg)
+  ]
+  np.testing.assert_array_equal(searched[1].tokens_BxO, searched[0].tokens_BxO)
+  np.testing.assert_array_equal(searched[1].scores_B, searched[0].scores_B)
+  # Beside fsdp the layers' parameters are not whole on every device: left as they were.
+  _, with_fsdp = _layer_gradients(split_cfg, (4, 2, 1))
+  _, plain_fsdp = _layer_gradients(cfg, (4, 2, 1))
+  for name, grad in with_fsdp.items():
+    assert grad.sharding.is_equivalent_to(plain_fsdp[name].sharding, grad.ndim), name

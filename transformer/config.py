@@ -197,7 +197,10 @@ def base_config() -> ml_collections.ConfigDict:
   # grad_accum_steps > 1) is also split over the mesh's data axis, and so is the
   # update: each data-parallel device updates 1/data of every parameter and the new
   # parameters are gathered (ZeRO stage 1). The same arithmetic; less memory, and no
-  # device repeats another's update. False: replicated as the parameters are.
+  # device repeats another's update. On an all data-parallel mesh with scan_layers, each
+  # layer's gradient is also split as it leaves the layer loop, a reduce-scatter per
+  # layer instead of an all-reduce (model.split_layer_grads, set from this key).
+  # False: replicated as the parameters are.
   c.shard_optimizer_state = False
   c.label_smoothing = 0.1
   # > 0: training's projection and loss fused, this many target positions at a time

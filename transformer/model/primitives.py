@@ -21,12 +21,15 @@ the training code maps both onto the device mesh, the model never sees it.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.sharding import PartitionSpec
 
 from transformer.config import AUTO, PAD_ID, position_table_size, resolve_auto
 
@@ -82,6 +85,10 @@ class ModelConfig:
   scan_layers: bool = False
   remat: str = "none"
   attention_kernel: str = "einsum"
+  # With scan_layers: each layer's parameter gradients leave the layer loop split over
+  # the mesh's data axis (a reduce-scatter per layer, not an all-reduce), as
+  # config.shard_optimizer_state keeps them (transformer.py: _split_layer_grads).
+  split_layer_grads: bool = False
 
   def __post_init__(self):
     # Config files name dtypes as strings; modules want jnp dtypes. One conversion, here.
@@ -103,7 +110,12 @@ class ModelConfig:
     }
     if AUTO in (config.model.dtype, config.model.attention_kernel):
       model.update(resolve_auto(config.model, platform or current_platform()))
-    return cls(vocab_size=config.vocab_size, max_position=position_table_size(config), **model)
+    return cls(
+      vocab_size=config.vocab_size,
+      max_position=position_table_size(config),
+      split_layer_grads=config.shard_optimizer_state,
+      **model,
+    )
 
 
 def current_platform() -> str:
@@ -113,6 +125,27 @@ def current_platform() -> str:
   if backend != "gpu":
     return backend
   return "cuda" if "nvidia" in jax.devices()[0].device_kind.lower() else "rocm"
+
+
+def split_spec(
+  spec: PartitionSpec, shape: Sequence[int], mesh_shape: Mapping[str, int], axis: str
+) -> PartitionSpec:
+  """`spec` with one more split, over the mesh axis `axis`, of the dimension whose part on
+  each device is longest among those it then still divides evenly (beside any axes
+  already splitting it). Unchanged where the axis has size 1, the spec already uses it,
+  or no dimension qualifies (a scalar, say). One rule for the optimizer's state
+  (run/sharding.py: split_over) and the layers' gradients (transformer.py), so the two
+  agree."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  axes = [() if e is None else e if isinstance(e, tuple) else (e,) for e in entries]
+  per_device = [n // math.prod(mesh_shape[a] for a in names) for n, names in zip(shape, axes)]
+  size = mesh_shape.get(axis, 1)
+  fits = [i for i, n in enumerate(per_device) if n % size == 0]
+  if size == 1 or any(axis in names for names in axes) or not fits:
+    return spec
+  i = max(fits, key=lambda i: per_device[i])
+  entries[i] = axes[i] + (axis,) if axes[i] else axis
+  return PartitionSpec(*entries)
 
 
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:

@@ -28,6 +28,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer.config import MESH_AXES, ConfigError, check_fits_mesh
+from transformer.model.primitives import split_spec
 
 
 def _resolve(sizes: Sequence[int], total: int, what: str) -> list[int]:
@@ -121,21 +122,11 @@ def logical_to_sharding(tree: Any, mesh: Mesh, rules) -> Any:
 
 
 def split_over(sharding: NamedSharding, shape: Sequence[int], axis: str) -> NamedSharding:
-  """`sharding` with one more split, over the mesh axis `axis`, of the dimension whose
-  part on each device is longest among those it then still divides evenly (beside any
-  axes already splitting it). Unchanged where the axis has size 1, the array already
-  uses it, or no dimension qualifies (a scalar, say)."""
-  mesh_shape = sharding.mesh.shape
-  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-  axes = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
-  per_device = [n // math.prod(mesh_shape[a] for a in names) for n, names in zip(shape, axes)]
-  size = mesh_shape[axis]
-  fits = [i for i, n in enumerate(per_device) if n % size == 0]
-  if size == 1 or any(axis in names for names in axes) or not fits:
-    return sharding
-  i = max(fits, key=lambda i: per_device[i])
-  spec[i] = axes[i] + (axis,) if axes[i] else axis
-  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+  """`sharding` with one more split over the mesh axis `axis` (model/primitives.py:
+  split_spec says which dimension)."""
+  return NamedSharding(
+    sharding.mesh, split_spec(sharding.spec, shape, dict(sharding.mesh.shape), axis)
+  )
 
 
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
