@@ -237,8 +237,9 @@ AWAITING_RERUN: dict[str, str] = {
   )
 }
 # The WMT configs now recompute each layer (model.remat = "full"), draw dropout masks
-# with rbg and split the optimizer's state over data, which changes their compiled steps:
-# base's and big's v5e-8 records are remade with all three, the other slices' and Table
+# with rbg and split the optimizer's state over data (and, on an all data-parallel mesh,
+# each layer's gradient inside the layer loop), which changes their compiled steps:
+# base's and big's v5e-8 records are remade with all of it, the other slices' and Table
 # 3's rows are not yet.
 for _name in ("compile_check", "table3_compile_check"):
   AWAITING_RERUN[_name] = (
