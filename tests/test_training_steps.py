@@ -91,8 +91,8 @@ def test_meshes_agree_with_one_device(mesh_shape):
 @pytest.mark.parametrize(
   "mesh_shape, grad_accum_steps, scan_layers",
   # All data parallel with scanned layers: each layer's gradient is also split inside
-  # the layer loop (model/transformer.py: _split_layer_grads).
-  [((4, 2, 1), 1, False), ((2, 2, 2), 2, False), ((8, 1, 1), 1, True)],
+  # the layer loop (model/transformer.py: _split_layer_grads), microbatch by microbatch.
+  [((4, 2, 1), 1, False), ((2, 2, 2), 2, False), ((8, 1, 1), 2, True)],
 )
 def test_an_optimizer_state_split_over_data_trains_as_a_replicated_one(
   mesh_shape, grad_accum_steps, scan_layers
