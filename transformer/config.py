@@ -199,7 +199,7 @@ def base_config() -> ml_collections.ConfigDict:
   # parameters are gathered (ZeRO stage 1). The same arithmetic; less memory, and no
   # device repeats another's update. On an all data-parallel mesh with scan_layers, each
   # layer's gradient is also split as it leaves the layer loop, a reduce-scatter per
-  # layer instead of an all-reduce (model.split_layer_grads, set from this key).
+  # layer instead of an all-reduce (ModelConfig.split_layer_grads, set from this key).
   # False: replicated as the parameters are.
   c.shard_optimizer_state = False
   c.label_smoothing = 0.1
