@@ -45,18 +45,13 @@ def _segments(length: int, rng) -> np.ndarray:
   return ids
 
 
-@pytest.mark.parametrize(
-  "length, source_len, causal",
-  [(6, 7, False), (6, 6, True), (136, 136, True)],
-  ids=["cross-short", "causal-short", "causal-two-tiles"],
-)
-def test_tpu_flash_kernel_matches_einsum_forward_and_gradient(length, source_len, causal):
-  """Lengths that are not a multiple of the kernel's tiles (padded inside), and one that
-  spans two 128-row tiles of queries and of keys."""
+def _attention_case(length, source_len, causal, heads, d_k, dtype):
+  """(q, k, v, query segment ids, mask, loss) for [2, length] queries against [2,
+  source_len] keys of packed and padded rows. loss(kernel, q, k, v) weighs the kernel's
+  output at the real query positions by fixed random weights, in float32."""
   rng = np.random.default_rng(length + causal)
-  heads, d_k = 2, 16
   q, k, v = (
-    jnp.asarray(rng.normal(size=(2, n, heads, d_k)), jnp.float32)
+    jnp.asarray(rng.normal(size=(2, n, heads, d_k)), dtype)
     for n in (length, source_len, source_len)
   )
   q_ids = _segments(length, rng)
@@ -66,8 +61,21 @@ def test_tpu_flash_kernel_matches_einsum_forward_and_gradient(length, source_len
   weights = jnp.asarray(rng.normal(size=(2, length, heads, d_k)), jnp.float32)
 
   def loss(kernel, q, k, v):
-    return jnp.sum(jnp.where(real_BxLx1x1, kernel(q, k, v, mask), 0.0) * weights)
+    out = kernel(q, k, v, mask).astype(jnp.float32)
+    return jnp.sum(jnp.where(real_BxLx1x1, out, 0.0) * weights)
 
+  return q, k, v, q_ids, mask, loss
+
+
+@pytest.mark.parametrize(
+  "length, source_len, causal",
+  [(6, 7, False), (6, 6, True), (136, 136, True)],
+  ids=["cross-short", "causal-short", "causal-two-tiles"],
+)
+def test_tpu_flash_kernel_matches_einsum_forward_and_gradient(length, source_len, causal):
+  """Lengths that are not a multiple of the kernel's tiles (padded inside), and one that
+  spans two 128-row tiles of queries and of keys."""
+  q, k, v, q_ids, mask, loss = _attention_case(length, source_len, causal, 2, 16, jnp.float32)
   with pallas_tpu.force_tpu_interpret_mode():
     flash = jax.jit(tpu_flash_attention)(q, k, v, mask)
     flash_grads = jax.jit(jax.grad(functools.partial(loss, tpu_flash_attention), (0, 1, 2)))(
@@ -170,24 +178,9 @@ def test_cudnn_kernel_matches_einsum_on_an_nvidia_gpu(length, source_len, causal
   gradient. Every output is finite, padding rows too: they flow on through the layers,
   and a NaN there would reach the weights' gradients (x^T g with g = 0 is NaN)."""
   gpu = _nvidia_gpu()
-  rng = np.random.default_rng(length + causal)
-  heads, d_k = 4, 64
   with jax.default_device(gpu):
-    q, k, v = (
-      jnp.asarray(rng.normal(size=(2, n, heads, d_k)), jnp.bfloat16)
-      for n in (length, source_len, source_len)
-    )
-    q_ids = _segments(length, rng)
-    kv_ids = q_ids if causal else _segments(source_len, rng)
-    mask = AttentionMask(jnp.asarray(q_ids), jnp.asarray(kv_ids), causal=causal)
-    real_BxLx1x1 = jnp.asarray(q_ids != 0)[:, :, None, None]
-    weights = jnp.asarray(rng.normal(size=(2, length, heads, d_k)), jnp.float32)
+    q, k, v, q_ids, mask, loss = _attention_case(length, source_len, causal, 4, 64, jnp.bfloat16)
     cudnn = KERNELS["cudnn"]
-
-    def loss(kernel, q, k, v):
-      out = kernel(q, k, v, mask).astype(jnp.float32)
-      return jnp.sum(jnp.where(real_BxLx1x1, out, 0.0) * weights)
-
     got = jax.jit(cudnn)(q, k, v, mask)
     want = jax.jit(einsum_attention)(q, k, v, mask)
     got_grads = jax.jit(jax.grad(functools.partial(loss, cudnn), (0, 1, 2)))(q, k, v)

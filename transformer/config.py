@@ -80,7 +80,7 @@ def model_config() -> ml_collections.ConfigDict:
   # attention on NVIDIA GPUs in bf16/fp16); tpu_flash: the Pallas FlashAttention kernel
   # for TPU. All but einsum need d_k == d_v and no attention dropout
   # (transformer/model/attention_kernels.py). auto: cudnn on an NVIDIA GPU where it can
-  # run (bf16, d_k == d_v, no attention dropout), else einsum (resolve_auto).
+  # run there, else einsum (resolve_auto lists the conditions).
   m.attention_kernel = "einsum"
   return m
 
