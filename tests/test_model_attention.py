@@ -113,6 +113,27 @@ def test_cached_decoding_matches_full_forward_pass(positional, decoder_only):
     np.testing.assert_allclose(step_logits[:, 0], full_logits[:, t], atol=1e-5, rtol=1e-5)
 
 
+def test_projection_with_a_ones_column_is_the_projection_and_a_column_of_ones():
+  """The same parameter; the output gains a last feature of ones, whose cotangent is
+  dropped: x's and the kernel's gradients are the plain projection's."""
+  cfg = tiny_config()
+  x_BxLxD = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, TARGET_LEN, D_MODEL)))
+  plain = Projection(cfg, (NUM_HEADS, D_V), ("embed", "heads", "kv"))
+  with_ones = Projection(cfg, (NUM_HEADS, D_V), ("embed", "heads", "kv"), ones_column=True)
+  params = nn.unbox(plain.init(jax.random.PRNGKey(0), x_BxLxD))
+  assert jax.tree.map(jnp.shape, nn.unbox(with_ones.init(jax.random.PRNGKey(0), x_BxLxD))) == (
+    jax.tree.map(jnp.shape, params)
+  )
+  out = with_ones.apply(params, x_BxLxD)
+  assert out.shape == (BATCH, TARGET_LEN, NUM_HEADS, D_V + 1)
+  np.testing.assert_array_equal(out[..., -1], 1.0)
+  np.testing.assert_allclose(out[..., :-1], plain.apply(params, x_BxLxD), atol=1e-6)
+  cotangent = jnp.asarray(np.random.default_rng(1).normal(size=out.shape), jnp.float32)
+  _, backward = jax.vjp(with_ones.apply, params, x_BxLxD)
+  _, plain_backward = jax.vjp(plain.apply, params, x_BxLxD)
+  chex.assert_trees_all_close(backward(cotangent), plain_backward(cotangent[..., :-1]), atol=1e-6)
+
+
 @pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
 def test_dot_product_attention_kernel_matches_einsum(decoder_only):
   einsum = tiny_config(decoder_only=decoder_only, d_v=D_K)

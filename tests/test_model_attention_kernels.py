@@ -26,6 +26,7 @@ from transformer.model.attention_kernels import (
   KERNELS,
   AttentionMask,
   einsum_attention,
+  softmax_attention,
   tpu_flash_attention,
 )
 from transformer.run import sharding
@@ -65,6 +66,62 @@ def _attention_case(length, source_len, causal, heads, d_k, dtype):
     return jnp.sum(jnp.where(real_BxLx1x1, out, 0.0) * weights)
 
   return q, k, v, q_ids, mask, loss
+
+
+def _weights_written_out(q, k, v, mask):
+  """einsum_attention forming the weights, as attention maps and dropout need them."""
+  return einsum_attention(q, k, v, mask, on_weights=lambda weights: weights.astype(v.dtype))
+
+
+@pytest.mark.parametrize(
+  "length, source_len, causal", [(6, 7, False), (6, 6, True)], ids=["cross", "causal"]
+)
+def test_einsum_kernel_matches_the_written_out_weights_forward_and_gradient(
+  length, source_len, causal
+):
+  """The einsum kernel (the softmax's denominator from a ones column of V, the weights
+  recomputed in the backward pass from the max and sum) against jax.nn.softmax's
+  weights, at every position: padding queries too, whose weights are uniform and whose
+  gradient must not reach Q or K through the masked scores."""
+  q, k, v, _, mask, _ = _attention_case(length, source_len, causal, 2, 8, jnp.float32)
+  weights = jnp.asarray(np.random.default_rng(1).normal(size=(2, length, 2, 8)), jnp.float32)
+
+  def loss(kernel, q, k, v):
+    return jnp.sum(kernel(q, k, v, mask) * weights)
+
+  assert KERNELS["einsum"] is softmax_attention
+  np.testing.assert_allclose(
+    jax.jit(softmax_attention)(q, k, v, mask), _weights_written_out(q, k, v, mask), atol=1e-5
+  )
+  got = jax.jit(jax.grad(functools.partial(loss, softmax_attention), (0, 1, 2)))(q, k, v)
+  want = jax.grad(functools.partial(loss, _weights_written_out), (0, 1, 2))(q, k, v)
+  for name, got_grad, want_grad in zip("qkv", got, want):
+    np.testing.assert_allclose(got_grad, want_grad, atol=1e-5, err_msg=f"d loss / d {name}")
+  # The mask matters: without the segment ids, attention crosses the packed pairs.
+  unpacked = AttentionMask(jnp.ones_like(mask.q_segment_ids_BxL), mask.kv_segment_ids_BxS, causal)
+  assert not np.allclose(softmax_attention(q, k, v, unpacked), softmax_attention(q, k, v, mask))
+
+
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
+def test_einsum_model_with_the_ones_column_matches_the_weights_written_out(decoder_only):
+  """The whole model, training's way (V projected with its ones column), against the
+  same model asked for its attention maps, which forms the weights: logits and every
+  parameter's gradient, over packed pairs with padding."""
+  cfg = tiny_config(decoder_only=decoder_only, num_layers=1)
+  params = random_params(cfg)
+  batch = packed_batch(decoder_only)
+
+  def loss(mutable, params):
+    logits = run(cfg, params, **batch, mutable=mutable)
+    logits = logits[0] if mutable else logits
+    return jnp.sum(logits**2), logits
+
+  (_, logits), grads = jax.value_and_grad(functools.partial(loss, False), has_aux=True)(params)
+  (_, want_logits), want_grads = jax.value_and_grad(
+    functools.partial(loss, ["intermediates"]), has_aux=True
+  )(params)
+  np.testing.assert_allclose(logits, want_logits, atol=1e-5)
+  chex.assert_trees_all_close(grads, want_grads, atol=1e-5)
 
 
 @pytest.mark.parametrize(

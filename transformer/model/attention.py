@@ -19,6 +19,7 @@ rows over the batch axes, heads over the tensor axis, under the config's rules.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -26,7 +27,12 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from transformer.model.attention_kernels import KERNELS, AttentionMask, einsum_attention
+from transformer.model.attention_kernels import (
+  KERNELS,
+  AttentionMask,
+  einsum_attention,
+  softmax_attention_with_ones,
+)
 from transformer.model.primitives import (
   BATCH,
   BLD,
@@ -61,6 +67,9 @@ class Projection(nn.Module):
   features: tuple[int, ...]
   axes: tuple[str, ...]  # the kernel's logical axes: contracted dimensions, then features
   num_in: int = 1
+  # One more output feature along the last axis, always 1 (the kernel is unchanged):
+  # V with the ones column that attention_kernels.softmax_attention_with_ones takes.
+  ones_column: bool = False
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -73,7 +82,37 @@ class Projection(nn.Module):
       "kernel", nn.with_logical_partitioning(init, self.axes), shape, cfg.param_dtype
     )
     x, kernel = promote_dtype(x, kernel, dtype=cfg.dtype)
+    if self.ones_column:
+      return _project_with_ones_column(x, kernel, self.num_in)
     return jnp.tensordot(x, kernel, axes=self.num_in)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _project_with_ones_column(x: Array, kernel: Array, num_in: int) -> Array:
+  """x W with a last output feature of ones: x [W | 0] + [0 ... 0 1], one matmul whose
+  output the ones column joins in place (appended after it, the column would cost a copy
+  of the whole output). Its gradient is that of x W: the ones column's is dropped before
+  the matmuls, so the kernel's gradient keeps the kernel's shape (a padded gradient
+  would be reduced across devices padded)."""
+  zero_column = [(0, 0)] * (kernel.ndim - 1) + [(0, 1)]
+  features = kernel.shape[-1] + 1
+  ones = jax.nn.one_hot(features - 1, features, dtype=x.dtype)
+  return jnp.tensordot(x, jnp.pad(kernel, zero_column), axes=num_in) + ones
+
+
+def _project_with_ones_column_forward(x, kernel, num_in):
+  return _project_with_ones_column(x, kernel, num_in), (x, kernel)
+
+
+def _project_with_ones_column_backward(num_in, residuals, grad_out):
+  x, kernel = residuals
+  _, project_backward = jax.vjp(lambda x, w: jnp.tensordot(x, w, axes=num_in), x, kernel)
+  return project_backward(grad_out[..., :-1])
+
+
+_project_with_ones_column.defvjp(
+  _project_with_ones_column_forward, _project_with_ones_column_backward
+)
 
 
 class MultiHeadAttention(nn.Module):
@@ -98,17 +137,21 @@ class MultiHeadAttention(nn.Module):
     use_cache: bool = False,
     cache_position: Array | None = None,
   ) -> Array:
+    # V comes with a column of ones for the einsum kernel's own form (see _attend).
+    with_ones = not use_cache and self._einsum_without_weights(deterministic)
     if self.self_attention:
       q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC = self._self_qkv(
-        x_BxLxD, positions_BxL, use_cache, cache_position
+        x_BxLxD, positions_BxL, use_cache, cache_position, with_ones
       )
     else:
-      q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache)
+      q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache, with_ones)
       cache_mask_Bx1xLxC = mask.dense() if use_cache else None
     if q_BxLxHxK is None:  # the call that creates the cache only sizes it
       return jnp.zeros_like(x_BxLxD)
     if use_cache:  # K [R, H, K, S] and V [R, H, S, E], as the cache stores them
       out_BxLxHxE = self._attend_cached(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC)
+    elif with_ones:  # V [B, S, H, E+1]
+      out_BxLxHxE = softmax_attention_with_ones(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask)
     else:
       out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, deterministic)
     out_BxLxHxE = constrain(out_BxLxHxE, BLHK)
@@ -117,18 +160,31 @@ class MultiHeadAttention(nn.Module):
     )
     return constrain(out_BxLxD, BLD)
 
-  def _dense(self, features, axes: tuple[str, ...], name: str, axis=-1) -> Projection:
+  def _dense(
+    self, features, axes: tuple[str, ...], name: str, axis=-1, ones_column=False
+  ) -> Projection:
     features = features if isinstance(features, tuple) else (features,)
     num_in = len(axis) if isinstance(axis, tuple) else 1
-    return Projection(self.config, features, axes, num_in, name=name)
+    return Projection(self.config, features, axes, num_in, ones_column, name=name)
 
-  def _self_qkv(self, x_BxLxD, positions_BxL, use_cache, cache_position):
-    """Q, K, V of self-attention; with the cache, K/V of all written slots and the mask
-    of the slots each query sees (bool [B, 1, L, C]; None without the cache)."""
-    h, k, e = self.config.num_heads, self.config.d_k, self.config.d_v
-    qkv_BxLxHx2KE = constrain(
-      self._dense((h, 2 * k + e), ("embed", "heads", "kv"), "qkv")(x_BxLxD), BLHK
+  def _einsum_without_weights(self, deterministic: bool) -> bool:
+    """Whether the einsum kernel runs without forming the attention weights: none of
+    their uses (attention maps in 'intermediates', attention dropout applied) is asked
+    for."""
+    cfg = self.config
+    return (
+      cfg.attention_kernel == "einsum"
+      and (cfg.attention_dropout_rate == 0 or deterministic)
+      and not self.is_mutable_collection("intermediates")
     )
+
+  def _self_qkv(self, x_BxLxD, positions_BxL, use_cache, cache_position, with_ones=False):
+    """Q, K, V of self-attention; with the cache, K/V of all written slots and the mask
+    of the slots each query sees (bool [B, 1, L, C]; None without the cache). With
+    `with_ones`, V [B, L, H, E+1] ends in a column of ones."""
+    h, k, e = self.config.num_heads, self.config.d_k, self.config.d_v
+    project_qkv = self._dense((h, 2 * k + e), ("embed", "heads", "kv"), "qkv", -1, with_ones)
+    qkv_BxLxHx2KE = constrain(project_qkv(x_BxLxD), BLHK)
     q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = jnp.split(qkv_BxLxHx2KE, [k, 2 * k], axis=-1)
     if self.config.positional == "rope":
       q_BxLxHxK = apply_rope(q_BxLxHxK, positions_BxL)
@@ -179,11 +235,12 @@ class MultiHeadAttention(nn.Module):
     mask_Bx1xLxC = jnp.broadcast_to(mask_BxLxC, (batch, length, cache_len))[:, None]
     return q_BxLxHxK, key_cache.value, value_cache.value, mask_Bx1xLxC
 
-  def _cross_qkv(self, x_BxLxD, memory_BxSxD, use_cache):
-    """Q from the decoder, K and V from the final encoder output (cached once per source)."""
+  def _cross_qkv(self, x_BxLxD, memory_BxSxD, use_cache, with_ones=False):
+    """Q from the decoder, K and V from the final encoder output (cached once per source).
+    With `with_ones`, V [B, S, H, E+1] ends in a column of ones."""
     h, k, e = self.config.num_heads, self.config.d_k, self.config.d_v
     q_BxLxHxK = constrain(self._dense((h, k), ("embed", "heads", "kv"), "query")(x_BxLxD), BLHK)
-    project_kv = self._dense((h, k + e), ("embed", "heads", "kv"), "kv")
+    project_kv = self._dense((h, k + e), ("embed", "heads", "kv"), "kv", -1, with_ones)
     if not use_cache:
       kv_BxSxHxKE = constrain(project_kv(memory_BxSxD), BLHK)
       k_BxSxHxK, v_BxSxHxE = jnp.split(kv_BxSxHxKE, [k], axis=-1)
@@ -241,7 +298,10 @@ class MultiHeadAttention(nn.Module):
 
     Attention maps (the 'intermediates' collection) need the weights themselves, which
     only the einsum kernel forms: those calls take it. (Attention dropout needs them
-    too; config.py allows it with the einsum kernel only.)
+    too; config.py allows it with the einsum kernel only.) The einsum kernel without
+    them does not come here: its V is projected with a column of ones
+    (`Projection.ones_column`) and goes to attention_kernels.softmax_attention_with_ones,
+    whose matmul with that column gives the softmax's denominator.
     """
     cfg = self.config
     if cfg.attention_kernel != "einsum" and not self.is_mutable_collection("intermediates"):

@@ -10,9 +10,11 @@ keeps the softmax statistics in f32), and the weights meet V in V's dtype. Where
 has no key it may attend to (a padding query), its output is unspecified: no loss or
 later layer reads it (a real query never attends to padding, segment id 0).
 
-  einsum      written out: the f32 scores and weights [B, H, L, S] materialize. The one
-              kernel with attention dropout and attention maps (`on_weights`); the
-              others, which never form the weights, fall back to it for those.
+  einsum      written out in XLA ops: the f32 scores [B, H, L, S] are formed, soft-maxed
+              and multiplied by V (`softmax_attention`, below, for training and
+              scoring). The one kernel with attention dropout and attention maps
+              (`einsum_attention` with `on_weights`, which forms the weights
+              themselves); the others fall back to it for those.
   xla         jax.nn.dot_product_attention's XLA form, from the dense mask.
   cudnn       cuDNN's flash attention on GPU (jax.nn.dot_product_attention), same mask.
   tpu_flash   the Pallas FlashAttention kernel for TPU
@@ -25,9 +27,12 @@ later layer reads it (a real query never attends to padding, segment id 0).
               as the tests do.
 
 Adding a kernel is one function below and one entry in KERNELS (config.py's
-ATTENTION_KERNELS lists the names a config may choose). The cached decoding path
-(MultiHeadAttention._attend_cached) keeps its own written-out form: its K/V live in the
-cache's layouts ([R, H, K, C] and [R, H, C, E]) and a step's attention is one query row.
+ATTENTION_KERNELS lists the names a config may choose). The einsum kernel also takes V
+with a column of ones appended (`softmax_attention_with_ones`): MultiHeadAttention's
+projection writes that column itself (`Projection.ones_column`), which saves a copy of
+V. The cached decoding path (MultiHeadAttention._attend_cached) keeps its own
+written-out form: its K/V live in the cache's layouts ([R, H, K, C] and [R, H, C, E])
+and a step's attention is one query row.
 """
 
 from __future__ import annotations
@@ -89,13 +94,7 @@ def einsum_attention(
   sows them for attention maps and applies attention dropout); without it they are cast
   to V's dtype.
   """
-  # Scaled in f32, where 1/sqrt(d_k) costs no rounding of q, and fused by XLA with the
-  # mask and softmax.
-  logits_BxHxLxS = constrain(
-    attention_scores(q_BxLxHxK, k_BxSxHxK), (BATCH, HEADS, LENGTH, None)
-  ) / math.sqrt(q_BxLxHxK.shape[-1])
-  logits_BxHxLxS = jnp.where(mask.dense(), logits_BxHxLxS, MASKED_LOGIT)
-  weights_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1)
+  weights_BxHxLxS = jax.nn.softmax(_masked_scores(q_BxLxHxK, k_BxSxHxK, mask), axis=-1)
   # Weights in [0, 1] lose little in bf16 (relative rounding only), and weights x V is
   # a matmul as large as Q K^T: it runs at the compute dtype's speed.
   if on_weights is None:
@@ -103,6 +102,113 @@ def einsum_attention(
   else:
     weights_BxHxLxS = on_weights(weights_BxHxLxS)
   return jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
+
+
+# ----------------------------------------------------------------------------------
+# Written out, with the softmax's statistics kept for the backward pass.
+
+
+def softmax_attention(
+  q_BxLxHxK: Array, k_BxSxHxK: Array, v_BxSxHxE: Array, mask: AttentionMask
+) -> Array:
+  """The einsum kernel: einsum_attention's result, computed as below."""
+  ones_BxSxHx1 = jnp.ones(v_BxSxHxE.shape[:-1] + (1,), v_BxSxHxE.dtype)
+  return softmax_attention_with_ones(
+    q_BxLxHxK, k_BxSxHxK, jnp.concatenate([v_BxSxHxE, ones_BxSxHx1], axis=-1), mask
+  )
+
+
+@jax.custom_vjp
+def softmax_attention_with_ones(
+  q_BxLxHxK: Array, k_BxSxHxK: Array, v_and_ones_BxSxHxE1: Array, mask: AttentionMask
+) -> Array:
+  """softmax(Q K^T / sqrt(d_k)) V from V with a column of ones appended, [B, S, H, E+1].
+
+  E = exp(scores - row max) multiplies [V | 1] in one matmul, whose last column is the
+  softmax's denominator, sum_s E: the output is its first E columns divided by it. On
+  TPU this is the cheap way to that sum: XLA's compiler otherwise reduces the f32
+  [B, H, L, S] exponentials in a pass of their own, which its cost model puts at five
+  times the P V matmul that the ones column rides along (docs/performance.md). The
+  backward pass is FlashAttention's (Dao et al. 2022) in XLA ops: it keeps the row
+  max and 1 / sum per query, not the weights, recomputes P from them and takes
+  the softmax's correction from dO . O ([B, L, H]), not from the [B, H, L, S] dP * P.
+  Returns [B, L, H, E] in V's dtype; the ones column gets no gradient.
+  """
+  return _softmax_attention_forward(q_BxLxHxK, k_BxSxHxK, v_and_ones_BxSxHxE1, mask)[0]
+
+
+def _masked_scores(q_BxLxHxK, k_BxSxHxK, mask):
+  """f32 [B, H, L, S]: Q K^T / sqrt(d_k), MASKED_LOGIT where the mask says no. Scaled
+  in f32, where 1/sqrt(d_k) costs no rounding of q, and fused by XLA with the mask."""
+  scores_BxHxLxS = constrain(
+    attention_scores(q_BxLxHxK, k_BxSxHxK), (BATCH, HEADS, LENGTH, None)
+  ) / math.sqrt(q_BxLxHxK.shape[-1])
+  return jnp.where(mask.dense(), scores_BxHxLxS, MASKED_LOGIT)
+
+
+def _softmax_attention_forward(q_BxLxHxK, k_BxSxHxK, v_and_ones_BxSxHxE1, mask):
+  scores_BxHxLxS = _masked_scores(q_BxLxHxK, k_BxSxHxK, mask)
+  max_BxHxLx1 = jnp.max(scores_BxHxLxS, axis=-1, keepdims=True)
+  # In [0, 1], and 1 at the row's maximum, so the sum below is at least 1. They meet V
+  # in V's dtype, as einsum_attention's weights do, and the sum is of the same values.
+  exp_BxHxLxS = jnp.exp(scores_BxHxLxS - max_BxHxLx1).astype(v_and_ones_BxSxHxE1.dtype)
+  out_and_sum_BxLxHxE1 = jnp.einsum(
+    "bhls,bshe->blhe", exp_BxHxLxS, v_and_ones_BxSxHxE1, preferred_element_type=jnp.float32
+  )
+  inverse_sum_BxLxHx1 = 1.0 / out_and_sum_BxLxHxE1[..., -1:]
+  out_BxLxHxE = out_and_sum_BxLxHxE1[..., :-1] * inverse_sum_BxLxHx1
+  # The statistics as the max and 1 / sum, not as log-sum-exp: a query with no key to
+  # attend to (padding) has max MASKED_LOGIT, and -1e9 + log(sum) rounds to -1e9 in
+  # f32, which would make its recomputed weights 1 instead of einsum_attention's 1/S.
+  statistics = (max_BxHxLx1, inverse_sum_BxLxHx1.transpose(0, 2, 1, 3))
+  out_BxLxHxE = out_BxLxHxE.astype(v_and_ones_BxSxHxE1.dtype)
+  return out_BxLxHxE, (q_BxLxHxK, k_BxSxHxK, v_and_ones_BxSxHxE1, mask, out_BxLxHxE, statistics)
+
+
+def _softmax_attention_backward(residuals, grad_out_BxLxHxE):
+  q_BxLxHxK, k_BxSxHxK, v_and_ones_BxSxHxE1, mask, out_BxLxHxE, statistics = residuals
+  max_BxHxLx1, inverse_sum_BxHxLx1 = statistics
+  v_BxSxHxE = v_and_ones_BxSxHxE1[..., :-1]
+  scores_BxHxLxS = _masked_scores(q_BxLxHxK, k_BxSxHxK, mask)
+  weights_BxHxLxS = jnp.exp(scores_BxHxLxS - max_BxHxLx1) * inverse_sum_BxHxLx1
+  grad_out_BxLxHxE = grad_out_BxLxHxE.astype(v_BxSxHxE.dtype)
+  grad_v_BxSxHxE = jnp.einsum(
+    "bhls,blhe->bshe",
+    weights_BxHxLxS.astype(v_BxSxHxE.dtype),
+    grad_out_BxLxHxE,
+    preferred_element_type=jnp.float32,
+  )
+  grad_weights_BxHxLxS = jnp.einsum(
+    "blhe,bshe->bhls", grad_out_BxLxHxE, v_BxSxHxE, preferred_element_type=jnp.float32
+  )
+  # sum_s P dP = dO . O: the softmax's correction per query, from [B, L, H, E] arrays.
+  correction_BxLxH = jnp.sum(
+    grad_out_BxLxHxE.astype(jnp.float32) * out_BxLxHxE.astype(jnp.float32), axis=-1
+  )
+  grad_scores_BxHxLxS = (
+    weights_BxHxLxS
+    * (grad_weights_BxHxLxS - correction_BxLxH.transpose(0, 2, 1)[..., None])
+    / math.sqrt(q_BxLxHxK.shape[-1])
+  )
+  # Masked scores are the constant MASKED_LOGIT: no gradient reaches Q or K through
+  # them. (Their weights are 0 but for a query with no key to attend to, whose are 1/S.)
+  grad_scores_BxHxLxS = jnp.where(mask.dense(), grad_scores_BxHxLxS, 0.0).astype(q_BxLxHxK.dtype)
+  grad_q_BxLxHxK = jnp.einsum(
+    "bhls,bshk->blhk", grad_scores_BxHxLxS, k_BxSxHxK, preferred_element_type=jnp.float32
+  )
+  grad_k_BxSxHxK = jnp.einsum(
+    "bhls,blhk->bshk", grad_scores_BxHxLxS, q_BxLxHxK, preferred_element_type=jnp.float32
+  )
+  no_grad_for_ones = ((0, 0), (0, 0), (0, 0), (0, 1))
+  return (
+    grad_q_BxLxHxK.astype(q_BxLxHxK.dtype),
+    grad_k_BxSxHxK.astype(k_BxSxHxK.dtype),
+    jnp.pad(grad_v_BxSxHxE, no_grad_for_ones).astype(v_and_ones_BxSxHxE1.dtype),
+    None,  # the mask's segment ids: integers
+  )
+
+
+softmax_attention_with_ones.defvjp(_softmax_attention_forward, _softmax_attention_backward)
 
 
 @jax.custom_vjp
@@ -258,7 +364,7 @@ def _per_device(kernel):
 # ----------------------------------------------------------------------------------
 
 KERNELS: dict[str, Kernel] = {
-  "einsum": einsum_attention,
+  "einsum": softmax_attention,
   "xla": _dot_product_attention("xla"),
   "cudnn": _dot_product_attention("cudnn"),
   "tpu_flash": tpu_flash_attention,
