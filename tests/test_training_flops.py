@@ -63,14 +63,32 @@ def hand_count(decoder_only=False, ffn_matrices=2):
   return (0 if decoder_only else N * encoder_layer) + N * decoder_layer + output_projection
 
 
-def traced_matmul_flops(cfg: ModelConfig) -> int:
-  """2 x multiply-adds of every dot_general in the model's forward program (batch 1)."""
+def traced_matmul_flops(cfg: ModelConfig, attention_maps: bool = False) -> int:
+  """2 x multiply-adds of every dot_general in the model's forward program (batch 1);
+  with `attention_maps`, of the program that also returns them (which forms the
+  attention weights, as the model's arithmetic has them)."""
   model = Transformer(cfg)
   source = None if cfg.decoder_only else jnp.ones((1, S), jnp.int32)
   decoder_input = jnp.ones((1, T), jnp.int32)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), source, decoder_input))
-  jaxpr = jax.make_jaxpr(lambda p: model.apply(p, source, decoder_input))(params).jaxpr
+  mutable = ["intermediates"] if attention_maps else False
+  jaxpr = jax.make_jaxpr(lambda p: model.apply(p, source, decoder_input, mutable=mutable))(
+    params
+  ).jaxpr
   return _count_dots(jaxpr)
+
+
+def ones_column_flops(cfg: ModelConfig) -> int:
+  """What V's column of ones adds per attention (attention_kernels.
+  softmax_attention_with_ones): one more projected feature per head over the keys'
+  length, and one more column of the P V matmul."""
+  layers, heads, d_model = cfg.num_layers, cfg.num_heads, cfg.d_model
+
+  def attention(queries, keys):
+    return matmul(keys, heads, d_model) + heads * matmul(queries, 1, keys)
+
+  decoder = attention(T, T) + (0 if cfg.decoder_only else attention(T, S))
+  return layers * (decoder + (0 if cfg.decoder_only else attention(S, S)))
 
 
 def _count_dots(jaxpr) -> int:
@@ -108,9 +126,12 @@ def test_forward_flops_equal_the_hand_count():
   ids=["paper", "decoder_only", "swiglu", "untied", "rope-pre", "one-layer"],
 )
 def test_forward_flops_equal_the_matmuls_of_the_traced_model(overrides):
-  """Every dot_general XLA is given, counted from the program itself."""
+  """Every dot_general XLA is given, counted from the program itself: the model's as
+  it forms the attention weights, and, without them, those plus V's ones column, which
+  sums the softmax in the P V matmul (hardware work the model's FLOPs leave out)."""
   cfg = tiny(**overrides)
-  assert flops.forward_flops(cfg, S, T) == traced_matmul_flops(cfg)
+  assert flops.forward_flops(cfg, S, T) == traced_matmul_flops(cfg, attention_maps=True)
+  assert traced_matmul_flops(cfg) == flops.forward_flops(cfg, S, T) + ones_column_flops(cfg)
 
 
 def test_decoder_only_drops_the_encoder_and_cross_attention():
