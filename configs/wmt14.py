@@ -48,22 +48,22 @@ def get_config(arg="base,en-de"):
   m = c.model
   m.num_layers, m.d_model, m.d_ff, m.num_heads, m.d_k, m.d_v = 6, 512, 2048, 8, 64, 64
   m.dropout_rate = 0.1
-  # One compiled layer per stack: compile time stays flat in N, though on a 2-core CPU
-  # the unscanned step is faster (docs/performance.md). Parameters carry a leading
-  # `layers` axis.
   # The fastest measured on each platform (config.resolve_auto): on a GPU, bf16
   # activations and cuDNN's flash attention; on TPU (and CPU), float32 and einsum.
   m.dtype = "auto"
   m.attention_kernel = "auto"
-  m.scan_layers = True
-  # Each layer recomputes its activations in the backward pass rather than saving them:
-  # a scanned stack saves them in stacked buffers that the compiler fills with zeros
-  # before the loop and writes a slice of each layer. On a v5e-8 the TPU compiler's
-  # per-op profile puts base's step at 30 ms recomputing against 42 ms saving, and the
-  # step's memory at 11% of HBM against 26% (docs/performance.md, "Changes to the step,
-  # measured by the profile"; not yet measured on a GPU). The same arithmetic is
-  # repeated with the same dropout masks: the results do not change.
-  m.remat = "full"
+  # Each layer compiled on its own (not scanned), saving its activations for the backward
+  # pass (no recomputation). On a v5e-8 the TPU compiler's per-op profile puts base's step
+  # at 17.7 ms this way against 23.6 ms scanned and recomputed, and big's at 45 ms against
+  # 69 ms (docs/performance.md, "Changes to the step"): a scanned stack that saves its
+  # activations keeps them in stacked buffers the compiler zero-fills before the loop, so
+  # the scanned form had to recompute, and recomputing repeats a third of the layers'
+  # matmuls. The cost is compile time (base about 3 minutes on a 2-core CPU, against
+  # about 1 scanned) and memory: base's step takes 2.3 GiB of a v5e chip's 16 GiB, big's
+  # 4.9 GiB. For deeper stacks, `model.scan_layers=true` with `model.remat=full` keeps
+  # compile time flat in N.
+  m.scan_layers = False
+  m.remat = "none"
   # Dropout masks from XLA's RngBitGenerator rather than threefry: on TPU threefry's
   # hashing runs on the vector units inside the fusions that apply the masks, and the
   # per-op profile puts base's step 5% faster with rbg (docs/performance.md). Its bits
@@ -75,6 +75,12 @@ def get_config(arg="base,en-de"):
   # parameters, then gathers them) and its state per chip from 3x the parameters to
   # 1.25x (docs/performance.md). The same arithmetic, summed in another order.
   c.shard_optimizer_state = True
+  # The pre-softmax projection and the loss fused, the whole target length as one chunk
+  # (run/scoring.py: fused_cross_entropy_sums): the softmax's denominator comes out of
+  # the matmul that makes the hidden states' gradient, rather than a reduction over the
+  # [rows, 37,000] logits. On a v5e-8 the per-op profile puts base's step 0.5 ms faster
+  # (docs/performance.md). Equal to the unfused loss and gradients to f32 rounding.
+  c.loss_chunk_len = c.max_len
   if size == "big":
     m.d_model, m.d_ff, m.num_heads = 1024, 4096, 16
     m.dropout_rate = 0.3 if direction == "en-de" else 0.1

@@ -112,19 +112,24 @@ def fused_cross_entropy_sums(
   ([D, V]), for training, without a [B, T, V] array ever whole.
 
   The targets go through in chunks of `chunk_len` positions (a scan; T padded up to a
-  multiple with padding targets, which count nothing). Each chunk's logits [B, c, V] are
-  made in f32, reduced to its sums, and turned at once into the chunk's part of the
-  gradients of the smoothed loss sum, which is the end of the graph: the gradient of the
-  hidden states [B, c, D] and a running sum of the weight's. The backward pass only
-  scales them by the loss sum's cotangent. So the step keeps the three vocabulary matmuls
-  of the unfused projection and loss (the logits, and the two of their backward) and
-  never writes the f32 logits or their gradient, the largest arrays of a step, to memory.
+  multiple with padding targets, which count nothing; a chunk_len of T or more is one
+  chunk). Each chunk's logits [B, c, V] are made in f32 and reduced to its sums, and the
+  gradient of the smoothed loss sum with respect to the hidden states [B, c, D] is made
+  at once, in closed form, from the same matmul that sums the softmax's denominator
+  (_chunk_sums). With several chunks the weight's gradient is a running sum through the
+  loop, the backward pass only scales the two by the loss sum's cotangent, and neither
+  the f32 logits nor their gradient, the largest arrays of a step, is ever whole. With
+  one chunk the logits are kept for the backward pass, which makes the weight's gradient,
+  as the unfused projection does: the fastest form where the memory allows (on a v5e-8
+  the per-op profile puts the vocabulary end of base's step at 3.1 ms this way against
+  4.1 ms unfused, docs/performance.md).
 
   Only `loss_sum` is differentiated: `ce_sum`, `correct_sum` and `num_tokens` are metrics,
   and their cotangents are dropped. Equal to cross_entropy_sums of the unfused logits,
   with gradients, to float32 rounding (tests/test_run_fused_loss.py).
   """
   _, length, _ = hidden_BxTxD.shape
+  chunk_len = min(chunk_len, length)
   pad = -length % chunk_len
   if pad:
     hidden_BxTxD = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
@@ -133,79 +138,160 @@ def fused_cross_entropy_sums(
   return dict(zip(("loss_sum", "ce_sum", "correct_sum", "num_tokens"), sums_4))
 
 
-def _fused_sums_and_gradients(
-  hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD
-):
-  """(sums [4], (d loss_sum / d hidden, d loss_sum / d weight)), chunk by chunk."""
+def _chunk_sums(hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothing):
+  """One chunk of positions: (sums [4], d loss_sum / d hidden [B, c, D], and what the
+  weight's gradient needs: (logits [B, c, V] f32, max [B, c], weight / normalizer [B, c],
+  weight [B, c]).
+
+  The weight with a column of ones beside its D features, [V, D + 1]: one matmul of the
+  softmax's numerators exp(logit - max) [B, c, V] with it gives both their sum (the
+  log-normalizer's, the last column) and sum_v exp(...) w_v, the softmax term of the
+  hidden states' gradient, so the numerators are never summed on their own: a
+  reduction over the largest array of the step that costs the MXU one output column.
+  """
+  d_model = hidden_BxCxD.shape[-1]
+  weight_VxD = weight if weight_is_VxD else weight.T
+  vocab = weight_VxD.shape[0]
+  low, on_target = _smoothing(label_smoothing, vocab)
+  weight_and_ones_VxD1 = jnp.concatenate(
+    [weight_VxD, jnp.ones((vocab, 1), weight_VxD.dtype)], axis=1
+  )
+  logits_BxCxV = jnp.einsum(
+    "bcd,vd->bcv", hidden_BxCxD, weight_VxD, preferred_element_type=jnp.float32
+  )
+  logits_BxCxV = constrain(logits_BxCxV, BLV)  # the vocabulary over the tensor axis
+  max_BxC = jnp.max(logits_BxCxV, axis=-1)
+  numerators_BxCxV = jnp.exp(logits_BxCxV - max_BxC[..., None])
+  # Rounded to the compute dtype for the matmul, which sums in f32 (as the gradient's).
+  sums_BxCxD1 = jnp.einsum(
+    "bcv,vd->bcd",
+    numerators_BxCxV.astype(hidden_BxCxD.dtype),
+    weight_and_ones_VxD1,
+    preferred_element_type=jnp.float32,
+  )
+  weighted_rows_BxCxD, normalizer_BxC = sums_BxCxD1[..., :d_model], sums_BxCxD1[..., d_model]
+  log_normalizer_BxC = max_BxC + jnp.log(normalizer_BxC)
+  target_logit_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], -1)[..., 0]
+  ce_BxC = log_normalizer_BxC - target_logit_BxC
+  smoothed_BxC = ce_BxC
+  if label_smoothing > 0:
+    confidence = 1.0 - label_smoothing
+    entropy = -(confidence * math.log(confidence) + (vocab - 1) * low * math.log(low))
+    others_BxC = (vocab - 1) * log_normalizer_BxC - (
+      jnp.sum(logits_BxCxV, axis=-1) - target_logit_BxC
+    )
+    smoothed_BxC = confidence * ce_BxC + low * others_BxC - entropy
+  correct_BxC = (target_logit_BxC >= max_BxC).astype(jnp.float32)
+  weights_BxC = (targets_BxC != PAD_ID).astype(jnp.float32)
+  sums_4 = jnp.stack(
+    [
+      jnp.sum(smoothed_BxC * weights_BxC),
+      jnp.sum(ce_BxC * weights_BxC),
+      jnp.sum(correct_BxC * weights_BxC),
+      jnp.sum(weights_BxC),
+    ]
+  )
+  # d loss_sum / d logits in closed form (as _token_losses_backward) is
+  # weight x (p - low - on_target x onehot(target)), p = numerators / normalizer; through
+  # the matrix, the hidden states' gradient is that times w_v summed over v:
+  # weight x (weighted_rows / normalizer - low x sum_v w_v - on_target x w_target).
+  inverse_BxC = weights_BxC / normalizer_BxC
+  grad_hidden_BxCxD = inverse_BxC[..., None] * weighted_rows_BxCxD - weights_BxC[..., None] * (
+    on_target * jnp.take(weight_VxD, targets_BxC, axis=0).astype(jnp.float32)
+  )
+  if low:
+    weight_sum_D = jnp.sum(weight_VxD.astype(jnp.float32), axis=0)
+    grad_hidden_BxCxD -= weights_BxC[..., None] * low * weight_sum_D
+  parts = (logits_BxCxV, max_BxC, inverse_BxC, weights_BxC)
+  return sums_4, grad_hidden_BxCxD.astype(hidden_BxCxD.dtype), parts
+
+
+def _smoothing(label_smoothing: float, vocab: int) -> tuple[float, float]:
+  """(low, on_target): the smoothed target puts low on every token, low + on_target on the
+  target."""
+  if label_smoothing == 0:
+    return 0.0, 1.0
+  low = label_smoothing / (vocab - 1)
+  return low, 1.0 - label_smoothing - low
+
+
+def _chunk_weight_gradient(hidden_BxCxD, targets_BxC, parts, label_smoothing):
+  """d loss_sum / d weight [D, V] of one chunk, from _chunk_sums's parts."""
+  logits_BxCxV, max_BxC, inverse_BxC, weights_BxC = parts
+  low, on_target = _smoothing(label_smoothing, logits_BxCxV.shape[-1])
+  probs_BxCxV = inverse_BxC[..., None] * jnp.exp(logits_BxCxV - max_BxC[..., None])
+  is_target_BxCxV = jnp.arange(logits_BxCxV.shape[-1]) == targets_BxC[..., None]
+  # Rounded to the compute dtype for the matmul, which sums in f32.
+  grad_BxCxV = (
+    probs_BxCxV - weights_BxC[..., None] * (low + jnp.where(is_target_BxCxV, on_target, 0.0))
+  ).astype(hidden_BxCxD.dtype)
+  return jnp.einsum("bcd,bcv->dv", hidden_BxCxD, grad_BxCxV, preferred_element_type=jnp.float32)
+
+
+def _fused_sums_forward(hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD):
+  """(sums [4], residuals), chunk by chunk.
+
+  With one chunk, the residuals keep the logits and the weight's gradient is made in the
+  backward pass, where its sum over the data axis meets the embedding lookups' gradients
+  and the three are reduced once: made here, the partitioner reduced it on its own (on a
+  v5e-8 the per-op profile put two more [V, D] reductions in base's step). With several,
+  each chunk's logits are gone once the chunk is done, and the weight's gradient is a
+  running sum carried through the loop."""
   batch, length, d_model = hidden_BxTxD.shape
   chunks = length // chunk_len
+  if chunks == 1:
+    sums_4, grad_hidden_BxTxD, parts = _chunk_sums(
+      hidden_BxTxD, targets_BxT, weight, weight_is_VxD, label_smoothing
+    )
+    return sums_4, (grad_hidden_BxTxD, hidden_BxTxD, targets_BxT, parts)
   hidden_NxBxCxD = hidden_BxTxD.reshape(batch, chunks, chunk_len, d_model).swapaxes(0, 1)
   targets_NxBxC = targets_BxT.reshape(batch, chunks, chunk_len).swapaxes(0, 1)
-  w = "vd" if weight_is_VxD else "dv"
   vocab = weight.shape[0] if weight_is_VxD else weight.shape[1]
-  low = label_smoothing / (vocab - 1) if label_smoothing > 0 else 0.0
-  on_target = 1.0 - label_smoothing - low if label_smoothing > 0 else 1.0
 
   def chunk(grad_weight_DxV, inputs):
     hidden_BxCxD, targets_BxC = inputs
-    logits_BxCxV = jnp.einsum(
-      f"bcd,{w}->bcv", hidden_BxCxD, weight, preferred_element_type=jnp.float32
+    sums_4, grad_hidden_BxCxD, parts = _chunk_sums(
+      hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothing
     )
-    logits_BxCxV = constrain(logits_BxCxV, BLV)  # the vocabulary over the tensor axis
-    (smoothed_BxC, ce_BxC, correct_BxC), (_, _, log_normalizer_BxC) = _token_losses_forward(
-      logits_BxCxV, targets_BxC, label_smoothing
-    )
-    weights_BxC = (targets_BxC != PAD_ID).astype(jnp.float32)
-    sums_4 = jnp.stack(
-      [
-        jnp.sum(smoothed_BxC * weights_BxC),
-        jnp.sum(ce_BxC * weights_BxC),
-        jnp.sum(correct_BxC * weights_BxC),
-        jnp.sum(weights_BxC),
-      ]
-    )
-    # d loss_sum / d logits in closed form (as _token_losses_backward), rounded to the
-    # compute dtype for the two matmuls, which sum in f32 (as layers._logits_backward).
-    probs_BxCxV = jnp.exp(logits_BxCxV - log_normalizer_BxC[..., None])
-    is_target_BxCxV = jnp.arange(vocab) == targets_BxC[..., None]
-    grad_BxCxV = weights_BxC[..., None] * (
-      probs_BxCxV - low - jnp.where(is_target_BxCxV, on_target, 0.0)
-    )
-    grad_BxCxV = grad_BxCxV.astype(hidden_BxCxD.dtype)
-    grad_hidden_BxCxD = jnp.einsum(
-      f"bcv,{w}->bcd", grad_BxCxV, weight, preferred_element_type=jnp.float32
-    ).astype(hidden_BxCxD.dtype)
-    grad_weight_DxV += jnp.einsum(
-      "bcd,bcv->dv", hidden_BxCxD, grad_BxCxV, preferred_element_type=jnp.float32
-    )
+    grad_weight_DxV += _chunk_weight_gradient(hidden_BxCxD, targets_BxC, parts, label_smoothing)
     return grad_weight_DxV, (sums_4, grad_hidden_BxCxD)
 
   grad_weight_DxV, (sums_Nx4, grad_hidden_NxBxCxD) = jax.lax.scan(
     chunk, jnp.zeros((d_model, vocab), jnp.float32), (hidden_NxBxCxD, targets_NxBxC)
   )
   grad_hidden_BxTxD = grad_hidden_NxBxCxD.swapaxes(0, 1).reshape(batch, length, d_model)
-  grad_weight = grad_weight_DxV.T if weight_is_VxD else grad_weight_DxV
-  return jnp.sum(sums_Nx4, axis=0), (grad_hidden_BxTxD, grad_weight.astype(weight.dtype))
+  return jnp.sum(sums_Nx4, axis=0), (grad_hidden_BxTxD, grad_weight_DxV)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused_sums(hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD):
-  return _fused_sums_and_gradients(
+  return _fused_sums_forward(
     hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD
   )[0]
 
 
-def _fused_sums_backward(label_smoothing, chunk_len, weight_is_VxD, gradients, grad_sums_4):
-  grad_hidden_BxTxD, grad_weight = gradients
+def _fused_sums_backward(label_smoothing, chunk_len, weight_is_VxD, residuals, grad_sums_4):
   scale = grad_sums_4[0]  # the loss sum's cotangent; the metrics' are dropped
+  if len(residuals) == 4:  # one chunk: the weight's gradient is made here
+    grad_hidden_BxTxD, hidden_BxTxD, targets_BxT, parts = residuals
+    # Scaled before the matmul, whose sum over the data axis XLA then adds to the
+    # embedding lookups' before reducing (a scale after it stood between them).
+    scaled_hidden_BxTxD = (scale * hidden_BxTxD).astype(hidden_BxTxD.dtype)
+    grad_weight_DxV = _chunk_weight_gradient(
+      scaled_hidden_BxTxD, targets_BxT, parts, label_smoothing
+    )
+  else:
+    grad_hidden_BxTxD, grad_weight_DxV = residuals
+    grad_weight_DxV = scale * grad_weight_DxV
+  grad_weight = grad_weight_DxV.T if weight_is_VxD else grad_weight_DxV
   return (
     (scale * grad_hidden_BxTxD).astype(grad_hidden_BxTxD.dtype),
-    (scale * grad_weight).astype(grad_weight.dtype),
+    grad_weight.astype(grad_hidden_BxTxD.dtype),
     None,
   )
 
 
-_fused_sums.defvjp(_fused_sums_and_gradients, _fused_sums_backward)
+_fused_sums.defvjp(_fused_sums_forward, _fused_sums_backward)
 
 
 def eval_step(
