@@ -243,27 +243,29 @@ AWAITING_RERUN: dict[str, str] = {
     "table3_small",
   )
 }
-# The WMT configs now recompute each layer (model.remat = "full"), draw dropout masks
-# with rbg and split the optimizer's state over data (and, on an all data-parallel mesh,
-# each layer's gradient inside the layer loop), which changes their compiled steps:
-# base's and big's v5e-8 records are remade with all of it, the other slices' and Table
-# 3's rows are not yet.
+# The WMT configs now compile their layers unrolled and save their activations
+# (scan_layers = False, remat = "none"), fuse the projection and loss in one chunk
+# (loss_chunk_len = max_len), draw dropout masks with rbg and split the optimizer's state
+# over data, which changes their compiled steps: base's and big's v5e-8 records are
+# remade with all of it, the other slices' and Table 3's rows are not yet.
 for _name in ("compile_check", "table3_compile_check"):
   AWAITING_RERUN[_name] = (
-    "the WMT configs now recompute each layer (remat=full), draw dropout masks with rbg "
-    "and split the optimizer state over data: the slices and rows not yet recompiled show "
-    "the step as it was; their dtype and attention kernel are now 'auto', which "
-    "compile_check resolves for TPU to the float32 and einsum the records ran"
+    "the WMT configs now compile unrolled layers without recomputation, fuse the loss, "
+    "draw dropout masks with rbg and split the optimizer state over data: the slices and "
+    "rows not yet recompiled show the step as it was; their dtype and attention kernel are "
+    "now 'auto', which compile_check resolves for TPU to the float32 and einsum the "
+    "records ran"
   )
 # bench/gpu.sh ran on one GPU, a mesh of one device. Since then each scanned layer's
 # gradient is split over the data axis inside the layer loop (model/transformer.py:
 # _split_layer_grads), which applies only where the data axis has more than one device:
 # the one-GPU step is the program it was. The einsum kernel's new form (above) changes
-# the rows that ran einsum (float32, and bf16 with einsum), not those with cuDNN; no GPU
-# has been lent since.
+# the rows that ran einsum (float32, and bf16 with einsum), not those with cuDNN. Since
+# then the WMT configs compile their layers unrolled without recomputation and fuse the
+# loss, which changes every row; no GPU has been lent since.
 AWAITING_RERUN["gpu"] = (
-  "the per-layer gradient split since applies only on a data axis of several devices; "
-  "the einsum kernel's new softmax changes the einsum rows, to be rerun on the next GPU"
+  "the einsum kernel's new softmax, and the WMT configs' unrolled layers without "
+  "recomputation and fused loss, change the rows: to be rerun on the next GPU"
 )
 # The mixed-precision sweep's float32 rows, and its bf16 rows as they were, ran the commit
 # before the residual stream went to float32 in every precision: that change leaves a
