@@ -54,14 +54,13 @@ def get_config(arg="base,en-de"):
   m.attention_kernel = "auto"
   # Each layer compiled on its own (not scanned), saving its activations for the backward
   # pass (no recomputation). On a v5e-8 the TPU compiler's per-op profile puts base's step
-  # at 17.7 ms this way against 23.6 ms scanned and recomputed, and big's at 45 ms against
-  # 69 ms (docs/performance.md, "Changes to the step"): a scanned stack that saves its
-  # activations keeps them in stacked buffers the compiler zero-fills before the loop, so
-  # the scanned form had to recompute, and recomputing repeats a third of the layers'
-  # matmuls. The cost is compile time (base about 3 minutes on a 2-core CPU, against
-  # about 1 scanned) and memory: base's step takes 2.3 GiB of a v5e chip's 16 GiB, big's
-  # 4.9 GiB. For deeper stacks, `model.scan_layers=true` with `model.remat=full` keeps
-  # compile time flat in N.
+  # at 17.7 ms this way against 23.6 ms scanned and recomputed (docs/performance.md,
+  # "Changes to the step"): a scanned stack that saves its activations keeps them in
+  # stacked buffers the compiler zero-fills before the loop, so the scanned form had to
+  # recompute, and recomputing repeats a third of the layers' matmuls. The costs are
+  # memory (base's step takes 2.6 GiB of a v5e chip's 16, big's 5.9) and a compile that
+  # grows with N. For much deeper stacks, `model.scan_layers=true` with
+  # `model.remat=full` keeps compile time flat in N.
   m.scan_layers = False
   m.remat = "none"
   # Dropout masks from XLA's RngBitGenerator rather than threefry: on TPU threefry's

@@ -1106,7 +1106,9 @@ def tpu_step_profile() -> str:
   top = []
   for model, r in zip(models, records):
     ops = "; ".join(
-      f"{o['part']} {o['seconds'] * 1e3:.2f} ms (`{o['op_name'].rsplit(')/', 1)[-1][-60:]}`"
+      # An op JAX gave no source path (a collective the partitioner made) by its own name.
+      f"{o['part']} {o['seconds'] * 1e3:.2f} ms "
+      f"(`{o['op_name'].rsplit(')/', 1)[-1][-60:] or o['name']}`"
       + (f", x{o['runs']}" if o["runs"] > 1 else "")
       + ")"
       for o in r["profile"]["top_ops"][:5]
