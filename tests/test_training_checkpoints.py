@@ -221,6 +221,7 @@ def test_only_the_loop_gives_the_preemption_sync_a_count(tmp_path, tiny, monkeyp
     ("model.decoder_only", True),
     ("model.positional", "rope"),
     ("model.tie_embeddings", False),
+    ("model.scan_layers", True),  # another parameter tree: a leading [layers] axis
     ("vocab_size", 32),
   ],
 )

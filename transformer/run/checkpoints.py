@@ -74,6 +74,9 @@ _ARCHITECTURE_KEYS = (
   "tie_embeddings",
   "decoder_only",
   "norm",
+  # A scanned stack's parameters are one tree with a leading [layers] axis, an unrolled
+  # stack's one subtree per layer (model.stack_layer_params converts).
+  "scan_layers",
 )
 
 
