@@ -22,7 +22,7 @@ V5E = flops.TPU_CHIPS["v5e"]
 # 6 whose test is `i < 6`, with no known_trip_count, as TPU programs print it) holding a
 # projection fused with an op whose own cycles must not count; a loss fusion; a gradient
 # all-reduce over 4 chips; two Pallas kernels, one with its own cost estimate; a buffer
-# allocation; an asynchronous copy.
+# allocation; an asynchronous copy; random bits, which libtpu gives no estimate.
 PROGRAM = """HloModule jit_train_step
 
 %fused_projection (p0: f32[8]) -> f32[8] {
@@ -74,6 +74,9 @@ ENTRY %main (x: f32[8], w: f32[1024,256]) -> f32[1024,256] {
   %q4 = bf16[2,4,256,64]{3,2,1,0} parameter(2)
   %k4 = bf16[2,4,512,64]{3,2,1,0} parameter(3)
   %flash_mha_bwd_dq_block_q_major_128.1 = bf16[2,4,256,64]{3,2,1,0} custom-call(%q4, %k4), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/decoder/self_attention._attend/shard_map/pallas_call"}, backend_config={"custom_call_config":{"body":"eA=="}}
+  %rng_state = u32[2]{0} parameter(4)
+  %bits = u32[1024,256]{1,0:S(1)} rng-bit-generator(%rng_state), algorithm=rng_default, metadata={op_name="jit(train_step)/jvp(Transformer)/Transformer.decode/decoder/layer_0/ffn_block/Dropout_0/jit(_bernoulli)/jit(_uniform)"}
+  %few_bits = u32[2,128]{1,0} rng-bit-generator(%rng_state), algorithm=rng_default
   %to_vmem = (f32[1024,256]{1,0}, f32[1024,256]{1,0:S(1)}, u32[]) copy-start(%w)
   %in_vmem = f32[1024,256]{1,0:S(1)} copy-done(%to_vmem)
   ROOT %out = f32[1024,256]{1,0} add(%opaque, %in_vmem), metadata={op_name="jit(train_step)/optimizer/add"}, backend_config={"estimated_cycles":"250"}
@@ -134,6 +137,29 @@ def test_every_op_is_costed_as_the_docstring_says():
   assert ops["scatter_sum"].seconds == pytest.approx(0.75 * MIB / V5E.ici_bytes_per_s)
   assert result.collectives_s == pytest.approx(ops["grads"].seconds + ops["scatter_sum"].seconds)
   assert [c.op.name for c in result.ops] == sorted(ops, key=lambda n: -ops[n].seconds)
+
+
+def test_work_without_an_estimate_is_listed_and_left_out_of_the_step():
+  result = op_profile.profile(op_profile.parse(PROGRAM), V5E)
+  # The random bits do work and carry no estimate; a result under a MiB (scalars, loop
+  # counters, a few bits) is not listed, nor is bookkeeping, an async copy's halves, or
+  # the fusion around a reduce-scatter, which its collective costs.
+  assert [op.name for op in result.uncosted] == ["bits"]
+  assert "bits" not in _by_name(result)
+  summary = op_profile.summary(result, model_flops=1e9, peak_flops=V5E.peak_flops)
+  assert summary["uncosted"] == [
+    {"opcode": "rng-bit-generator", "part": "dropout", "count": 1, "result_bytes": MIB}
+  ]
+  line = compile_check.profile_lines(
+    {
+      **summary,
+      "predicted": "p",
+      "clock_source": "s",
+      "tokens_per_s": 1.0,
+      "tokens_per_s_per_chip": 1.0,
+    }
+  )[-1]
+  assert line.startswith("  not timed") and "1 rng-bit-generator (dropout, 1 MB)" in line
 
 
 def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():

@@ -228,7 +228,9 @@ def _chunk_weight_gradient(hidden_BxCxD, targets_BxC, parts, label_smoothing):
   return jnp.einsum("bcd,bcv->dv", hidden_BxCxD, grad_BxCxV, preferred_element_type=jnp.float32)
 
 
-def _fused_sums_forward(hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD):
+def _fused_sums_forward(
+  hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, weight_is_VxD
+):
   """(sums [4], residuals), chunk by chunk.
 
   With one chunk, the residuals keep the logits and the weight's gradient is made in the

@@ -766,6 +766,14 @@ def profile_lines(profile: dict[str, Any], top: int = 5) -> list[str]:
       f"  kernel      {kernel['name']} ({kernel['op_name']}): {kernel['seconds'] * 1e3:,.3f} ms, "
       f"costed by {kernel['costed_by']}"
     )
+  if profile.get("uncosted"):
+    lines.append(
+      "  not timed   (no estimate from the compiler) "
+      + "; ".join(
+        f"{u['count']} {u['opcode']} ({u['part']}, {u['result_bytes'] / 1e6:,.0f} MB)"
+        for u in profile["uncosted"]
+      )
+    )
   return lines
 
 

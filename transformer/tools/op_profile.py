@@ -24,7 +24,12 @@ What each kind of op costs here:
   gives such kernels no cycles of its own;
 - bookkeeping (parameters, tuples, bitcasts, buffer allocations, loop control) and
   asynchronous DMA copies between HBM and on-chip memory (copy-start/-done, which run
-  beside the TensorCore): nothing. The number and bytes of those copies are reported.
+  beside the TensorCore): nothing. The number and bytes of those copies are reported;
+- any other op that libtpu gives no estimate: nothing, and it is listed
+  (`Profile.uncosted`, the report's "uncosted") with its count and bytes, so that a
+  reader knows what the step time leaves out. In the WMT steps these are the dropout
+  masks' random bits under rbg (rng-bit-generator, written to on-chip memory), the
+  embedding lookups' gradient (a scatter) and some copies.
 
 Every op is put in one model part by the source path JAX records in its `op_name`
 metadata (flax names each module on it): attention core, projections, FFN, logits, loss,
@@ -261,6 +266,7 @@ class Op:
   collective: str | None = None  # "all-reduce", ... for a collective
   sent_bytes: float = 0.0  # what one chip sends per run (ring model), a collective's
   across_slices: bool = False  # a collective whose groups span slices (DCN)
+  wraps_collective: bool = False  # a fusion around a collective, which is costed instead
 
 
 def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
@@ -274,10 +280,18 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
   inside: set[str] = set()
   result_bytes: dict[str, int] = {}
   result_types: dict[str, str] = {}
+  with_collective: set[str] = set()  # computations holding a collective
+  computation = ""
   for line in lines:
+    match = _COMPUTATION.match(line)
+    if match:
+      computation = match.group("name")
+      continue
     instruction = _INSTRUCTION.match(line)
     if not instruction:
       continue
+    if instruction.group("opcode").removesuffix("-start") in COLLECTIVES:
+      with_collective.add(computation)
     result_bytes[instruction.group("name")] = sum(array_bytes(instruction.group("type")))
     result_types[instruction.group("name")] = instruction.group("type")
     opcode = instruction.group("opcode")
@@ -340,6 +354,9 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
         collective=collective,
         sent_bytes=sent,
         across_slices=across,
+        wraps_collective=any(
+          called.group(1) in with_collective for called in re.finditer(r"calls=%([^\s,}]+)", line)
+        ),
       )
     )
   return ops
@@ -448,6 +465,7 @@ class Profile:
   ops: list[CostedOp]  # every op with a time, longest first
   async_copies: int  # DMA copies between HBM and on-chip memory, per step (not timed)
   async_copy_bytes: int
+  uncosted: tuple[Op, ...] = ()  # ops that do work but carry no estimate (not timed)
 
   @property
   def step_s(self) -> float:
@@ -527,20 +545,78 @@ def kernel_flops(op: Op) -> float | None:
   return None
 
 
+# Ops that only name, pass or wait for data another op makes, and loop control: no work
+# of their own. An async op's halves (-start, -done: DMA copies and slices between HBM and
+# on-chip memory, a collective's) are costed, where they are, by the collective.
+_NO_WORK = frozenset(
+  {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "while",
+    "conditional",
+    "call",
+    "opt-barrier",
+    "add-dependency",
+  }
+)
+# Smaller results than this (loop counters, scalars of index arithmetic) are not listed.
+UNCOSTED_MIN_BYTES = 1 << 20
+
+
+def _is_uncosted(op: Op) -> bool:
+  """An op that does work (a result of at least UNCOSTED_MIN_BYTES) and that libtpu gave
+  no estimate: rng-bit-generator (the dropout masks' bits with rbg), a scatter fusion
+  (the embedding lookups' gradient), some copies. The profile leaves it out of the step
+  time and lists it, rather than guess its cost."""
+  return (
+    op.cycles is None
+    and op.collective is None
+    and not op.wraps_collective
+    and op.opcode not in _NO_WORK
+    and not op.opcode.endswith(("-start", "-done"))
+    and op.opcode != "custom-call"  # costed or bookkeeping: _seconds decides
+    and op.result_bytes >= UNCOSTED_MIN_BYTES
+  )
+
+
 def profile(ops: list[Op], chip: flops.TpuChip) -> Profile:
-  """Each op's predicted seconds per step on `chip`, and the async copies' count."""
-  costed, copies, copy_bytes = [], 0, 0
+  """Each op's predicted seconds per step on `chip`, the async copies' count and the ops
+  that do work without an estimate."""
+  costed, copies, copy_bytes, uncosted = [], 0, 0, []
   for op in ops:
     if op.opcode == "copy-start":
       copies += op.runs
       copy_bytes += op.runs * op.operand_bytes  # its result tuple also holds the copy
     one = _seconds(op, chip)
     if one is None or op.runs == 0:
+      if one is None and op.runs and _is_uncosted(op):
+        uncosted.append(op)
       continue
     seconds, how = one
     costed.append(CostedOp(op, part_of(op), seconds * op.runs, how))
   costed.sort(key=lambda c: -c.seconds)
-  return Profile(chip.clock_hz, costed, copies, copy_bytes)
+  return Profile(chip.clock_hz, costed, copies, copy_bytes, tuple(uncosted))
+
+
+def uncosted_totals(result: Profile) -> list[dict[str, Any]]:
+  """The ops without an estimate, per opcode and model part, most bytes first:
+  [{opcode, part, count, result_bytes}], per step."""
+  totals: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+  for op in result.uncosted:
+    entry = totals[(op.opcode, part_of(op))]
+    entry[0] += op.runs
+    entry[1] += op.runs * op.result_bytes
+  rows = [
+    {"opcode": opcode, "part": part, "count": count, "result_bytes": size}
+    for (opcode, part), (count, size) in totals.items()
+  ]
+  return sorted(rows, key=lambda r: -r["result_bytes"])
 
 
 def summary(
@@ -578,4 +654,5 @@ def summary(
     ],
     "async_copies": result.async_copies,
     "async_copy_bytes": result.async_copy_bytes,
+    "uncosted": uncosted_totals(result),
   }
