@@ -79,6 +79,8 @@ ENTRY %main (x: f32[8], w: f32[1024,256]) -> f32[1024,256] {
   %few_bits = u32[2,128]{1,0} rng-bit-generator(%rng_state), algorithm=rng_default
   %to_vmem = (f32[1024,256]{1,0}, f32[1024,256]{1,0:S(1)}, u32[]) copy-start(%w)
   %in_vmem = f32[1024,256]{1,0:S(1)} copy-done(%to_vmem)
+  %to_hbm = f32[1024,256]{1,0:T(8,128)} copy(%in_vmem)
+  %within_vmem = f32[1024,256]{1,0:T(8,128)S(1)} copy(%in_vmem)
   ROOT %out = f32[1024,256]{1,0} add(%opaque, %in_vmem), metadata={op_name="jit(train_step)/optimizer/add"}, backend_config={"estimated_cycles":"250"}
 }
 """
@@ -144,12 +146,17 @@ def test_work_without_an_estimate_is_listed_and_left_out_of_the_step():
   # The random bits do work and carry no estimate; a result under a MiB (scalars, loop
   # counters, a few bits) is not listed, nor is bookkeeping, an async copy's halves, or
   # the fusion around a reduce-scatter, which its collective costs.
-  assert [op.name for op in result.uncosted] == ["bits"]
+  assert [op.name for op in result.uncosted] == ["bits", "within_vmem"]
   assert "bits" not in _by_name(result)
   summary = op_profile.summary(result, model_flops=1e9, peak_flops=V5E.peak_flops)
   assert summary["uncosted"] == [
-    {"opcode": "rng-bit-generator", "part": "dropout", "count": 1, "result_bytes": MIB}
+    {"opcode": "rng-bit-generator", "part": "dropout", "count": 1, "result_bytes": MIB},
+    {"opcode": "copy", "part": "copies", "count": 1, "result_bytes": MIB},
   ]
+  # A copy without an estimate that writes HBM is timed by those bytes at its bandwidth.
+  to_hbm = _by_name(result)["to_hbm"]
+  assert to_hbm.seconds == pytest.approx(MIB / V5E.hbm_bytes_per_s)
+  assert "HBM bandwidth" in to_hbm.costed_by
   line = compile_check.profile_lines(
     {
       **summary,
@@ -159,7 +166,7 @@ def test_work_without_an_estimate_is_listed_and_left_out_of_the_step():
       "tokens_per_s_per_chip": 1.0,
     }
   )[-1]
-  assert line.startswith("  not timed") and "1 rng-bit-generator (dropout, 1 MB)" in line
+  assert line.startswith("  not timed") and "1 rng-bit-generator (dropout, 1 MB); 1 copy" in line
 
 
 def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():
@@ -171,7 +178,7 @@ def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():
   assert parts["projections"] == pytest.approx(_by_name(result)["query"].seconds)
   assert parts["loss"] == pytest.approx(3000 / V5E.clock_hz)
   assert parts["optimizer"] == pytest.approx(250 / V5E.clock_hz)
-  assert set(parts) == {"projections", "loss", "optimizer", "collectives", "attention core"}
+  assert set(parts) == {"projections", "loss", "optimizer", "collectives", "attention core", "copies"}
   assert set(parts) <= set(op_profile.CATEGORIES)
   assert len(summary["top_ops"]) == 3 and summary["top_ops"][0]["name"] == "flash"
   kernels = {k["name"]: k for k in summary["custom_calls"]}

@@ -1114,6 +1114,16 @@ def tpu_step_profile() -> str:
       for o in r["profile"]["top_ops"][:5]
     )
     top.append(f"- {model}'s five longest ops: {ops}.")
+    uncosted = r["profile"].get("uncosted", [])[:3]  # records before it have none
+    if uncosted:
+      top.append(
+        f"- {model}'s ops with no estimate, not timed (the most bytes): "
+        + "; ".join(
+          f"{u['count']} {u['opcode']} ({u['part']}, {u['result_bytes'] / 1e6:,.0f} MB)"
+          for u in uncosted
+        )
+        + "."
+      )
   return (
     "The per-op profile of the train step on a v5e-8 (the config's mesh, the paper's batch; "
     "`python -m transformer.tools.compile_check --config configs/wmt14.py:MODEL --topology "

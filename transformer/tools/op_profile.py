@@ -25,11 +25,13 @@ What each kind of op costs here:
 - bookkeeping (parameters, tuples, bitcasts, buffer allocations, loop control) and
   asynchronous DMA copies between HBM and on-chip memory (copy-start/-done, which run
   beside the TensorCore): nothing. The number and bytes of those copies are reported;
+- a copy that libtpu gives no estimate (one between VMEM and HBM, as the gathered
+  parameters' are): its bytes on the HBM side at HBM bandwidth;
 - any other op that libtpu gives no estimate: nothing, and it is listed
   (`Profile.uncosted`, the report's "uncosted") with its count and bytes, so that a
   reader knows what the step time leaves out. In the WMT steps these are the dropout
   masks' random bits under rbg (rng-bit-generator, written to on-chip memory), the
-  embedding lookups' gradient (a scatter) and some copies.
+  embedding lookups' gradient (a scatter) and copies within VMEM.
 
 Every op is put in one model part by the source path JAX records in its `op_name`
 metadata (flax names each module on it): attention core, projections, FFN, logits, loss,
@@ -105,6 +107,19 @@ def array_dims(type_text: str) -> list[tuple[int, ...]]:
 def array_bytes(type_text: str) -> list[int]:
   """Bytes of each array in an HLO type."""
   return [math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in _arrays(type_text)]
+
+
+_ARRAY_AND_LAYOUT = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+
+
+def hbm_bytes(type_text: str) -> int:
+  """Bytes of the arrays in an HLO type that live in HBM: those whose layout does not
+  put them in memory space 1 (`S(1)`, TPU's on-chip VMEM)."""
+  return sum(
+    math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+    for dtype, dims, layout in _ARRAY_AND_LAYOUT.findall(type_text)
+    if dtype in DTYPE_BYTES and "S(1)" not in layout
+  )
 
 
 _CONSTANT = re.compile(r"^\s*%(?P<name>[^\s=]+) = s32\[\]\S* constant\((?P<value>-?\d+)\)")
@@ -267,6 +282,7 @@ class Op:
   sent_bytes: float = 0.0  # what one chip sends per run (ring model), a collective's
   across_slices: bool = False  # a collective whose groups span slices (DCN)
   wraps_collective: bool = False  # a fusion around a collective, which is costed instead
+  hbm_bytes: int = 0  # a copy's bytes read or written in HBM (not VMEM)
 
 
 def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
@@ -354,6 +370,12 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
         collective=collective,
         sent_bytes=sent,
         across_slices=across,
+        hbm_bytes=(
+          hbm_bytes(instruction.group("type"))
+          + sum(hbm_bytes(result_types.get(name, "")) for name in operands)
+        )
+        if opcode == "copy"
+        else 0,
         wraps_collective=any(
           called.group(1) in with_collective for called in re.finditer(r"calls=%([^\s,}]+)", line)
         ),
@@ -498,6 +520,8 @@ def _seconds(op: Op, chip: flops.TpuChip) -> tuple[float, str] | None:
   if op.collective is not None:
     bandwidth = chip.dcn_bytes_per_s if op.across_slices else chip.ici_bytes_per_s
     return op.sent_bytes / bandwidth, "ring model, not hidden behind compute"
+  if op.opcode == "copy" and op.hbm_bytes:
+    return op.hbm_bytes / chip.hbm_bytes_per_s, "no estimate: its bytes in HBM at HBM bandwidth"
   if op.opcode == "custom-call" and op.custom_call_target not in BOOKKEEPING_CALLS:
     if op.cost_estimate is not None:
       return (
