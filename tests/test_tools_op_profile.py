@@ -178,7 +178,14 @@ def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():
   assert parts["projections"] == pytest.approx(_by_name(result)["query"].seconds)
   assert parts["loss"] == pytest.approx(3000 / V5E.clock_hz)
   assert parts["optimizer"] == pytest.approx(250 / V5E.clock_hz)
-  assert set(parts) == {"projections", "loss", "optimizer", "collectives", "attention core", "copies"}
+  assert set(parts) == {
+    "projections",
+    "loss",
+    "optimizer",
+    "collectives",
+    "attention core",
+    "copies",
+  }
   assert set(parts) <= set(op_profile.CATEGORIES)
   assert len(summary["top_ops"]) == 3 and summary["top_ops"][0]["name"] == "flash"
   kernels = {k["name"]: k for k in summary["custom_calls"]}
