@@ -184,6 +184,7 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
   # tools.restore_memory: restoring averaged parameters, alone or with the whole state.
   "restore_memory": (
     "transformer/tools/restore_memory.py",
+    "configs/wmt14.py",  # the configs it restores
     "transformer/run/checkpoints.py",
     "transformer/run/model_setup.py",
     "transformer/training/checkpoints.py",
