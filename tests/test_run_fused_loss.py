@@ -90,15 +90,18 @@ def _loss_and_grads(config, batch):
   return float(loss), jax.device_get(sums), jax.device_get(grads)
 
 
+# 5 does not divide the 12 positions (a loop of chunks); 64 holds them all (one chunk,
+# the logits kept for the backward pass: the WMT configs' form).
+@pytest.mark.parametrize("chunk_len", [5, 64])
 @pytest.mark.parametrize("tie_embeddings", [True, False], ids=["tied", "untied"])
-def test_the_train_steps_loss_and_gradients_are_unchanged_by_fusing(tie_embeddings):
+def test_the_train_steps_loss_and_gradients_are_unchanged_by_fusing(tie_embeddings, chunk_len):
   """Through the whole model, dropout on (the same masks both ways): every parameter's
   gradient within 1e-5 of the unfused step's, in float32."""
   config = tiny_config()
   config.model.tie_embeddings = tie_embeddings
   batch = synthetic_batch(config, rows=4, length=12)
   want_loss, want_sums, want_grads = _loss_and_grads(config, batch)
-  config.loss_chunk_len = 5  # does not divide the 12 positions
+  config.loss_chunk_len = chunk_len
   got_loss, got_sums, got_grads = _loss_and_grads(config, batch)
   assert got_loss == pytest.approx(want_loss, rel=1e-5)
   for name in want_sums:
@@ -106,15 +109,37 @@ def test_the_train_steps_loss_and_gradients_are_unchanged_by_fusing(tie_embeddin
   assert_trees_close(got_grads, want_grads, rtol=1e-5)
 
 
-def test_fused_on_a_mesh_trains_as_unfused_on_one_device():
+@pytest.mark.parametrize("chunk_len", [4, 1024], ids=["chunks", "one_chunk"])
+def test_fused_on_a_mesh_trains_as_unfused_on_one_device(chunk_len):
   """Data, fsdp and tensor parallel (the vocabulary split over tensor inside the chunk
-  loop): two steps match the unfused single-device run."""
+  loop, or in the one chunk): two steps match the unfused single-device run."""
   config = tiny_config()
   want_losses, want_params, _ = run_steps(config, jax.devices()[:1])
-  config.loss_chunk_len = 4
+  config.loss_chunk_len = chunk_len
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
   losses, params, _ = run_steps(config, jax.devices())
   np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, want_params
   )
+
+
+@pytest.mark.parametrize("chunk_len", [5, 64], ids=["chunks", "one_chunk"])
+def test_fused_in_bfloat16_trains_as_unfused_to_bf16_rounding(chunk_len):
+  """The accelerator precision (bf16 activations, float32 parameters and loss) runs on
+  this CPU too, and the fused loss matches the unfused one to bf16's rounding: the two
+  round in different places, so about 1% of a gradient's largest entry, where a wrong
+  term would be of its size."""
+  config = tiny_config()
+  config.model.dtype = "bfloat16"
+  batch = synthetic_batch(config, rows=4, length=12)
+  want_loss, _, want_grads = _loss_and_grads(config, batch)
+  config.loss_chunk_len = chunk_len
+  got_loss, _, got_grads = _loss_and_grads(config, batch)
+  assert got_loss == pytest.approx(want_loss, rel=1e-3)
+  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+    assert got.dtype == want.dtype
+    scale = float(np.max(np.abs(np.asarray(want, np.float32))))
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.05 * scale
+    )

@@ -248,7 +248,15 @@ def _chunk_weight_gradient(parts, label_smoothing, scale=None):
   grad_BxCxV = (
     probs_BxCxV - weights_BxC[..., None] * (low + jnp.where(is_target_BxCxV, on_target, 0.0))
   ).astype(hidden_BxCxD.dtype)
-  return jnp.einsum("bcd,bcv->dv", hidden_BxCxD, grad_BxCxV, preferred_element_type=jnp.float32)
+  # As [B c, D] and [B c, V]: XLA:CPU has no bf16 x bf16 -> f32 kernel for a dot that
+  # contracts two dimensions, and the unfused projection's backward has this form.
+  batch, length, d_model = hidden_BxCxD.shape
+  return jnp.einsum(
+    "nd,nv->dv",
+    hidden_BxCxD.reshape(batch * length, d_model),
+    grad_BxCxV.reshape(batch * length, -1),
+    preferred_element_type=jnp.float32,
+  )
 
 
 def _fused_sums_forward(
