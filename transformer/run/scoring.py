@@ -62,16 +62,25 @@ def token_losses(
 
 
 def _token_losses_forward(logits_BxTxV, targets_BxT, label_smoothing):
-  vocab = logits_BxTxV.shape[-1]
   max_BxT = jnp.max(logits_BxTxV, axis=-1)
   log_normalizer_BxT = max_BxT + jnp.log(
     jnp.sum(jnp.exp(logits_BxTxV - max_BxT[..., None]), axis=-1)
   )
+  losses = _losses_given_normalizer(
+    logits_BxTxV, targets_BxT, max_BxT, log_normalizer_BxT, label_smoothing
+  )
+  return losses, (logits_BxTxV, targets_BxT, log_normalizer_BxT)
+
+
+def _losses_given_normalizer(logits_BxTxV, targets_BxT, max_BxT, log_normalizer_BxT, eps):
+  """(smoothed loss, cross-entropy, correct) per token, from the logits, their max and
+  their log-sum-exp however that was summed."""
+  vocab = logits_BxTxV.shape[-1]
   target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], -1)[..., 0]
   ce_BxT = log_normalizer_BxT - target_logit_BxT
   smoothed_BxT = ce_BxT
-  if label_smoothing > 0:
-    confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+  if eps > 0:
+    confidence, low = 1.0 - eps, _smoothing(eps, vocab)[0]
     entropy = -(confidence * math.log(confidence) + (vocab - 1) * low * math.log(low))
     # -(sum of the other tokens' log-probs) = (V - 1) lse - (sum of logits - target's).
     others_BxT = (vocab - 1) * log_normalizer_BxT - (
@@ -79,15 +88,14 @@ def _token_losses_forward(logits_BxTxV, targets_BxT, label_smoothing):
     )
     smoothed_BxT = confidence * ce_BxT + low * others_BxT - entropy
   correct_BxT = (target_logit_BxT >= max_BxT).astype(jnp.float32)
-  return (smoothed_BxT, ce_BxT, correct_BxT), (logits_BxTxV, targets_BxT, log_normalizer_BxT)
+  return smoothed_BxT, ce_BxT, correct_BxT
 
 
 def _token_losses_backward(label_smoothing, residuals, cotangents):
   logits_BxTxV, targets_BxT, log_normalizer_BxT = residuals
   grad_smoothed_BxT, grad_ce_BxT, _ = cotangents
   vocab = logits_BxTxV.shape[-1]
-  low = label_smoothing / (vocab - 1) if label_smoothing > 0 else 0.0
-  on_target = 1.0 - label_smoothing - low if label_smoothing > 0 else 1.0
+  low, on_target = _smoothing(label_smoothing, vocab)
   probs_BxTxV = jnp.exp(logits_BxTxV - log_normalizer_BxT[..., None])
   is_target_BxTxV = jnp.arange(vocab) == targets_BxT[..., None]
   # d smoothed / d logits = p - low - on_target * onehot; d ce / d logits = p - onehot.
@@ -183,18 +191,9 @@ def _chunk_sums(hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothin
     preferred_element_type=jnp.float32,
   )
   weighted_rows_BxCxD, normalizer_BxC = sums_BxCxD1[..., :d_model], sums_BxCxD1[..., d_model]
-  log_normalizer_BxC = max_BxC + jnp.log(normalizer_BxC)
-  target_logit_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], -1)[..., 0]
-  ce_BxC = log_normalizer_BxC - target_logit_BxC
-  smoothed_BxC = ce_BxC
-  if label_smoothing > 0:
-    confidence = 1.0 - label_smoothing
-    entropy = -(confidence * math.log(confidence) + (vocab - 1) * low * math.log(low))
-    others_BxC = (vocab - 1) * log_normalizer_BxC - (
-      jnp.sum(logits_BxCxV, axis=-1) - target_logit_BxC
-    )
-    smoothed_BxC = confidence * ce_BxC + low * others_BxC - entropy
-  correct_BxC = (target_logit_BxC >= max_BxC).astype(jnp.float32)
+  smoothed_BxC, ce_BxC, correct_BxC = _losses_given_normalizer(
+    logits_BxCxV, targets_BxC, max_BxC, max_BxC + jnp.log(normalizer_BxC), label_smoothing
+  )
   weights_BxC = (targets_BxC != PAD_ID).astype(jnp.float32)
   sums_4 = jnp.stack(
     [
@@ -306,7 +305,7 @@ def _fused_sums(hidden_BxTxD, weight, targets_BxT, label_smoothing, chunk_len, w
 def _fused_sums_backward(label_smoothing, chunk_len, weight_is_VxD, residuals, grad_sums_4):
   scale = grad_sums_4[0]  # the loss sum's cotangent; the metrics' are dropped
   grad_hidden_BxTxD, weight_part = residuals
-  if isinstance(weight_part, tuple):  # one chunk: the weight's gradient is made here
+  if grad_hidden_BxTxD.shape[1] == chunk_len:  # one chunk: the weight's gradient is made here
     grad_weight_DxV = _chunk_weight_gradient(weight_part, label_smoothing, scale)
   else:
     grad_weight_DxV = scale * weight_part
