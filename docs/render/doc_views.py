@@ -1116,12 +1116,11 @@ def tpu_step_profile() -> str:
     top.append(f"- {model}'s five longest ops: {ops}.")
     uncosted = r["profile"].get("uncosted", [])[:3]  # records before it have none
     if uncosted:
+      from transformer.tools import op_profile
+
       top.append(
         f"- {model}'s ops with no estimate, not timed (the most bytes): "
-        + "; ".join(
-          f"{u['count']} {u['opcode']} ({u['part']}, {u['result_bytes'] / 1e6:,.0f} MB)"
-          for u in uncosted
-        )
+        + op_profile.uncosted_text(uncosted)
         + "."
       )
   return (

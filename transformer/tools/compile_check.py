@@ -769,10 +769,7 @@ def profile_lines(profile: dict[str, Any], top: int = 5) -> list[str]:
   if profile.get("uncosted"):
     lines.append(
       "  not timed   (no estimate from the compiler) "
-      + "; ".join(
-        f"{u['count']} {u['opcode']} ({u['part']}, {u['result_bytes'] / 1e6:,.0f} MB)"
-        for u in profile["uncosted"]
-      )
+      + op_profile.uncosted_text(profile["uncosted"])
     )
   return lines
 

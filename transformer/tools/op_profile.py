@@ -75,7 +75,7 @@ DTYPE_BYTES = {
   "c64": 8,
   "c128": 16,
 }
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")  # dtype, dims, layout
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>\S+) .*\{\s*$")
 _INSTRUCTION = re.compile(
@@ -90,35 +90,33 @@ _COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
 _OPERANDS = re.compile(r"%([^\s,()]+)")
 
 
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-  """(dtype, shape) of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple of them."""
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...], str]]:
+  """(dtype, shape, layout) of each array in an HLO type: 'bf16[8,1024]{1,0}' or a tuple
+  of them."""
   return [
-    (dtype, tuple(int(d) for d in dims.split(",") if d))
-    for dtype, dims in _ARRAY.findall(type_text)
+    (dtype, tuple(int(d) for d in dims.split(",") if d), layout)
+    for dtype, dims, layout in _ARRAY.findall(type_text)
     if dtype in DTYPE_BYTES
   ]
 
 
 def array_dims(type_text: str) -> list[tuple[int, ...]]:
   """The shape of each array in an HLO type."""
-  return [dims for _, dims in _arrays(type_text)]
+  return [dims for _, dims, _ in _arrays(type_text)]
 
 
 def array_bytes(type_text: str) -> list[int]:
   """Bytes of each array in an HLO type."""
-  return [math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in _arrays(type_text)]
-
-
-_ARRAY_AND_LAYOUT = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+  return [math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims, _ in _arrays(type_text)]
 
 
 def hbm_bytes(type_text: str) -> int:
   """Bytes of the arrays in an HLO type that live in HBM: those whose layout does not
   put them in memory space 1 (`S(1)`, TPU's on-chip VMEM)."""
   return sum(
-    math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
-    for dtype, dims, layout in _ARRAY_AND_LAYOUT.findall(type_text)
-    if dtype in DTYPE_BYTES and "S(1)" not in layout
+    math.prod(dims) * DTYPE_BYTES[dtype]
+    for dtype, dims, layout in _arrays(type_text)
+    if "S(1)" not in layout
   )
 
 
@@ -285,18 +283,13 @@ class Op:
   hbm_bytes: int = 0  # a copy's bytes read or written in HBM (not VMEM)
 
 
-def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
-  """Every instruction of the executed computations (not those inside a fusion or a
-  reducer), with how often it runs. `device_slices[i]`: the slice of the program's
-  device i, which decides whether a collective goes over DCN (default: one slice)."""
-  runs = computation_runs(hlo_text)
-  lines = hlo_text.splitlines()
-  # Computations that are a fusion's body or an op's reducer do not run as ops of their
-  # own: the fusion (the reduce) is the op, and carries the cycles.
+def _program_index(lines: list[str]) -> tuple[set[str], dict[str, str], set[str]]:
+  """(the computations that run inside an op, each instruction's result type, the
+  computations that hold a collective). A fusion's body or an op's reducer does not run
+  as ops of its own: the fusion (the reduce) is the op, and carries the cycles."""
   inside: set[str] = set()
-  result_bytes: dict[str, int] = {}
   result_types: dict[str, str] = {}
-  with_collective: set[str] = set()  # computations holding a collective
+  with_collective: set[str] = set()
   computation = ""
   for line in lines:
     match = _COMPUTATION.match(line)
@@ -306,15 +299,25 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
     instruction = _INSTRUCTION.match(line)
     if not instruction:
       continue
-    if instruction.group("opcode").removesuffix("-start") in COLLECTIVES:
-      with_collective.add(computation)
-    result_bytes[instruction.group("name")] = sum(array_bytes(instruction.group("type")))
-    result_types[instruction.group("name")] = instruction.group("type")
     opcode = instruction.group("opcode")
+    if opcode.removesuffix("-start") in COLLECTIVES:
+      with_collective.add(computation)
+    result_types[instruction.group("name")] = instruction.group("type")
     if opcode in ("while", "conditional", "call") or opcode.endswith("-start"):
       continue  # their bodies, branches and callees run as ops of their own
     for called in re.finditer(r"(?:calls|to_apply)=%([^\s,}]+)", line):
       inside.add(called.group(1))
+  return inside, result_types, with_collective
+
+
+def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
+  """Every instruction of the executed computations (not those inside a fusion or a
+  reducer), with how often it runs. `device_slices[i]`: the slice of the program's
+  device i, which decides whether a collective goes over DCN (default: one slice)."""
+  runs = computation_runs(hlo_text)
+  lines = hlo_text.splitlines()
+  inside, result_types, with_collective = _program_index(lines)
+  result_bytes = {name: sum(array_bytes(t)) for name, t in result_types.items()}
   ops: list[Op] = []
   current = ""
   num_devices = len(device_slices) if device_slices else 1
@@ -641,6 +644,13 @@ def uncosted_totals(result: Profile) -> list[dict[str, Any]]:
     for (opcode, part), (count, size) in totals.items()
   ]
   return sorted(rows, key=lambda r: -r["result_bytes"])
+
+
+def uncosted_text(entries: list[dict[str, Any]]) -> str:
+  """uncosted_totals' entries as one phrase: '32 rng-bit-generator (dropout, 1,611 MB); ...'."""
+  return "; ".join(
+    f"{u['count']} {u['opcode']} ({u['part']}, {u['result_bytes'] / 1e6:,.0f} MB)" for u in entries
+  )
 
 
 def summary(
