@@ -20,12 +20,15 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
               largest buffers
   step        THE PREDICTION TO TRUST: the compiler's own per-op estimates of the program
               that runs (`estimated_cycles` of each op, a loop's body times its trip
-              count, at the chip's clock), collectives by a ring model over ICI, Pallas
-              kernels by their own cost estimate (or flagged where they have none); the
-              MFU and target tokens per second it implies (transformer/tools/op_profile.py)
+              count, at the chip's clock), collectives by a ring model over ICI, copies
+              without an estimate by their HBM bytes, Pallas kernels by their own cost
+              estimate (or flagged where they have none); the MFU and target tokens
+              per second it implies (transformer/tools/op_profile.py)
   parts       that step's time by model part (attention core, projections, FFN, logits,
               loss, optimizer, dropout, layer norm, embedding, the layer loop's slicing,
-              collectives, copies), and the top ops
+              collectives, copies), and the top ops; "not timed": the ops that do work
+              with no estimate from the compiler (the dropout's rbg bits, scatters),
+              left out of the step, with their count and bytes
   cost        XLA's FLOPs and "bytes accessed" per step. XLA's cost analysis counts a
               loop's body once, so for a config with model.scan_layers these come from
               the step compiled unrolled at 1 and at 2 layers, extrapolated to N
