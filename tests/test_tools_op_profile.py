@@ -169,6 +169,59 @@ def test_work_without_an_estimate_is_listed_and_left_out_of_the_step():
   assert line.startswith("  not timed") and "1 rng-bit-generator (dropout, 1 MB); 1 copy" in line
 
 
+# An asynchronous all-gather over 8 chips as libtpu runs it: a start fusion, a
+# continuation fused with a matmul that runs beside some of its steps, and a done, each
+# holding a copy of the same collective (one channel; the continuations name the steps).
+_ASYNC_GATHER = """HloModule jit_train_step
+
+%gather_start (s0: f32[256,512]) -> (f32[256,512], f32[2048,512], s32[2]) {
+  %s0 = f32[256,512]{1,0} parameter(0)
+  %g0 = f32[2048,512]{1,0} all-gather(%s0), channel_id=458, replica_groups=[1,8]<=[8], dimensions={0}, backend_config={"async_collective_fusion_config":{"flag_start":"-1","flag_end":"-1"}}
+  %state0 = s32[2]{0} constant({0, 0})
+  ROOT %t0 = (f32[256,512]{1,0}, f32[2048,512]{1,0}, s32[2]{0}) tuple(%s0, %g0, %state0)
+}
+
+%gather_beside_matmul (s1: f32[256,512], x: bf16[3072,2048], y: f32[3072,512]) -> (f32[2048,512], f32[2048,512]) {
+  %s1 = f32[256,512]{1,0} parameter(0)
+  %x = bf16[3072,2048]{1,0} parameter(1)
+  %y = f32[3072,512]{1,0} parameter(2)
+  %wgrad = f32[2048,512]{1,0} convolution(%x, %y), dim_labels=bf_io->bf
+  %g1 = f32[2048,512]{1,0} all-gather(%s1), channel_id=458, replica_groups=[1,8]<=[8], dimensions={0}, backend_config={"async_collective_fusion_config":{"flag_start":"2","flag_end":"8"}}
+  ROOT %t1 = (f32[2048,512]{1,0}, f32[2048,512]{1,0}) tuple(%wgrad, %g1)
+}
+
+%gather_done (s2: f32[256,512]) -> f32[2048,512] {
+  %s2 = f32[256,512]{1,0} parameter(0)
+  ROOT %g2 = f32[2048,512]{1,0} all-gather(%s2), channel_id=458, replica_groups=[1,8]<=[8], dimensions={0}, backend_config={"async_collective_fusion_config":{"flag_start":"2","flag_end":"8"}}
+}
+
+ENTRY %main (shard: f32[256,512], hidden: bf16[3072,2048], grad: f32[3072,512]) -> f32[2048,512] {
+  %shard = f32[256,512]{1,0} parameter(0)
+  %hidden = bf16[3072,2048]{1,0} parameter(1)
+  %grad = f32[3072,512]{1,0} parameter(2)
+  %async-collective-start.19 = (f32[256,512]{1,0}, f32[2048,512]{1,0}, s32[2]{0}) fusion(%shard), kind=kCustom, calls=%gather_start
+  %started = f32[256,512]{1,0} get-tuple-element(%async-collective-start.19), index=0
+  %fusion.3606 = (f32[2048,512]{1,0}, f32[2048,512]{1,0}) fusion(%started, %hidden, %grad), kind=kOutput, calls=%gather_beside_matmul, metadata={op_name="jit(train_step)/transpose(jvp(Transformer))/Transformer.encode/encoder/layer_4/ffn_block/ffn/wo/dot_general"}, backend_config={"window_config":{"estimated_cycles":"49664"}}
+  ROOT %async-collective-done.19 = f32[2048,512]{1,0} fusion(%started), kind=kCustom, calls=%gather_done
+}
+"""
+
+
+def test_an_asynchronous_collective_counts_once_and_its_continuations_compute_by_cycles():
+  ops = op_profile.parse(_ASYNC_GATHER, [0] * 8)
+  gathers = [op for op in ops if op.collective is not None]
+  assert [op.name for op in gathers] == ["g0"]  # the start's copy; the others are it again
+  gathered = 2048 * 512 * 4
+  assert gathers[0].sent_bytes == pytest.approx(gathered * 7 / 8)
+  result = op_profile.profile(ops, V5E)
+  assert result.collectives_s == pytest.approx(gathered * 7 / 8 / V5E.ici_bytes_per_s)
+  beside = _by_name(result)["fusion.3606"]
+  assert (beside.part, beside.seconds) == ("FFN", pytest.approx(49664 / V5E.clock_hz))
+  assert result.step_s == pytest.approx(result.collectives_s + beside.seconds)
+  assert op_profile.collectives(_ASYNC_GATHER, [0] * 8)["all-gather"]["count"] == 1
+  assert not result.uncosted  # the start and the done are the collective's
+
+
 def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():
   result = op_profile.profile(op_profile.parse(PROGRAM), V5E)
   summary = op_profile.summary(result, model_flops=1e9, peak_flops=V5E.peak_flops, top=3)

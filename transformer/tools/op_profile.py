@@ -16,7 +16,10 @@ What each kind of op costs here:
 - an op with `estimated_cycles`: those cycles at the chip's clock (TpuChip.clock_hz);
 - a collective (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute):
   the bytes one chip sends under a ring algorithm over ICI's bandwidth, as if not hidden
-  behind compute (a scanned model's gradients are reduced after its layer loop);
+  behind compute (a scanned model's gradients are reduced after its layer loop). One that
+  libtpu runs asynchronously, as a start fusion, continuations fused with other work and
+  a done, each holding a copy of it, counts once, at its start; the continuations' own
+  work is costed by their cycles;
 - a Pallas kernel (custom call "tpu_custom_call"): the roofline of its own cost estimate
   (FLOPs at peak or bytes at HBM bandwidth, the slower) when it carries one; otherwise
   only its operands' and results' bytes at HBM bandwidth, which leaves its compute out.
@@ -88,6 +91,12 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
 _OPERANDS = re.compile(r"%([^\s,()]+)")
+# libtpu runs an asynchronous collective as a chain of fusions that each hold a copy of
+# the whole collective: a start (flags -1), then continuations, each running some of its
+# steps beside other work (a matmul's fusion, say, whose cycles are that matmul's), and a
+# done. A continuation's copy names steps (a flag_start of 0 or more): it is the same
+# collective as its start's, whose channel it shares, and is not counted again.
+_ASYNC_CONTINUATION = re.compile(r'"async_collective_fusion_config":\{"flag_start":"(?!-1")')
 
 
 def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -335,6 +344,8 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
       # (A collective inside a fusion is still one: TPU writes a reduce-scatter as an
       # "all-reduce-scatter" fusion around an all-reduce.)
       continue
+    if base in COLLECTIVES and _ASYNC_CONTINUATION.search(line):
+      continue  # counted at its start
     cycles = _CYCLES.search(line)
     op_name = _OP_NAME.search(line)
     target = _TARGET.search(line)
