@@ -4,6 +4,7 @@ positions, seen through the model."""
 from __future__ import annotations
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -27,9 +28,11 @@ from tests.helpers.model_helpers import (
   run,
   tiny_config,
 )
+from transformer import config as config_lib
 from transformer.model.layers import InputEmbedding
-from transformer.model.primitives import sinusoidal_encoding
+from transformer.model.primitives import BLD, Dropout, keep_mask, relu, sinusoidal_encoding
 from transformer.model.transformer import Encoder
+from transformer.run import sharding
 
 
 @pytest.mark.parametrize("positional, decoder_only", POSITION_VARIANTS)
@@ -172,4 +175,67 @@ def test_sinusoidal_encoding_matches_formula():
   )
   np.testing.assert_allclose(
     table, numpy_reference.sinusoidal_table(41, D_MODEL)[[0, 1, 5, 40]], atol=1e-5
+  )
+
+
+def test_relu_and_its_gradient_are_jax_nn_relus():
+  x = jnp.array([-2.0, -0.0, 0.0, 1e-30, 0.5, 3.0])
+  w = jnp.arange(1.0, 7.0)
+  np.testing.assert_array_equal(relu(x), jax.nn.relu(x))
+  ours = jax.grad(lambda x: jnp.sum(relu(x) * w))(x)
+  np.testing.assert_array_equal(ours, jax.grad(lambda x: jnp.sum(jax.nn.relu(x) * w))(x))
+  np.testing.assert_array_equal(ours, [0, 0, 0, 4, 5, 6])  # 1 exactly where x > 0
+
+
+def test_dropout_is_flaxs_in_float32_and_scales_bfloat16_in_float32():
+  x = jax.random.normal(jax.random.key(1), (4, 16, 32))
+  rngs = {"dropout": jax.random.key(2)}
+  ours = Dropout(0.1).apply({}, x, False, rngs=rngs)
+  np.testing.assert_array_equal(ours, nn.Dropout(0.1).apply({}, x, False, rngs=rngs))
+  assert 0.85 < float(jnp.mean(ours != 0)) < 0.95
+  np.testing.assert_array_equal(Dropout(0.1).apply({}, x, True), x)
+  half = Dropout(0.1).apply({}, x.astype(jnp.bfloat16), False, rngs=rngs)
+  kept = ours != 0
+  np.testing.assert_array_equal(half != 0, kept)
+  # x / 0.9 rounded once; flax divides in bf16, by a keep probability rounded to bf16.
+  np.testing.assert_array_equal(
+    half[kept], (x.astype(jnp.bfloat16).astype(jnp.float32) / 0.9).astype(jnp.bfloat16)[kept]
+  )
+
+
+def _mask_under_mesh(key, shape, mesh_shape):
+  """keep_mask of an activation [B, L, D] traced under a data x fsdp x tensor mesh of 8
+  devices: (the mask, the lowered program's text, before XLA:CPU expands its random bit
+  generators into arithmetic)."""
+  config = config_lib.base_config()
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
+  mesh = sharding.create_mesh(config, jax.devices()[:8])
+  rules = sharding.axis_rules(config)
+  draw = sharding.with_activation_sharding(lambda key: keep_mask(key, 0.9, shape, BLD), mesh, rules)
+  lowered = jax.jit(
+    draw,
+    in_shardings=sharding.replicated(mesh),
+    out_shardings=sharding.batch_sharding(mesh, rules, ndim=3),
+  ).lower(key)
+  return lowered.compile()(key), lowered.as_text()
+
+
+def test_rbg_masks_under_a_mesh_are_drawn_a_part_per_device():
+  """XLA does not split an RngBitGenerator: each device would draw the bits of the whole
+  batch. keep_mask draws each device's rows only, from a key of its own."""
+  assert jax.device_count() == 8
+  shape = (16, 8, 128)
+  key = jax.random.key(3, impl="rbg")
+  mask, hlo = _mask_under_mesh(key, shape, (4, 2, 1))
+  generated = re.findall(r"rng_bit_generator .* -> \(tensor<2xui64>, tensor<([\dx]+)xui32>\)", hlo)
+  assert generated == ["2x8x128"]  # 16 rows over 4 x 2 devices; not 16x8x128
+  assert mask.shape == shape and mask.dtype == jnp.bool_
+  assert 0.88 < float(jnp.mean(mask)) < 0.92
+  parts = np.asarray(mask).reshape(8, 2, 8, 128)
+  assert len({part.tobytes() for part in parts}) == 8  # each device its own bits
+  np.testing.assert_array_equal(_mask_under_mesh(key, shape, (4, 2, 1))[0], mask)
+  # Threefry's bits are split by JAX itself, the same on any mesh: drawn whole.
+  key = jax.random.key(3)
+  np.testing.assert_array_equal(
+    _mask_under_mesh(key, shape, (4, 2, 1))[0], jax.random.bernoulli(key, 0.9, shape)
   )

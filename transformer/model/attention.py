@@ -42,6 +42,7 @@ from transformer.model.primitives import (
   LENGTH,
   MASKED_LOGIT,
   Array,
+  Dropout,
   ModelConfig,
   apply_rope,
   attention_mask,
@@ -311,7 +312,7 @@ class MultiHeadAttention(nn.Module):
       self.sow("intermediates", "attention_weights", weights_BxHxLxS)
       weights_BxHxLxS = weights_BxHxLxS.astype(v_BxSxHxE.dtype)
       if cfg.attention_dropout_rate > 0:
-        weights_BxHxLxS = nn.Dropout(cfg.attention_dropout_rate)(
+        weights_BxHxLxS = Dropout(cfg.attention_dropout_rate, (BATCH, HEADS, LENGTH, None))(
           weights_BxHxLxS, deterministic=deterministic
         )
       return weights_BxHxLxS
