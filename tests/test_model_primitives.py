@@ -187,20 +187,27 @@ def test_relu_and_its_gradient_are_jax_nn_relus():
   np.testing.assert_array_equal(ours, [0, 0, 0, 4, 5, 6])  # 1 exactly where x > 0
 
 
-def test_dropout_is_flaxs_in_float32_and_scales_bfloat16_in_float32():
+def test_dropout_keeps_bits_below_the_threshold_and_scales_in_float32():
   x = jax.random.normal(jax.random.key(1), (4, 16, 32))
-  rngs = {"dropout": jax.random.key(2)}
-  ours = Dropout(0.1).apply({}, x, False, rngs=rngs)
-  np.testing.assert_array_equal(ours, nn.Dropout(0.1).apply({}, x, False, rngs=rngs))
-  assert 0.85 < float(jnp.mean(ours != 0)) < 0.95
+  key = jax.random.key(2)
+  ours = Dropout(0.1).apply({}, x, False, rngs={"dropout": key})
+  # flax hands a top-level module's make_rng this key folded with the call's count.
+  drawn = nn.Dropout(0.1).apply({}, x, False, rngs={"dropout": key}, method=_first_rng)
+  kept = jax.random.bits(drawn, x.shape, jnp.uint32) < jnp.uint32(round(0.9 * 2**32))
+  np.testing.assert_array_equal(ours != 0, kept)
+  np.testing.assert_array_equal(ours[kept], (x / 0.9)[kept])
+  assert 0.85 < float(jnp.mean(kept)) < 0.95
   np.testing.assert_array_equal(Dropout(0.1).apply({}, x, True), x)
-  half = Dropout(0.1).apply({}, x.astype(jnp.bfloat16), False, rngs=rngs)
-  kept = ours != 0
+  half = Dropout(0.1).apply({}, x.astype(jnp.bfloat16), False, rngs={"dropout": key})
   np.testing.assert_array_equal(half != 0, kept)
-  # x / 0.9 rounded once; flax divides in bf16, by a keep probability rounded to bf16.
+  # x / 0.9 rounded once: in bf16, 1 / 0.9 would be 1.109.
   np.testing.assert_array_equal(
     half[kept], (x.astype(jnp.bfloat16).astype(jnp.float32) / 0.9).astype(jnp.bfloat16)[kept]
   )
+
+
+def _first_rng(module, x, deterministic):
+  return module.make_rng("dropout")
 
 
 def _mask_under_mesh(key, shape, mesh_shape):

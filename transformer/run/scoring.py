@@ -166,6 +166,10 @@ def _chunk_sums(hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothin
   weight_VxD = weight if weight_is_VxD else weight.T
   vocab = weight_VxD.shape[0]
   low, on_target = _smoothing(label_smoothing, vocab)
+  # Written out once: left to fuse, XLA recomputed the final LayerNorm inside the logits'
+  # matmul and the weight gradient's, tile by tile of the vocabulary (on a v5e-8 the
+  # per-op profile puts base's step 0.15 ms faster this way).
+  hidden_BxCxD = jax.lax.optimization_barrier(hidden_BxCxD)
   weight_and_ones_VxD1 = jnp.concatenate(
     [weight_VxD, jnp.ones((vocab, 1), weight_VxD.dtype)], axis=1
   )

@@ -478,9 +478,17 @@ def part_of(op: Op) -> str:
 
 # --- The profile.
 
-# Custom calls that do no work of their own: the compiler's buffer bookkeeping.
+# Custom calls that do no work of their own: the compiler's buffer bookkeeping, and
+# X64Combine, which makes a random bit generator's 64-bit state of two 32-bit words.
 BOOKKEEPING_CALLS = frozenset(
-  {"AllocateBuffer", "ConcatBitcast", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
+  {
+    "AllocateBuffer",
+    "ConcatBitcast",
+    "Sharding",
+    "SPMDFullToShardShape",
+    "SPMDShardToFullShape",
+    "X64Combine",
+  }
 )
 PALLAS_KERNEL = "tpu_custom_call"
 
