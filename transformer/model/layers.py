@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -198,7 +199,8 @@ class FeedForward(nn.Module):
       up_BxLxF = dense(cfg.d_ff, ("embed", "mlp"), "wi_up", use_bias=False)(x_BxLxD)
       hidden_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
     else:
-      activation = {"relu": relu, "gelu": nn.gelu}[cfg.activation]
+      activations: dict[str, Callable[[Array], Array]] = {"relu": relu, "gelu": nn.gelu}
+      activation = activations[cfg.activation]
       hidden_BxLxF = activation(dense(cfg.d_ff, ("embed", "mlp"), "wi")(x_BxLxD))
     hidden_BxLxF = constrain(hidden_BxLxF, BLF)
     out_BxLxD = dense(cfg.d_model, ("mlp", "embed"), "wo", use_bias=not gated)(hidden_BxLxF)

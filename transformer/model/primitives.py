@@ -265,10 +265,9 @@ def _random_bits(key: Array, shape: tuple[int, ...], axes) -> Array:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or str(jax.random.key_impl(key)) not in ("rbg", "unsafe_rbg"):
     return jax.random.bits(key, shape, jnp.uint32)
-  spec = [
-    tuple(a for a in _named(entry) if mesh.shape[a] > 1) or None
-    for entry in nn.logical_to_mesh_axes(axes)
-  ]
+  logical_spec = nn.logical_to_mesh_axes(axes)
+  assert logical_spec is not None  # axes are given, so a spec is
+  spec = [tuple(a for a in _named(entry) if mesh.shape[a] > 1) or None for entry in logical_spec]
   split = [a for entry in spec for a in _named(entry)]
   if not split:
     return jax.random.bits(key, shape, jnp.uint32)
