@@ -66,8 +66,9 @@ def get_config(arg="base,en-de"):
   # Dropout masks from XLA's RngBitGenerator rather than threefry: on TPU threefry's
   # hashing runs on the vector units inside the fusions that apply the masks, and the
   # per-op profile puts base's step 5% faster with rbg (docs/performance.md). Its bits
-  # differ from threefry's and may differ between meshes; a run is as deterministic as
-  # before on the same mesh.
+  # differ from threefry's, and each device draws its own part of a mask
+  # (model/primitives.py: keep_mask), so they differ between meshes; a run is as
+  # deterministic as before on the same mesh.
   c.dropout_rng_impl = "rbg"
   # Adam's moments and the update split over the data axis (ZeRO stage 1): on a v5e-8
   # the per-op profile puts base's step 4% faster (each chip updates an eighth of the

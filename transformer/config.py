@@ -342,7 +342,7 @@ def resolve_auto(model: ml_collections.ConfigDict, platform: str) -> dict[str, s
   - dtype: bfloat16 on a GPU, where the tensor cores run it at twice TF32's rate and
     Transformer-big's step took 128 ms against 234 in float32 on an H200
     (docs/performance.md, "GPU"); float32 on TPU, where the per-op profile put bf16's
-    step 13% above float32's (the matmuls already multiply in bf16 at the default
+    step 7% above float32's (the matmuls already multiply in bf16 at the default
     precision), and on CPU, which has no bf16 units;
   - attention_kernel: cudnn (flash attention) on an NVIDIA GPU when it can run there: a
     16-bit dtype, d_k == d_v, a head dimension cuDNN takes on every GPU it supports (a

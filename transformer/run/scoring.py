@@ -158,9 +158,9 @@ def _chunk_sums(hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothin
 
   Label smoothing's uniform part needs sum_v w_v, which is a matmul too: rows of ones
   [8, V] times the weight (8 rows, a tile's height). On a v5e the per-op profile puts
-  it at 8 us, against 381 us for the same sum as a reduction over the vocabulary, or
-  190 us more for the logits' matmul when it came from one more, zero, position per
-  row (257 rows of 256 tile worse).
+  it at 8 us, against 381 us for the same sum as a reduction over the vocabulary; taken
+  from one more position per row with a zero hidden state (numerators all 1), it made
+  each row 257 positions, past a tile's edge, and base's loss 0.19 ms slower.
   """
   batch, length, d_model = hidden_BxCxD.shape
   weight_VxD = weight if weight_is_VxD else weight.T
