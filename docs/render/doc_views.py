@@ -762,20 +762,23 @@ def decoder_only_vs_encoder_decoder() -> str:
 def mixed_precision() -> str:
   """Each run's validation perplexity and BLEU, the perplexity set against float32's at
   the same seed (the sweep's criterion: within 2%)."""
-  records = latest(read_records("mixed_precision"), key=lambda r: r["row"])
+  every = read_records("mixed_precision")
+  records = latest(every, key=lambda r: r["row"])
   by_row = {r["row"]: r for r in records}
 
-  def reference(row: str) -> float:
-    return by_row["float32_seed1" if "seed1" in row else "float32"]["ppl"]
+  def reference(record: Record) -> float:
+    """float32's perplexity at the record's seed, from a run of the same commit where
+    there is one (the older rows were measured against their own), else the newest."""
+    name = "float32_seed1" if "seed1" in record["row"] else "float32"
+    same = [r for r in every if r["row"] == name and r["commit"] == record["commit"]]
+    return (same or [by_row[name]])[-1]["ppl"]
 
   rows = [
     (
       r["row"],
       f"`{r['changed']}`",
       f"{r['ppl']:.2f}",
-      ""
-      if r["row"].startswith("float32")
-      else f"{100 * (r['ppl'] / reference(r['row']) - 1):+.1f}%",
+      "" if r["row"].startswith("float32") else f"{100 * (r['ppl'] / reference(r) - 1):+.1f}%",
       f"{r['bleu']:.2f}",
       r["commit"],
     )

@@ -278,8 +278,8 @@ AWAITING_RERUN["gpu"] = (
 # float32 run's computation as it was, and the earlier bf16 rows are the "before" the docs
 # show beside the new ones.
 AWAITING_RERUN["mixed_precision"] = (
-  "float32 rows from before the float32 residual stream (their computation unchanged), "
-  "and the bf16 rows that change was measured against"
+  "the bf16 rows with the residual stream in bf16, which the float32 residual stream was "
+  "measured against (the sweep's own four rows are rerun at the code as it is)"
 )
 
 
