@@ -20,8 +20,9 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
               largest buffers
   step        THE PREDICTION TO TRUST: the compiler's own per-op estimates of the program
               that runs (`estimated_cycles` of each op, a loop's body times its trip
-              count, at the chip's clock), collectives by a ring model over ICI, copies
-              without an estimate by their HBM bytes, Pallas kernels by their own cost
+              count, at the chip's clock), collectives by a ring model over ICI (an
+              asynchronous one once, at its start), copies without an estimate by
+              their HBM bytes, Pallas kernels by their own cost
               estimate (or flagged where they have none); the MFU and target tokens
               per second it implies (transformer/tools/op_profile.py)
   parts       that step's time by model part (attention core, projections, FFN, logits,
