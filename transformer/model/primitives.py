@@ -137,7 +137,7 @@ def split_spec(
   (run/sharding.py: split_over) and the layers' gradients (transformer.py), so the two
   agree."""
   entries = list(spec) + [None] * (len(shape) - len(spec))
-  axes = [_named(e) for e in entries]
+  axes = [() if e is None else e if isinstance(e, tuple) else (e,) for e in entries]
   per_device = [n // math.prod(mesh_shape[a] for a in names) for n, names in zip(shape, axes)]
   size = mesh_shape.get(axis, 1)
   fits = [i for i, n in enumerate(per_device) if n % size == 0]
