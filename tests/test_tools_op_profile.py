@@ -224,6 +224,70 @@ def test_an_asynchronous_collective_counts_once_and_its_continuations_compute_by
   assert not result.uncosted  # the start and the done are the collective's
 
 
+# A scatter-add offloaded to a SparseCore as libtpu prints it for v5p: an async call whose
+# callee runs on the "sparsecore" thread and calls a second, which holds the scatter
+# fusion, whose estimated cycles are the largest int64 (no estimate); beside it, on the
+# TensorCore, a fusion with a real estimate and one more with the same no-estimate value.
+_SPARSECORE_SCATTER = """HloModule jit_train_step
+
+%scatter_body (b0: f32[257], b1: s32[256], b2: f32[256]) -> f32[257] {
+  %b0 = f32[257]{0} parameter(0)
+  %b1 = s32[256]{0} parameter(1)
+  %b2 = f32[256]{0} parameter(2)
+  ROOT %scattered = f32[257]{0} scatter(%b0, %b1, %b2), update_window_dims={}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1
+}
+
+%offloaded_inner (i0: f32[257], i1: s32[256], i2: f32[256]) -> f32[257] {
+  %i0 = f32[257]{0} parameter(0)
+  %i1 = s32[256]{0} parameter(1)
+  %i2 = f32[256]{0} parameter(2)
+  ROOT %scatter_offload_custom_fusion.8 = f32[257]{0:T(512)} fusion(%i0, %i1, %i2), kind=kCustom, calls=%scatter_body, metadata={op_name="jit(train_step)/scatter-add"}, backend_config={"window_config":{"estimated_cycles":"9223372036854775807"}}
+}
+
+%offloaded (o0: f32[257], o1: s32[256], o2: f32[256]) -> f32[257] {
+  %o0 = f32[257]{0} parameter(0)
+  %o1 = s32[256]{0} parameter(1)
+  %o2 = f32[256]{0} parameter(2)
+  %copy.3613 = f32[257]{0} copy(%o0), backend_config={"estimated_cycles":"1245"}
+  %inner-start = ((f32[257]{0}, s32[256]{0}, f32[256]{0}), f32[257]{0}, u32[]) call-start(%copy.3613, %o1, %o2), to_apply=%offloaded_inner
+  ROOT %inner-done = f32[257]{0} call-done(%inner-start)
+}
+
+ENTRY %main (acc: f32[257], ids: s32[256], upd: f32[256], x: f32[8]) -> f32[257] {
+  %acc = f32[257]{0} parameter(0)
+  %ids = s32[256]{0} parameter(1)
+  %upd = f32[256]{0} parameter(2)
+  %x = f32[8]{0} parameter(3)
+  %on_core = f32[8]{0} add(%x, %x), metadata={op_name="jit(train_step)/optimizer/add"}, backend_config={"estimated_cycles":"3000"}
+  %unknown = f32[8]{0} multiply(%x, %x), backend_config={"estimated_cycles":"9223372036854775807"}
+  %scatter_offload_async_start = ((f32[257]{0}, s32[256]{0}, f32[256]{0}), f32[257]{0}) call-start(%acc, %ids, %upd), async_execution_thread="sparsecore", to_apply=%offloaded, metadata={op_name="jit(train_step)/scatter-add"}
+  ROOT %scatter_offload_async_done = f32[257]{0} call-done(%scatter_offload_async_start)
+}
+"""
+
+
+def test_ops_on_a_sparsecore_are_counted_not_timed_and_no_estimate_is_not_a_time():
+  ops = {op.name: op for op in op_profile.parse(_SPARSECORE_SCATTER)}
+  # The called computation and what it calls run on the SparseCore; the entry does not.
+  on_sparsecore = {name for name, op in ops.items() if op.sparsecore}
+  assert {"copy.3613", "scatter_offload_custom_fusion.8", "inner-start"} <= on_sparsecore
+  assert not {"on_core", "unknown", "scatter_offload_async_start"} & on_sparsecore
+  assert "scattered" not in ops  # inside the fusion
+  # libtpu's largest int64 is no estimate, on either core.
+  assert ops["scatter_offload_custom_fusion.8"].cycles is None
+  assert ops["unknown"].cycles is None
+  result = op_profile.profile(list(ops.values()), flops.TPU_CHIPS["v5p"])
+  assert [c.op.name for c in result.ops] == ["on_core"]
+  assert result.step_s == pytest.approx(3000 / flops.TPU_CHIPS["v5p"].clock_hz)
+  assert result.sparsecore_ops == 2  # the copy and the scatter: call halves do no work
+  summary = op_profile.summary(result, model_flops=1e9, peak_flops=V5E.peak_flops)
+  assert summary["sparsecore_ops"] == 2
+  line = compile_check.profile_lines(
+    {**summary, "predicted": "p", "tokens_per_s": 1.0, "tokens_per_s_per_chip": 1.0}
+  )[-1]
+  assert line.startswith("  sparsecore  2 ops")
+
+
 def test_the_summary_names_parts_kernels_and_the_mfu_it_implies():
   result = op_profile.profile(op_profile.parse(PROGRAM), V5E)
   summary = op_profile.summary(result, model_flops=1e9, peak_flops=V5E.peak_flops, top=3)

@@ -775,6 +775,11 @@ def profile_lines(profile: dict[str, Any], top: int = 5) -> list[str]:
       "  not timed   (no estimate from the compiler) "
       + op_profile.uncosted_text(profile["uncosted"])
     )
+  if profile.get("sparsecore_ops"):
+    lines.append(
+      f"  sparsecore  {profile['sparsecore_ops']} ops offloaded to the SparseCores, beside "
+      "the TensorCore: not timed"
+    )
   return lines
 
 

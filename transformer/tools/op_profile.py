@@ -28,6 +28,11 @@ What each kind of op costs here:
 - bookkeeping (parameters, tuples, bitcasts, buffer allocations, loop control) and
   asynchronous DMA copies between HBM and on-chip memory (copy-start/-done, which run
   beside the TensorCore): nothing. The number and bytes of those copies are reported;
+- an op on a SparseCore (v4's and v5p's, which run the computations of an async call
+  marked `async_execution_thread="sparsecore"` beside the TensorCore; XLA offloads small
+  scatter-adds there): nothing, and their number is reported. libtpu writes the largest
+  int64 as their estimated cycles, which is read, like that value anywhere, as no
+  estimate;
 - a copy that libtpu gives no estimate (one between VMEM and HBM, as the gathered
   parameters' are): its bytes on the HBM side at HBM bandwidth;
 - any other op that libtpu gives no estimate: nothing, and it is listed
@@ -87,6 +92,12 @@ _INSTRUCTION = re.compile(
 _CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([^,}]*)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+# libtpu writes the largest int64 where its cost model has no estimate (the fusions it
+# runs on a SparseCore carry it): no estimate, not 5e9 seconds.
+_UNKNOWN_CYCLES = 2**63 - 1
+# An async call whose callee runs on a SparseCore (v4's and v5p's, beside the
+# TensorCore): XLA offloads small scatters there, such as a scatter-add's.
+_SPARSECORE_CALL = re.compile(r'async_execution_thread="sparsecore"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
@@ -175,6 +186,17 @@ def loop_trip_count(line: str, trips: dict[str, int]) -> int | None:
   return trips.get(condition.group(1)) if condition else None
 
 
+def called_computations(line: str) -> list[str]:
+  """The computations an instruction calls: a loop's body and condition, a fusion's or
+  a call's callee, a reducer, a conditional's branches."""
+  return [
+    name.strip().lstrip("%")
+    for called in _CALLED.findall(line)
+    for name in called.split(",")
+    if name.strip().lstrip("%")
+  ]
+
+
 def computation_runs(hlo_text: str) -> dict[str, int]:
   """How many times each computation runs per step: a while loop's body and condition
   its trip count times (scanned layers), everything else once per caller."""
@@ -191,11 +213,8 @@ def computation_runs(hlo_text: str) -> dict[str, int]:
     if current is None:
       continue
     times = (loop_trip_count(line, trips) or 1) if " while(" in line else 1
-    for called in _CALLED.findall(line):
-      for name in called.split(","):
-        name = name.strip().lstrip("%")
-        if name:
-          callers.setdefault(name, []).append((current, times))
+    for name in called_computations(line):
+      callers.setdefault(name, []).append((current, times))
   counts: dict[str, int] = {}
 
   def count(name: str, seen: frozenset = frozenset()) -> int:
@@ -290,15 +309,21 @@ class Op:
   across_slices: bool = False  # a collective whose groups span slices (DCN)
   wraps_collective: bool = False  # a fusion around a collective, which is costed instead
   hbm_bytes: int = 0  # a copy's bytes read or written in HBM (not VMEM)
+  sparsecore: bool = False  # runs on a SparseCore, beside the TensorCore
 
 
-def _program_index(lines: list[str]) -> tuple[set[str], dict[str, str], set[str]]:
+def _program_index(
+  lines: list[str],
+) -> tuple[set[str], dict[str, str], set[str], set[str]]:
   """(the computations that run inside an op, each instruction's result type, the
-  computations that hold a collective). A fusion's body or an op's reducer does not run
-  as ops of its own: the fusion (the reduce) is the op, and carries the cycles."""
+  computations that hold a collective, the computations that run on a SparseCore). A
+  fusion's body or an op's reducer does not run as ops of its own: the fusion (the
+  reduce) is the op, and carries the cycles."""
   inside: set[str] = set()
   result_types: dict[str, str] = {}
   with_collective: set[str] = set()
+  callees: dict[str, set[str]] = collections.defaultdict(set)
+  sparsecore: set[str] = set()
   computation = ""
   for line in lines:
     match = _COMPUTATION.match(line)
@@ -312,11 +337,20 @@ def _program_index(lines: list[str]) -> tuple[set[str], dict[str, str], set[str]
     if opcode.removesuffix("-start") in COLLECTIVES:
       with_collective.add(computation)
     result_types[instruction.group("name")] = instruction.group("type")
+    callees[computation].update(called_computations(line))
+    if _SPARSECORE_CALL.search(line):
+      sparsecore.update(called_computations(line))
     if opcode in ("while", "conditional", "call") or opcode.endswith("-start"):
       continue  # their bodies, branches and callees run as ops of their own
-    for called in re.finditer(r"(?:calls|to_apply)=%([^\s,}]+)", line):
-      inside.add(called.group(1))
-  return inside, result_types, with_collective
+    for fused in re.finditer(r"(?:calls|to_apply)=%([^\s,}]+)", line):
+      inside.add(fused.group(1))
+  # What a SparseCore's computation calls runs there too.
+  pending = list(sparsecore)
+  while pending:
+    for callee in callees[pending.pop()] - sparsecore:
+      sparsecore.add(callee)
+      pending.append(callee)
+  return inside, result_types, with_collective, sparsecore
 
 
 def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
@@ -325,7 +359,7 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
   device i, which decides whether a collective goes over DCN (default: one slice)."""
   runs = computation_runs(hlo_text)
   lines = hlo_text.splitlines()
-  inside, result_types, with_collective = _program_index(lines)
+  inside, result_types, with_collective, sparsecore = _program_index(lines)
   result_bytes = {name: sum(array_bytes(t)) for name, t in result_types.items()}
   ops: list[Op] = []
   current = ""
@@ -368,7 +402,9 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
         opcode=opcode,
         computation=current,
         runs=runs.get(current, 1),
-        cycles=int(cycles.group(1)) if cycles else None,
+        cycles=(
+          int(cycles.group(1)) if cycles and int(cycles.group(1)) != _UNKNOWN_CYCLES else None
+        ),
         op_name=op_name.group(1) if op_name else "",
         result_bytes=result_bytes[instruction.group("name")],
         operand_bytes=sum(result_bytes.get(name, 0) for name in operands),
@@ -393,6 +429,7 @@ def parse(hlo_text: str, device_slices: list[int] | None = None) -> list[Op]:
         wraps_collective=any(
           called.group(1) in with_collective for called in re.finditer(r"calls=%([^\s,}]+)", line)
         ),
+        sparsecore=current in sparsecore,
       )
     )
   return ops
@@ -510,6 +547,7 @@ class Profile:
   async_copies: int  # DMA copies between HBM and on-chip memory, per step (not timed)
   async_copy_bytes: int
   uncosted: tuple[Op, ...] = ()  # ops that do work but carry no estimate (not timed)
+  sparsecore_ops: int = 0  # ops run on a SparseCore, beside the TensorCore, per step
 
   @property
   def step_s(self) -> float:
@@ -537,6 +575,8 @@ class Profile:
 
 def _seconds(op: Op, chip: flops.TpuChip) -> tuple[float, str] | None:
   """One run's seconds and how they were costed; None for ops that cost nothing here."""
+  if op.sparsecore:
+    return None  # beside the TensorCore, like a DMA copy: counted, not timed
   if op.cycles is not None:
     return op.cycles / chip.clock_hz, "estimated cycles"
   if op.collective is not None:
@@ -634,11 +674,15 @@ def _is_uncosted(op: Op) -> bool:
 def profile(ops: list[Op], chip: flops.TpuChip) -> Profile:
   """Each op's predicted seconds per step on `chip`, the async copies' count and the ops
   that do work without an estimate."""
-  costed, copies, copy_bytes, uncosted = [], 0, 0, []
+  costed, copies, copy_bytes, uncosted, sparsecore_ops = [], 0, 0, [], 0
   for op in ops:
     if op.opcode == "copy-start":
       copies += op.runs
       copy_bytes += op.runs * op.operand_bytes  # its result tuple also holds the copy
+    if op.sparsecore:
+      if op.opcode not in _NO_WORK and not op.opcode.endswith(("-start", "-done")):
+        sparsecore_ops += op.runs
+      continue
     one = _seconds(op, chip)
     if one is None or op.runs == 0:
       if one is None and op.runs and _is_uncosted(op):
@@ -647,7 +691,7 @@ def profile(ops: list[Op], chip: flops.TpuChip) -> Profile:
     seconds, how = one
     costed.append(CostedOp(op, part_of(op), seconds * op.runs, how))
   costed.sort(key=lambda c: -c.seconds)
-  return Profile(chip.clock_hz, costed, copies, copy_bytes, tuple(uncosted))
+  return Profile(chip.clock_hz, costed, copies, copy_bytes, tuple(uncosted), sparsecore_ops)
 
 
 def uncosted_totals(result: Profile) -> list[dict[str, Any]]:
@@ -707,5 +751,6 @@ def summary(
     ],
     "async_copies": result.async_copies,
     "async_copy_bytes": result.async_copy_bytes,
+    "sparsecore_ops": result.sparsecore_ops,
     "uncosted": uncosted_totals(result),
   }
