@@ -143,6 +143,18 @@ def test_every_variant_traces_under_the_rules(model):
   assert '[{"data", "fsdp"}, {}, {"tensor"}]' in _constraints(lowered.as_text())
 
 
+@pytest.mark.parametrize("sizes", [(2, 1, 4), (1, 2, 4)])
+def test_rbg_dropout_compiles_where_the_tensor_axis_holds_whole_activations(sizes):
+  """rbg dropout masks are drawn a part per device (primitives.keep_mask) by a device's
+  index. The residual stream is whole on the tensor axis: were that axis left to XLA,
+  the partitioner would refuse the index (PartitionId) once the step has six layers."""
+  config = small_config(num_layers=6)
+  config.dropout_rng_impl = "rbg"
+  _, lowered = memory.lower_train_step(config, sizes, ROWS, LENGTH)
+  memory_use = lowered.compile().memory_analysis()
+  assert memory_use.temp_size_in_bytes > 0
+
+
 def test_beam_search_under_the_rules_finds_the_same_translations():
   """batch * beam rows through the cache (self-attention K/V buffers, cross K/V, one token
   per step; scanned, so with a leading layer axis) on a 2x2x2 mesh: constrained, the

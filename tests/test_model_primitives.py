@@ -241,6 +241,12 @@ def test_rbg_masks_under_a_mesh_are_drawn_a_part_per_device():
   parts = np.asarray(mask).reshape(8, 2, 8, 128)
   assert len({part.tobytes() for part in parts}) == 8  # each device its own bits
   np.testing.assert_array_equal(_mask_under_mesh(key, shape, (4, 2, 1))[0], mask)
+  # On a tensor axis that holds the activation whole, its devices draw the same part.
+  mask, hlo = _mask_under_mesh(key, shape, (2, 1, 4))
+  generated = re.findall(r"rng_bit_generator .* -> \(tensor<2xui64>, tensor<([\dx]+)xui32>\)", hlo)
+  assert generated == ["8x8x128"]
+  halves = np.asarray(mask).reshape(2, 8, 8, 128)
+  assert halves[0].tobytes() != halves[1].tobytes()
   # Threefry's bits are split by JAX itself, the same on any mesh: drawn whole.
   key = jax.random.key(3)
   np.testing.assert_array_equal(

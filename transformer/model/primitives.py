@@ -281,8 +281,13 @@ def _random_bits(key: Array, shape: tuple[int, ...], axes) -> Array:
       index = index * mesh.shape[a] + jax.lax.axis_index(a)
     return jax.random.bits(jax.random.fold_in(key, index), part_shape, jnp.uint32)
 
+  # Manual over every axis of more than one device, not only those the activation is
+  # split over: XLA cannot partition a device's index (axis_index, a PartitionId) over
+  # an axis left automatic, such as the tensor axis for an activation it replicates.
+  # Devices along such an axis draw the same bits (the index leaves it out).
+  manual = {a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in mesh.manual_axes}
   return jax.shard_map(
-    draw_part, in_specs=PartitionSpec(), out_specs=PartitionSpec(*spec), axis_names=set(split)
+    draw_part, in_specs=PartitionSpec(), out_specs=PartitionSpec(*spec), axis_names=manual
   )(key)
 
 
