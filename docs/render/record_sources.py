@@ -232,7 +232,6 @@ _NO_FIGURE_MOVED = (
 AWAITING_RERUN: dict[str, str] = {
   name: _NO_FIGURE_MOVED
   for name in (
-    "compile_check",
     "cpu",
     "ctranslate2",
     "decoder_only_vs_encoder_decoder",
@@ -245,25 +244,15 @@ AWAITING_RERUN: dict[str, str] = {
     "table3_small",
   )
 }
-# The WMT configs now compile their layers unrolled and save their activations
-# (scan_layers = False, remat = "none"), fuse the projection and loss in one chunk
-# (loss_chunk_len = max_len), draw dropout masks with rbg and split the optimizer's state
-# over data, which changes their compiled steps: base's and big's v5e-8 records are
-# remade with all of it, the other slices' records are not yet.
-# Since then the step changed again (relu's derivative through its output, the fused
-# loss's weight sum by a matmul and its hidden states written once, dropout masks by an
-# integer compare with each device's rbg bits its own), and the per-op profile counts an
-# asynchronous collective once: base's and big's v5e-8 records, and all 20 of Table 3's
-# rows on a v5e-8, are remade with all of it.
-for _name in ("compile_check",):
-  AWAITING_RERUN[_name] = (
-    "the WMT configs now compile unrolled layers without recomputation, fuse the loss, "
-    "draw dropout masks with rbg and split the optimizer state over data, and the step and "
-    "the profile's count of asynchronous collectives changed since: the slices and rows "
-    "not yet recompiled show the step as it was; their dtype and attention kernel are "
-    "now 'auto', which compile_check resolves for TPU to the float32 and einsum the "
-    "records ran"
-  )
+# compile_check's records of the configs as they are (base and big on a v5e-8, the
+# bf16 override, every slice and --search_mesh in "Before you launch") are remade at the
+# code as it is. The step experiments (docs/performance.md, "Changes to the step"), each
+# one config override compiled beside the config as it was then, are the history of
+# those changes: each row shows the step it was measured against.
+AWAITING_RERUN["compile_check"] = (
+  "the step experiments: each override compiled beside the config as it was then, which "
+  "its row shows as 'step before' (the configs and slices are remade)"
+)
 # bench/gpu.sh ran on one GPU, a mesh of one device. Since then each scanned layer's
 # gradient is split over the data axis inside the layer loop (model/transformer.py:
 # _split_layer_grads), which applies only where the data axis has more than one device:
@@ -290,9 +279,14 @@ AWAITING_RERUN["table3_compile_check"] = (
 # before the residual stream went to float32 in every precision: that change leaves a
 # float32 run's computation as it was, and the earlier bf16 rows are the "before" the docs
 # show beside the new ones.
+# The sweep's four rows at 2b1ee99 ran before rbg masks were drawn manual over every mesh
+# axis (model/primitives.py: _random_bits). The sweep trains the default config, which
+# draws threefry masks on one device, a path that change leaves as it was: make_train,
+# the same config, was rerun after it and ended with the same perplexity and BLEU.
 AWAITING_RERUN["mixed_precision"] = (
   "the bf16 rows with the residual stream in bf16, which the float32 residual stream was "
-  "measured against (the sweep's own four rows are rerun at the code as it is)"
+  "measured against; the sweep's four rows predate a change to rbg masks on a mesh, which "
+  "the sweep (threefry, one device) does not run"
 )
 
 
