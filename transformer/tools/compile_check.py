@@ -23,8 +23,11 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
               count, at the chip's clock), collectives by a ring model over ICI (an
               asynchronous one once, at its start), copies without an estimate by
               their HBM bytes, Pallas kernels by their own cost
-              estimate (or flagged where they have none); the MFU and target tokens
-              per second it implies (transformer/tools/op_profile.py)
+              estimate (or flagged where they have none), ops on a SparseCore (v4,
+              v5p) counted, not timed; the MFU and target tokens per second it implies
+              (transformer/tools/op_profile.py). Across slices it leaves out the
+              gradients' all-reduce over DCN, which the program does not show: read
+              the roofline's DCN time beside it
   parts       that step's time by model part (attention core, projections, FFN, logits,
               loss, optimizer, dropout, layer norm, embedding, the layer loop's slicing,
               collectives, copies), and the top ops; "not timed": the ops that do work
@@ -53,6 +56,7 @@ figure PREDICTED BY XLA'S TPU COMPILER, none of them measured:
 size up to the number of heads, the other chips all data or all fsdp; a mesh the config
 or the batch cannot use is refused without compiling) and reports the one with the
 shortest predicted step (the per-op profile's) that fits, after a line per candidate.
+Across slices that step has no DCN time: check the chosen mesh's roofline DCN.
 
 `--decode_batch N` also compiles beam search for N sentences: its prefill (the encoder
 and the first token) and one step of its loop at the longest cache, with memory per chip
