@@ -264,17 +264,6 @@ AWAITING_RERUN["gpu"] = (
   "the einsum kernel's new softmax, and the WMT configs' unrolled layers without "
   "recomputation and fused loss, change the rows: to be rerun on the next GPU"
 )
-# The per-op profile (tools/op_profile.py) reads libtpu's no-estimate value (the largest
-# int64) as no estimate and leaves ops on a SparseCore untimed. v5e has no SparseCore and
-# its programs carry no such value. rbg dropout masks are drawn in a shard_map manual
-# over every mesh axis of more than one device (model/primitives.py: _random_bits), which
-# on Table 3's all-data v5e-8 mesh is the one it was. Table 3's figures should not move;
-# the rows are recompiled to confirm it.
-AWAITING_RERUN["table3_compile_check"] = (
-  "the per-op profile now reads libtpu's no-estimate cycles and SparseCore ops, which "
-  "v5e's programs lack, and rbg masks are drawn manual over every mesh axis (on an "
-  "all-data mesh, as before): to be recompiled"
-)
 # The mixed-precision sweep's float32 rows, and its bf16 rows as they were, ran the commit
 # before the residual stream went to float32 in every precision: that change leaves a
 # float32 run's computation as it was, and the earlier bf16 rows are the "before" the docs
