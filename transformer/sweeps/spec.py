@@ -32,7 +32,9 @@ class Row:
   """One run of a sweep: config overrides (dotted keys) and the paper's numbers for it.
 
   paper_ppl and paper_bleu are the published dev perplexity and BLEU, paper_params_m the
-  parameter count in millions; None where the paper gives none.
+  parameter count in millions; None where the paper gives none. seeds: the config.seed
+  of each run of the row; a row with seeds runs each in WORKDIR/<row>/seed<k>, one
+  without runs once, with the config's seed, in WORKDIR/<row>.
   """
 
   name: str
@@ -40,6 +42,7 @@ class Row:
   paper_ppl: float | None = None
   paper_bleu: float | None = None
   paper_params_m: float | None = None
+  seeds: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
