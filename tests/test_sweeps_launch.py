@@ -137,7 +137,7 @@ def test_row_commands_quote_values_and_name_the_config_relative_to_the_repo():
   sweep = spec.Sweep("s", "configs/wmt14.py:big", {}, [])
   row = spec.Row("r", {"dataset": "tsv:/data/my corpus.tsv"})
   config = types.SimpleNamespace(num_train_steps=9, grad_accum_steps=1)
-  commands = launch.row_commands(sweep, row, config, "/w/", "py")
+  commands = launch.row_commands(sweep, spec.Run(row), config, "/w/", "py")
   assert shlex.split(commands.train) == [
     "py",
     "train.py",

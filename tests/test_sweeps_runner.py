@@ -206,7 +206,7 @@ def test_run_local_trains_then_evaluates_with_absolute_workdirs(tmp_path, monkey
   assert runner.row_state(row_dir, 6, final_eval=True) == "finished"
 
   again = runner.run_local(sweep, sweep.rows, configs, "runs", python=fake_python.path)
-  assert again == [{"row": "r", "phase": "skipped"}]
+  assert again == [{"row": "r", "seed": None, "phase": "skipped"}]
   assert len(fake_python.calls()) == 2
 
 
@@ -335,7 +335,7 @@ def test_local_runner_resumes_an_interrupted_row_and_skips_a_finished_one(tmp_pa
   assert checkpoints.steps_on_disk(row_dir)[-1] == 6
 
   done = runner.run_local(sweep, sweep.rows, configs, workdir, final_eval=False)
-  assert done == [{"row": "r", "phase": "skipped"}]
+  assert done == [{"row": "r", "seed": None, "phase": "skipped"}]
   assert storage.read_log_lines(os.path.join(row_dir, "metrics.jsonl")) == lines
   # Asking for the full-split evaluation would now run only eval.py, not training.
   assert runner.row_state(row_dir, 6, final_eval=True) == "trained"

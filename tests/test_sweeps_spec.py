@@ -250,7 +250,7 @@ def test_train_and_eval_args():
   replacing the sweep's); eval.py the final step on validation."""
   sweep = spec.Sweep("s", "configs/wmt14.py:base", {"seed": 1, "label_smoothing": 0.0}, [])
   row = spec.Row("r", {"label_smoothing": 0.2, "model.positional": "learned"})
-  assert spec.train_args(sweep, row, "W/r", "/abs/wmt14.py") == [
+  assert spec.train_args(sweep, spec.Run(row), "W/r", "/abs/wmt14.py") == [
     "--config",
     "/abs/wmt14.py:base",
     "--workdir",
@@ -260,7 +260,7 @@ def test_train_and_eval_args():
     "--config.model.positional=learned",
   ]
   no_arg = spec.Sweep("s", "configs/default.py", {}, [])
-  assert spec.train_args(no_arg, spec.Row("r", {}), "W/r", "/abs/default.py") == [
+  assert spec.train_args(no_arg, spec.Run(spec.Row("r", {})), "W/r", "/abs/default.py") == [
     "--config",
     "/abs/default.py",
     "--workdir",
@@ -280,7 +280,7 @@ def test_train_args_parse_back_to_the_row_config():
   config: every override's value survives the trip through the command line."""
   sweep = spec.load_sweep(TABLE3)
   for row in spec.select_rows(sweep, "base,A1,C4,D3,E,big"):
-    argv = ["train.py"] + spec.train_args(sweep, row, "W", spec.config_file(sweep))
+    argv = ["train.py"] + spec.train_args(sweep, spec.Run(row), "W", spec.config_file(sweep))
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, flag_values=flag_values, sys_argv=argv)
     flags.DEFINE_string("workdir", None, "", flag_values=flag_values)
@@ -312,7 +312,7 @@ def test_command_line_overrides_change_every_row_over_its_own_values():
       False,
       "gs://b/tfds",
     )
-    assert spec.train_args(sweep, row, "W", "c.py")[-3:] == [
+    assert spec.train_args(sweep, spec.Run(row), "W", "c.py")[-3:] == [
       "--config.num_train_steps=20",
       "--config.model.scan_layers=false",
       "--config.data_dir=gs://b/tfds",

@@ -45,8 +45,8 @@ BASE_OVERRIDES = {
   "checkpoint_every_steps": STEPS_PER_EPOCH // 10,
   "keep_checkpoints": 5,
 }
-# eval.py's arguments after training: the paper averages its last checkpoints.
-FINAL_EVAL_ARGS = ("--average_last", "5")
+# eval.py averages the last five checkpoints, as the paper does.
+AVERAGE_LAST = 5
 
 _HEADS = ("model.num_heads", "model.d_k", "model.d_v")
 
@@ -65,7 +65,9 @@ _SCALED = {
 
 
 def get_sweep():
-  paper = {row.name: row for row in load_sweep(os.path.join(os.path.dirname(__file__), "table3.py")).rows}
+  paper = {
+    row.name: row for row in load_sweep(os.path.join(os.path.dirname(__file__), "table3.py")).rows
+  }
   return [
     Row(
       name,

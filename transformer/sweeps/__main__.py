@@ -17,6 +17,15 @@
   python -m transformer.sweeps --sweep ... --workdir W --collect [--output_dir DIR]
       Final validation perplexity and BLEU of every row beside the paper's numbers:
       DIR/<sweep>.md, .csv and .png (report.py).
+  python -m transformer.sweeps --sweep configs/sweeps/table3_converged.py --workdir W \
+      --records docs/results/table3_converged.jsonl [--commit_records]
+      Also records each finished (row, seed) in the records file, with its small files
+      beside it (records.py), and commits them with --commit_records; a run the file
+      holds is skipped, so a study restarted anywhere trains only what is missing.
+  python -m transformer.sweeps --sweep ... --records FILE --collect --output_dir DIR
+      Each row over its seeds, from the records alone: mean, spread, change against
+      base at the same seed with an interval, a paired bootstrap of BLEU, and whether it
+      agrees with the paper; the validation curves in DIR/<sweep>.png (aggregate.py).
 
 `--config.KEY=VALUE` changes every row, over the row's own values, in every mode: e.g.
 `--config.num_train_steps=20` for a smoke run of the whole sweep.
@@ -34,7 +43,7 @@ from absl import flags
 
 from transformer import cli, storage, versions
 from transformer import config as config_lib
-from transformer.sweeps import launch, report, runner, spec
+from transformer.sweeps import aggregate, launch, report, runner, spec
 
 FLAGS = flags.FLAGS
 
@@ -63,6 +72,15 @@ flags.DEFINE_bool(
   "Gather each row's final validation perplexity and BLEU into <sweep>.md, .csv and .png.",
 )
 flags.DEFINE_string("output_dir", None, "Where --collect writes (default: WORKDIR).")
+flags.DEFINE_string(
+  "records",
+  None,
+  "A JSON-lines file: training records each finished (row, seed) there and skips those "
+  "it holds; --collect aggregates the seeds from it.",
+)
+flags.DEFINE_bool(
+  "commit_records", False, "With --records, training commits each new record to git."
+)
 flags.DEFINE_string(
   "compile_check",
   None,
@@ -102,7 +120,14 @@ def main(argv, overrides: dict[str, str]) -> None:
         "--launch tpu checks each row on the slice first: name it, e.g. --compile_check "
         "v5e-32 (or --compile_check none to launch without checking)"
       )
-    if not FLAGS.workdir and not (FLAGS.dry_run or modes == ["compile_check"]):
+    if FLAGS.commit_records and not FLAGS.records:
+      raise spec.SweepError("--commit_records needs --records FILE")
+    if FLAGS.records and modes and modes != ["collect"]:
+      raise spec.SweepError("--records goes with training or --collect")
+    collect_records = FLAGS.collect and FLAGS.records
+    if collect_records and not FLAGS.output_dir:
+      raise spec.SweepError("--collect --records needs --output_dir")
+    if not FLAGS.workdir and not (FLAGS.dry_run or modes == ["compile_check"] or collect_records):
       raise spec.SweepError("--workdir is required (each row runs in WORKDIR/<row>)")
     sweep = dataclasses.replace(spec.load_sweep(FLAGS.sweep), command_line_overrides=overrides)
     rows = spec.select_rows(sweep, FLAGS.only)
@@ -139,6 +164,11 @@ def main(argv, overrides: dict[str, str]) -> None:
       )
       for path in written:
         print(path)
+    elif collect_records:
+      written = aggregate.collect(sweep, FLAGS.records, FLAGS.output_dir)
+      print(storage.read_text(written[0]))
+      for path in written:
+        print(f"wrote {path}")
     elif FLAGS.collect:
       written = report.collect(
         sweep, rows, configs, FLAGS.workdir, FLAGS.output_dir or FLAGS.workdir
@@ -147,7 +177,14 @@ def main(argv, overrides: dict[str, str]) -> None:
       for path in written:
         print(f"wrote {path}")
     else:
-      runner.run_local(sweep, rows, configs, FLAGS.workdir, final_eval=FLAGS.final_eval)
+      recording = None
+      if FLAGS.records:
+        typed = sys.argv[1:] + [f"--config.{k}={v}" for k, v in overrides.items()]
+        command = "python -m transformer.sweeps " + " ".join(typed)
+        recording = runner.Recording(FLAGS.records, command, FLAGS.commit_records)
+      runner.run_local(
+        sweep, rows, configs, FLAGS.workdir, final_eval=FLAGS.final_eval, recording=recording
+      )
   except (spec.SweepError, config_lib.ConfigError) as e:
     sys.exit(f"error: {e}")
 

@@ -118,23 +118,25 @@ class RowCommands:
 
 def row_commands(
   sweep: spec.Sweep,
-  row: spec.Row,
+  run: spec.Run,
   config,
   workdir: str,
   python: str,
   extra_args: tuple[str, ...] = (),
 ) -> RowCommands:
-  """The row's commands; `extra_args` go to its train.py and eval.py (the TPU script's
+  """A run's commands; `extra_args` go to its train.py and eval.py (the TPU script's
   --distributed=on)."""
-  row_dir = f"{workdir.rstrip('/')}/{row.name}"
+  row_dir = run.directory(workdir)
   relative = os.path.relpath(spec.config_file(sweep), config_lib.REPO_ROOT)  # the cluster's clone
-  train_args = spec.train_args(sweep, row, row_dir, relative)
+  train_args = spec.train_args(sweep, run, row_dir, relative)
   config_args = train_args[:2] + train_args[4:]  # without --workdir DIR
   return RowCommands(
     row_dir=row_dir,
     prepare=_command(python, "-m transformer.tools.prepare_data", config_args),
     train=_command(python, "train.py", train_args + list(extra_args)),
-    evaluate=_command(python, "eval.py", spec.eval_args(row_dir, config) + list(extra_args)),
+    evaluate=_command(
+      python, "eval.py", spec.eval_args(row_dir, config, sweep.average_last) + list(extra_args)
+    ),
     print_step=_command(python, "train.py", ["--workdir", row_dir, "--print_step"]),
     last_step=config_lib.final_step(config),
   )
@@ -276,7 +278,8 @@ def _check_shared_data_dir(kind: str, row: spec.Row, config, options: LaunchOpti
 def write_scripts(
   kind: str, sweep: spec.Sweep, rows: list, configs: dict, workdir: str, options: LaunchOptions
 ) -> list[str]:
-  """Writes <row>.sbatch (slurm) or <row>.sh (tpu) per row, plus one script for all."""
+  """Writes <row>.sbatch (slurm) or <row>.sh (tpu) per run (<row>-seed<k> for a row with
+  seeds), plus one script for all."""
   script_dir = options.script_dir
   if not script_dir:
     if "://" in workdir:
@@ -288,8 +291,12 @@ def write_scripts(
   # A TPU slice's workers must find each other: JAX's detection, and an error if it fails.
   extra_args = ("--distributed=on",) if kind == "tpu" else ()
   written = []
-  for row in rows:
-    commands = row_commands(sweep, row, configs[row.name], workdir, options.python, extra_args)
+  for run in spec.runs(rows):
+    config = configs[run.row.name]
+    commands = row_commands(sweep, run, config, workdir, options.python, extra_args)
+    # A run of a row with seeds is named for its seed in its script, job and log names.
+    label = run.row.name if run.seed is None else f"{run.row.name}-seed{run.seed}"
+    row = dataclasses.replace(run.row, name=label)
     if kind == "slurm":
       path = os.path.join(script_dir, f"{row.name}.sbatch")
       text = _slurm_script(sweep, row, commands, script_dir, options)

@@ -1,10 +1,12 @@
 """The sweep file format: named rows of config overrides on one base config.
 
-A sweep file is plain Python (see configs/sweeps/table3.py): `BASE_CONFIG = "FILE[:ARG]"`,
-optionally `BASE_OVERRIDES = {dotted key: value}` for every row, and `get_sweep()`
-returning a list of `Row`s (`from transformer.sweeps import Row`). Every row's config is
-built and validated before any row trains, so a typo in the last row fails in one line
-before the first row starts.
+A sweep file is plain Python (see configs/sweeps/table3.py): `BASE_CONFIG =
+"FILE[:ARG]"`, optionally `BASE_OVERRIDES = {dotted key: value}` for every row and
+`AVERAGE_LAST = K` (the final evaluation averages the last K checkpoints, as the paper
+does; default 1, the last checkpoint alone), and `get_sweep()` returning a list of `Row`s
+(`from transformer.sweeps import Row`); a Row may name its seeds, one run for each.
+Every row's config is built and validated before any row trains, so a typo in the last
+row fails in one line before the first row starts.
 """
 
 from __future__ import annotations
@@ -53,6 +55,29 @@ class Sweep:
   rows: list
   # `--config.KEY=VALUE` of the sweep's command line, as typed: over every row's own.
   command_line_overrides: dict = dataclasses.field(default_factory=dict)
+  average_last: int = 1  # checkpoints the final evaluation averages
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training run of a row: the row at one seed (None: the config's own seed)."""
+
+  row: Row
+  seed: int | None = None
+
+  @property
+  def name(self) -> str:
+    return self.row.name if self.seed is None else f"{self.row.name} seed {self.seed}"
+
+  def directory(self, workdir: str) -> str:
+    """WORKDIR/<row> for a row without seeds, WORKDIR/<row>/seed<k> for one with."""
+    row_dir = f"{workdir.rstrip('/')}/{self.row.name}"
+    return row_dir if self.seed is None else f"{row_dir}/seed{self.seed}"
+
+
+def runs(rows: list[Row]) -> list[Run]:
+  """Every run of the rows, row by row and seed by seed in the order the row names them."""
+  return [Run(row, seed) for row in rows for seed in (row.seeds or (None,))]
 
 
 def split_config_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -107,8 +132,24 @@ def load_sweep(path: str) -> Sweep:
     if row.name in seen:
       raise SweepError(f"{path}: row {row.name!r} appears twice")
     seen.add(row.name)
+    seeds = row.seeds
+    if seeds is not None and (
+      not seeds
+      or len(set(seeds)) != len(seeds)
+      or not all(isinstance(s, int) and s >= 0 for s in seeds)
+    ):
+      raise SweepError(f"{path}: row {row.name}: seeds {seeds!r} must be distinct integers >= 0")
+  average_last = getattr(module, "AVERAGE_LAST", 1)
+  if not isinstance(average_last, int) or average_last < 1:
+    raise SweepError(f"{path}: AVERAGE_LAST = {average_last!r} must be an integer >= 1")
   name = os.path.splitext(os.path.basename(path))[0]
-  return Sweep(name, base_config, dict(getattr(module, "BASE_OVERRIDES", {})), rows)
+  return Sweep(
+    name,
+    base_config,
+    dict(getattr(module, "BASE_OVERRIDES", {})),
+    rows,
+    average_last=average_last,
+  )
 
 
 def select_rows(sweep: Sweep, only: str | None) -> list[Row]:
@@ -159,9 +200,11 @@ def flag_value(value: Any) -> str:
   return value if isinstance(value, str) else repr(value)
 
 
-def train_args(sweep: Sweep, row: Row, workdir: str, config_path: str) -> list[str]:
-  """train.py's arguments for a row (without `python train.py`)."""
-  overrides = {**sweep.base_overrides, **row.overrides}
+def train_args(sweep: Sweep, run: Run, workdir: str, config_path: str) -> list[str]:
+  """train.py's arguments for a run of a row (without `python train.py`)."""
+  overrides = {**sweep.base_overrides, **run.row.overrides}
+  if run.seed is not None:
+    overrides["seed"] = run.seed
   _, _, arg = sweep.base_config.partition(":")
   config = f"{config_path}:{arg}" if arg else config_path
   return (
@@ -171,7 +214,9 @@ def train_args(sweep: Sweep, row: Row, workdir: str, config_path: str) -> list[s
   )
 
 
-def eval_args(workdir: str, config: ml_collections.ConfigDict) -> list[str]:
-  """eval.py's arguments: the final checkpoint (no averaging, as Table 3) on validation."""
+def eval_args(workdir: str, config: ml_collections.ConfigDict, average_last: int = 1) -> list[str]:
+  """eval.py's arguments: the whole validation split at the final checkpoint, averaged
+  with the checkpoints before it when average_last > 1 (the sweep's AVERAGE_LAST)."""
   step = config_lib.final_step(config)
-  return ["--workdir", workdir, "--split", "validation", "--step", str(step)]
+  args = ["--workdir", workdir, "--split", "validation", "--step", str(step)]
+  return args + (["--average_last", str(average_last)] if average_last > 1 else [])
