@@ -186,9 +186,9 @@ def test_odd_d_model_fails_only_for_sinusoids():
 class RecordingConfig(ml_collections.ConfigDict):
   """A ConfigDict that records which keys the package reads, with their dotted names.
 
-  A read counts when a module of the package other than config.py (whose validation
-  reads every key) takes the value by attribute or by item, or when config.py's
-  final_step does (what the loop asks for its last step); bulk conversions inside
+  A read counts when a module of the package outside transformer/config/ (whose
+  validation reads every key) takes the value by attribute or by item, or when the
+  config's final_step does (what the loop asks for its last step); bulk conversions inside
   ml_collections (to_json, items) do not count.
   """
 
@@ -200,9 +200,9 @@ class RecordingConfig(ml_collections.ConfigDict):
     if caller.f_code.co_name == "__getattr__" and "ml_collections" in caller.f_code.co_filename:
       caller = caller.f_back
     path = os.path.abspath(caller.f_code.co_filename)
-    in_config_py = path == os.path.abspath(config_lib.__file__)
+    in_config = os.path.dirname(path) == os.path.dirname(os.path.abspath(config_lib.__file__))
     if cli.is_project_file(path) and (
-      not in_config_py or caller.f_code.co_name == config_lib.final_step.__name__
+      not in_config or caller.f_code.co_name == config_lib.final_step.__name__
     ):
       RecordingConfig.reads.add(self._prefix() + key)
     return value

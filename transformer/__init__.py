@@ -3,7 +3,7 @@
 One folder per layer; each imports only from the layers listed before it
 (tests/test_package_layout.py checks it):
 
-  config.py, messages.py   every config key and its checks; one-line messages
+  config/, messages.py     every config key and its checks; one-line messages
   model/                   the Flax modules and decoding (beam, greedy, sampling)
   data/                    tfds and TSV sources, SentencePiece, batching, packing
   training/                state, steps, loop, checkpoints, sharding, multi-host

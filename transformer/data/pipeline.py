@@ -271,18 +271,27 @@ class TrainIterator:
     self._pairs_read = int(state.get("pairs_read", 0))
     saved = state.get("plan")
     if saved is None:  # format 1: plan as the code that wrote it did
-      self._plan = self._plan_rows(self._row_multiple, nearest=True)
-      logging.warning(
-        "the checkpoint's data state (format 1) has no batch plan: batches planned again "
-        "with this run's mesh, rows rounded as its code did, to the nearest multiple of %d "
-        "(rows by length %s); its %d batches of epoch %d are the ones it counted only if "
-        "the mesh it ran on had that row multiple too",
-        self._row_multiple,
-        self._plan,
-        self._batch_in_epoch,
-        self._epoch,
-      )
-      return
+      self._plan_as_format_1()
+    else:
+      self._go_on_with_plan(saved, layout)
+
+  def _plan_as_format_1(self) -> None:
+    """Plans a format-1 state's batches as its code did (rows to the nearest multiple)."""
+    self._plan = self._plan_rows(self._row_multiple, nearest=True)
+    logging.warning(
+      "the checkpoint's data state (format 1) has no batch plan: batches planned again "
+      "with this run's mesh, rows rounded as its code did, to the nearest multiple of %d "
+      "(rows by length %s); its %d batches of epoch %d are the ones it counted only if "
+      "the mesh it ran on had that row multiple too",
+      self._row_multiple,
+      self._plan,
+      self._batch_in_epoch,
+      self._epoch,
+    )
+
+  def _go_on_with_plan(self, saved: dict, layout: str) -> None:
+    """Keeps the `saved` plan, or plans again from the next unread pair if PLAN_KEYS
+    changed; ConfigError if its rows do not split over this run's row_multiple."""
     saved_rows = {int(length): int(rows) for length, rows in saved["rows_by_length"]}
     changed = [
       f"{key} {saved[key]!r} -> {self._config[key]!r}"

@@ -1,6 +1,6 @@
 """One SentencePiece vocabulary shared by source and target, trained once and cached.
 
-Token ids are fixed (transformer/config.py): PAD=0, EOS=1, BOS=2, UNK=3. The model file is
+Token ids are fixed (transformer/config/schema.py): PAD=0, EOS=1, BOS=2, UNK=3. The model file is
 cached under config.vocab_cache_dir with a name that hashes everything it depends on
 (dataset, direction, type, size, sentence cap), and copied into each run's workdir as
 `vocab.model` so evaluation needs nothing but the workdir. A run with config.vocab_from

@@ -299,7 +299,7 @@ class MultiHeadAttention(nn.Module):
 
     Attention maps (the 'intermediates' collection) need the weights themselves, which
     only the einsum kernel forms: those calls take it. (Attention dropout needs them
-    too; config.py allows it with the einsum kernel only.) The einsum kernel without
+    too; config/validation.py allows it with the einsum kernel only.) The einsum kernel without
     them does not come here: its V is projected with a column of ones
     (`Projection.ones_column`) and goes to attention_kernels.softmax_attention_with_ones,
     whose matmul with that column gives the softmax's denominator.

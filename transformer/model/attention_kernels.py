@@ -26,7 +26,7 @@ later layer reads it (a real query never attends to padding, segment id 0).
               only inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`,
               as the tests do.
 
-Adding a kernel is one function below and one entry in KERNELS (config.py's
+Adding a kernel is one function below and one entry in KERNELS (config/schema.py's
 ATTENTION_KERNELS lists the names a config may choose). The einsum kernel also takes V
 with a column of ones appended (`softmax_attention_with_ones`): MultiHeadAttention's
 projection writes that column itself (`Projection.ones_column`), which saves a copy of

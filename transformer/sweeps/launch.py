@@ -195,11 +195,8 @@ exit "$status"
 """
 
 
-def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> str:
-  repo_dir = shlex.quote(_repo_dir(options))
-  # Per worker (the clone may be on a disk every worker shares), kept across restarts: the
-  # log is appended to, and the pid file is the newest start's.
-  log = f"logs/{sweep.name}-{row.name}.$(hostname)"
+def _tpu_start(repo_dir: str, log: str, commands: RowCommands) -> str:
+  """The command that starts the row on a worker: `log` is the worker's log, without ".log"."""
   # Once the job has ended (finished, stopped or failed), each worker's log (every start
   # of the row on that worker) goes into the row's workdir as well, as logs/<host>.log: a
   # bucket cannot be appended to while it runs.
@@ -217,10 +214,18 @@ def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> st
     f'[ "$({commands.print_step})" = {commands.last_step} ] && {commands.evaluate}; '
     f"{keep_log}"
   )
-  start = (
+  return (
     f"cd {repo_dir} && mkdir -p logs && "
     f"nohup setsid bash -c {shlex.quote(job)} >> {log}.log 2>&1 < /dev/null &"
   )
+
+
+def _tpu_script(sweep, row, commands: RowCommands, options: LaunchOptions) -> str:
+  repo_dir = shlex.quote(_repo_dir(options))
+  # Per worker (the clone may be on a disk every worker shares), kept across restarts: the
+  # log is appended to, and the pid file is the newest start's.
+  log = f"logs/{sweep.name}-{row.name}.$(hostname)"
+  start = _tpu_start(repo_dir, log, commands)
   prepare = f"cd {repo_dir} && {commands.prepare}"
   watch = f"cd {repo_dir} && tail -n 100 -F {log}.log"
   stop = f"cd {repo_dir} && pkill -TERM -P $(cat {log}.pid)"

@@ -381,7 +381,7 @@ def export_run(
       "quantization": quantization,
       "ctranslate2": ctranslate2.__version__,
       "decoder_only": bool(cfg.decoder_only),
-      # What the run's own search uses (config.py); the README passes them to the engine.
+      # What the run's own search uses (config/schema.py); the README passes them to the engine.
       "never_generated": [tokens[i] for i in NEVER_GENERATED],
       "max_len": config.max_len,
       "max_decode_extra_len": config.max_decode_extra_len,

@@ -285,6 +285,39 @@ def shared_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> data.To
   return data.Tokenizer(np.asarray(broadcast(buffer)).tobytes())
 
 
+def _log_model(setup: state.Setup) -> None:
+  """Logs the parameter count and what the model computes with: an "auto" dtype or
+  attention kernel as resolved on this platform."""
+  model_config = setup.model.config
+  logging.info(
+    "%s parameters; computes in %s, attention kernel %s",
+    f"{setup.num_params:,}",
+    model_config.dtype.name,
+    model_config.attention_kernel,
+  )
+
+
+def _progress(
+  config: ml_collections.ConfigDict, total_steps: int, model_config: ModelConfig
+) -> Progress:
+  """The run's Progress, its MFU taken against the devices' peak (logged with its source)."""
+  peak = flops.total_peak_flops(configured=config.peak_flops_per_device)
+  if peak is not None:  # MFU's denominator, and where it came from
+    logging.info(
+      "Peak %.1f TFLOP/s for MFU (%s)",
+      peak / 1e12,
+      flops.peak_source(config.peak_flops_per_device),
+    )
+  return Progress(
+    peak,
+    total_steps,
+    model_config,
+    remeasure_peak=functools.partial(
+      flops.total_peak_flops, remeasure=True, configured=config.peak_flops_per_device
+    ),
+  )
+
+
 class TrainingRun:
   """One run in a workdir: built (and restored) at construction, then `train()`, then
   `close()` (which the signal handlers `train()` installs last until)."""
@@ -324,41 +357,20 @@ class TrainingRun:
       workdir, config.keep_checkpoints, clean_torn=True, timeout_s=config.storage_timeout_s
     )
     self.state = self._restore_or_init()
-    model_config = self.setup.model.config  # an "auto" dtype or kernel, resolved here
-    logging.info(
-      "%s parameters; computes in %s, attention kernel %s",
-      f"{self.setup.num_params:,}",
-      model_config.dtype.name,
-      model_config.attention_kernel,
-    )
+    _log_model(self.setup)
     self.writer = reporting.MetricsWriter(
       workdir, enabled=self.is_chief, timeout_s=config.storage_timeout_s
     )
     self.total_steps = config_lib.final_step(config)  # batches, grad_accum_steps an update
-    peak = flops.total_peak_flops(configured=config.peak_flops_per_device)
-    if peak is not None:  # MFU's denominator, and where it came from
-      logging.info(
-        "Peak %.1f TFLOP/s for MFU (%s)",
-        peak / 1e12,
-        flops.peak_source(config.peak_flops_per_device),
-      )
-    self.progress = Progress(
-      peak,
-      self.total_steps,
-      self.setup.model.config,
-      remeasure_peak=functools.partial(
-        flops.total_peak_flops, remeasure=True, configured=config.peak_flops_per_device
-      ),
-    )
+    self.progress = _progress(config, self.total_steps, self.setup.model.config)
     self.validate = (
       validation(config, self.setup, self.tokenizer) if (config.eval_every_steps) else None
     )
     # This workdir's earlier starts (process 0 reports goodput): their last goodput
     # records, and the highest global step they logged, up to which steps are recomputed.
-    self.earlier_goodput: dict[float, dict] = {}
-    self.highest_logged_step = 0
-    if self.is_chief:
-      self.earlier_goodput, self.highest_logged_step = goodput.read_earlier(workdir)
+    self.earlier_goodput, self.highest_logged_step = (
+      goodput.read_earlier(workdir) if self.is_chief else ({}, 0)
+    )
     self.trained = False  # whether train() ran steps: a goodput line to print
     self.batches: prefetch.Prefetcher  # set by train(): the global batches, built ahead
     self.started = time.time()  # train()'s start, for the progress line's elapsed time
@@ -396,13 +408,7 @@ class TrainingRun:
       logging.info("already trained to step %d of %d", start_step, self.total_steps)
       return {"step": start_step}
     p_train_step = steps.jit_train_step(self.setup)
-    self.batches = prefetch.Prefetcher(
-      self.train_iter,
-      lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules),
-      size=2,
-      timeout_s=self.config.storage_timeout_s,
-      what=f"the training data of {self.config.dataset}",
-    )
+    self.batches = self._global_batches()
     if self.preemption is None:
       self.preemption = PreemptionSignal(several_processes=jax.process_count() > 1)
     preemption = self.preemption
@@ -438,13 +444,7 @@ class TrainingRun:
           with self.progress.paused(), clock.timing("checkpoints"):
             self._save(step)
         if preempted:
-          with clock.timing("checkpoints"):
-            self.checkpointer.wait()
-          logging.info(
-            "checkpoint at step %d written after %s; exiting",
-            step,
-            preemption.received or "preemption notice",
-          )
+          self._wait_for_last_save(step, preemption)
           break
       finished = True
     finally:
@@ -452,6 +452,26 @@ class TrainingRun:
       # The handlers stay until close(), after the last save's commit.
       preemption.finishing = True
     return {"step": step, **eval_metrics}
+
+  def _global_batches(self) -> prefetch.Prefetcher:
+    """The training iterator's batches as global arrays, two built ahead on a thread."""
+    return prefetch.Prefetcher(
+      self.train_iter,
+      lambda b: sharding.global_batch(b, self.setup.mesh, self.setup.rules),
+      size=2,
+      timeout_s=self.config.storage_timeout_s,
+      what=f"the training data of {self.config.dataset}",
+    )
+
+  def _wait_for_last_save(self, step: int, preemption: PreemptionSignal) -> None:
+    """After a preemption notice: waits for `step`'s checkpoint to commit, and says so."""
+    with self.clock.timing("checkpoints"):
+      self.checkpointer.wait()
+    logging.info(
+      "checkpoint at step %d written after %s; exiting",
+      step,
+      preemption.received or "preemption notice",
+    )
 
   def _step_flops(self, batch) -> int:
     """FLOPs of the batch's padded shape (HFU); MFU's real-token FLOPs come from

@@ -66,6 +66,22 @@ def _summed_loss_fn(params, batch: dict[str, Array], dropout_rng: Array, **kwarg
   return sums["loss_sum"], (loss, sums)
 
 
+def _dropout_rng(config: ml_collections.ConfigDict, step: Array) -> Array:
+  """The step's dropout key: masks depend only on (seed, step), so a resumed run draws
+  the same ones."""
+  return jax.random.fold_in(jax.random.key(config.seed + 1, impl=config.dropout_rng_impl), step)
+
+
+def _placed(grads, param_shardings, grad_shardings):
+  """The gradients split over the data axis as grad_shardings says (None: as they are)."""
+  if grad_shardings is None:
+    return grads
+  # Summed as the parameters are placed first: a constraint on the backward pass's
+  # result alone reaches back into it, and the partitioner then split its matmuls too.
+  grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+  return jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+
 def train_step(
   state: TrainState,
   batch: dict[str, Array],
@@ -89,26 +105,15 @@ def train_step(
   parameters are placed (`param_shardings`), are then split over the data axis: each
   device updates its part, and the new parameters are gathered.
   """
-  # Dropout masks depend only on (seed, step): a resumed run draws the same ones.
-  dropout_rng = jax.random.fold_in(
-    jax.random.key(config.seed + 1, impl=config.dropout_rng_impl), state.step
-  )
+  dropout_rng = _dropout_rng(config, state.step)
   loss_kwargs = dict(
     model=model, label_smoothing=config.label_smoothing, loss_chunk_len=config.loss_chunk_len
   )
 
-  def placed(grads):
-    if grad_shardings is None:
-      return grads
-    # Summed as the parameters are placed first: a constraint on the backward pass's
-    # result alone reaches back into it, and the partitioner then split its matmuls too.
-    grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-    return jax.lax.with_sharding_constraint(grads, grad_shardings)
-
   if config.grad_accum_steps > 1:
     grad_fn = jax.value_and_grad(_summed_loss_fn, has_aux=True)
     (_, (loss, sums)), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
-    grads = placed(grads)
+    grads = _placed(grads, param_shardings, grad_shardings)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params, num_tokens=sums["num_tokens"]
@@ -117,7 +122,7 @@ def train_step(
   else:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, sums), grads = grad_fn(state.params, batch, dropout_rng, **loss_kwargs)
-    grads = placed(grads)
+    grads = _placed(grads, param_shardings, grad_shardings)
     with jax.named_scope("optimizer"):
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       grad_norm = optax.tree_utils.tree_norm(grads)

@@ -191,16 +191,10 @@ def _alternating_timings(
   return compile_s, seconds, outputs
 
 
-def _compare_at_batch(
-  config, target, sources: list, num_lines: int, draft_len: int
-) -> dict[str, Any]:
-  """Greedy and speculative decoding of the same batches, alternating which goes first
-  on each batch (so a change in the machine's load falls on both), after an untimed
-  pass that compiles every batch shape."""
-  draft, extra, rows = target.draft, config.max_decode_extra_len, sources[0].shape[0]
-  assert draft is not None  # a draft_workdir always gives the translator one
+def _decoders(target, draft, extra: int, draft_len: int) -> dict[str, Callable]:
+  """{"greedy": ..., "speculative": ...}: each decodes a source batch [B, S] with `target`."""
   prompts = lambda source: decoding.translation_prompts(source, extra, False)
-  decoders = {
+  return {
     "greedy": lambda source: (
       decoding.decode(target.model, target.params, prompts(source), decoding.Greedy()).tokens_BxO
     ),
@@ -211,13 +205,47 @@ def _compare_at_batch(
       decoding.Speculative(draft.model, draft_len, draft_params=draft.params),
     ),
   }
-  compile_s, seconds, outputs = _alternating_timings(decoders, sources)
-  generated, greedy_passes = _identical_outputs(outputs, num_lines)
-  spec_out = outputs["speculative"]
+
+
+def _speculation_counts(spec_out: list, greedy_passes: int) -> dict[str, Any]:
+  """What speculation proposed, accepted and cost in target passes, over the batches'
+  speculative outputs (one decoding.Generation per batch)."""
   proposed = sum(int(o.proposed) for o in spec_out)
   accepted = sum(int(o.accepted) for o in spec_out)
   target_calls = sum(int(o.calls) for o in spec_out)
-  acceptance = accepted / max(proposed, 1)
+  return {
+    "acceptance_rate": accepted / max(proposed, 1),
+    "proposed": proposed,
+    "accepted": accepted,
+    "target_calls": target_calls,
+    # Whole-batch passes of the target, the first token's included (speculative: the
+    # prefill, uncounted in target_calls; greedy: its first step). Their ratio is what
+    # speculation saves in target passes; the speed-up is what it saves in time.
+    "target_passes_greedy": greedy_passes,
+    "target_passes_speculative": target_calls + len(spec_out),
+    "target_pass_reduction": greedy_passes / (target_calls + len(spec_out)),
+    # As decoding.Generation and eval.py count it: tokens per sentence per target pass
+    # (at most k + 1, plus the first token, which the uncounted prefill yields).
+    "tokens_per_target_call": sum(
+      int(np.sum(np.asarray(o.tokens_BxO) != config_lib.PAD_ID)) for o in spec_out
+    )
+    / max(sum(int(o.row_calls) for o in spec_out), 1),
+  }
+
+
+def _compare_at_batch(
+  config, target, sources: list, num_lines: int, draft_len: int
+) -> dict[str, Any]:
+  """Greedy and speculative decoding of the same batches, alternating which goes first
+  on each batch (so a change in the machine's load falls on both), after an untimed
+  pass that compiles every batch shape."""
+  draft, extra, rows = target.draft, config.max_decode_extra_len, sources[0].shape[0]
+  assert draft is not None  # a draft_workdir always gives the translator one
+  decoders = _decoders(target, draft, extra, draft_len)
+  compile_s, seconds, outputs = _alternating_timings(decoders, sources)
+  generated, greedy_passes = _identical_outputs(outputs, num_lines)
+  counts = _speculation_counts(outputs["speculative"], greedy_passes)
+  acceptance, target_calls = counts["acceptance_rate"], counts["target_calls"]
   passes = _pass_costs(target, draft, sources[0], draft_len, extra)
   draft_cost = passes["draft"] / passes["target"]
   greedy_s, spec_s = seconds["greedy"], seconds["speculative"]
@@ -229,22 +257,7 @@ def _compare_at_batch(
     "target_params": _count(target.params),
     "draft_params": _count(draft.params),
     "draft_kind": type(draft.model).__name__,
-    "acceptance_rate": acceptance,
-    "proposed": proposed,
-    "accepted": accepted,
-    "target_calls": target_calls,
-    # Whole-batch passes of the target, the first token's included (speculative: the
-    # prefill, uncounted in target_calls; greedy: its first step). Their ratio is what
-    # speculation saves in target passes; the speed-up is what it saves in time.
-    "target_passes_greedy": greedy_passes,
-    "target_passes_speculative": target_calls + len(sources),
-    "target_pass_reduction": greedy_passes / (target_calls + len(sources)),
-    # As decoding.Generation and eval.py count it: tokens per sentence per target pass
-    # (at most k + 1, plus the first token, which the uncounted prefill yields).
-    "tokens_per_target_call": sum(
-      int(np.sum(np.asarray(o.tokens_BxO) != config_lib.PAD_ID)) for o in spec_out
-    )
-    / max(sum(int(o.row_calls) for o in spec_out), 1),
+    **counts,
     "generated_tokens": generated,
     # The untimed first passes: compiling every batch shape, plus one run.
     "greedy_compile_s": compile_s["greedy"],

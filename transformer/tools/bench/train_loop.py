@@ -34,33 +34,10 @@ def measure(config, num_steps: int, window: int) -> dict[str, Any]:
   the rest. Steps per second compare like with like: the passes train on the same
   batches.
   """
-  from transformer.training import loop
-
-  config = config.copy_and_resolve_references()
-  config.num_train_steps = num_steps // config.grad_accum_steps
-  config.log_every_steps = window
-  config.eval_every_steps = 0
-  config.checkpoint_every_steps = 0
-  config.checkpoint_every_minutes = 0.0
-  with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as workdir:
-    with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout is the report's
-      run = loop.TrainingRun(config, workdir, validation=None)
-      try:
-        # The loop's own iterator, read ahead and rewound: the bare passes get its batches.
-        start = run.train_iter.get_state()
-        host_batches = list(itertools.islice(run.train_iter, num_steps))
-        run.train_iter.set_state(start)
-        batches = [sharding.global_batch(b, run.setup.mesh, run.setup.rules) for b in host_batches]
-        bare_step = steps.jit_train_step(run.setup)
-        bare_state = run.setup.init_state(jax.random.key(config.seed))
-        bare_before, bare_state = _bare_windows(bare_step, bare_state, batches, window)
-        run.train()
-        bare_after, _ = _bare_windows(bare_step, bare_state, batches, window)
-      finally:
-        run.close()
-    loop_records = reporting.read_metrics(workdir, kind="train")[1:]
+  config = _loop_config(config, num_steps, window)
+  loop_records, bare_seconds, host_batches = _three_passes(config, num_steps, window)
   loop_windows = [r["steps_per_sec"] for r in loop_records]
-  bare_windows = [window / seconds for seconds in bare_before + bare_after]
+  bare_windows = [window / seconds for seconds in bare_seconds]
   loop_steps_per_sec = statistics.median(loop_windows)
   bare_steps_per_sec = statistics.median(bare_windows)
   loop_tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in loop_records)
@@ -84,6 +61,43 @@ def measure(config, num_steps: int, window: int) -> dict[str, Any]:
       else None
     ),
   }
+
+
+def _loop_config(config, num_steps: int, window: int):
+  """The config with `num_steps` batches, a metrics line every `window`, no validation and
+  no checkpoint but the final one."""
+  config = config.copy_and_resolve_references()
+  config.num_train_steps = num_steps // config.grad_accum_steps
+  config.log_every_steps = window
+  config.eval_every_steps = 0
+  config.checkpoint_every_steps = 0
+  config.checkpoint_every_minutes = 0.0
+  return config
+
+
+def _three_passes(config, num_steps: int, window: int) -> tuple[list[dict], list[float], list]:
+  """(the loop's train metrics records but the first, the bare passes' window seconds
+  before and after it, the host batches): measure's three passes, in a temporary workdir."""
+  from transformer.training import loop
+
+  with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as workdir:
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout is the report's
+      run = loop.TrainingRun(config, workdir, validation=None)
+      try:
+        # The loop's own iterator, read ahead and rewound: the bare passes get its batches.
+        start = run.train_iter.get_state()
+        host_batches = list(itertools.islice(run.train_iter, num_steps))
+        run.train_iter.set_state(start)
+        batches = [sharding.global_batch(b, run.setup.mesh, run.setup.rules) for b in host_batches]
+        bare_step = steps.jit_train_step(run.setup)
+        bare_state = run.setup.init_state(jax.random.key(config.seed))
+        bare_before, bare_state = _bare_windows(bare_step, bare_state, batches, window)
+        run.train()
+        bare_after, _ = _bare_windows(bare_step, bare_state, batches, window)
+      finally:
+        run.close()
+    loop_records = reporting.read_metrics(workdir, kind="train")[1:]
+  return loop_records, bare_before + bare_after, host_batches
 
 
 def _bare_windows(step_fn, train_state, batches: list, window: int) -> tuple[list, Any]:

@@ -64,19 +64,7 @@ def measure(
   compiled = step_fn.lower(train_state, batch).compile()
   compile_s = time.perf_counter() - start
 
-  for _ in range(warmup):
-    train_state, metrics = compiled(train_state, batch)
-  jax.block_until_ready(train_state)
-  times = []
-  usage_before = resource.getrusage(resource.RUSAGE_SELF)
-  for _ in range(num_steps):
-    start = time.perf_counter()
-    train_state, metrics = compiled(train_state, batch)
-    jax.block_until_ready((train_state, metrics))
-    times.append(time.perf_counter() - start)
-  usage_after = resource.getrusage(resource.RUSAGE_SELF)
-  if not np.isfinite(float(metrics["loss"])):
-    raise RuntimeError(f"benchmark loss is {float(metrics['loss'])}")
+  train_state, times, host = _timed_steps(compiled, train_state, batch, num_steps, warmup)
 
   step_time = statistics.median(times)
   target_tokens = rows * seq_len
@@ -105,14 +93,38 @@ def measure(
     # As run here: an "auto" of the config resolved for this platform.
     "dtype": run.model.config.dtype.name,
     "attention_kernel": run.model.config.attention_kernel,
-    # The host's side of a step: pages first touched (a CPU step whose buffers are
-    # mapped afresh faults in every one of them; transformer/host_memory.py) and the
-    # kernel time, per timed step, over all of the process's threads.
-    "host_page_faults_per_step": (usage_after.ru_minflt - usage_before.ru_minflt) / num_steps,
-    "host_kernel_s_per_step": (usage_after.ru_stime - usage_before.ru_stime) / num_steps,
+    **host,
   }
   result.update(_memory(compiled))
   return result, run.model, train_state.params
+
+
+def _timed_steps(
+  compiled, train_state, batch, num_steps: int, warmup: int
+) -> tuple[Any, list[float], dict[str, float]]:
+  """(the state after them, seconds of each of `num_steps` steps after `warmup` untimed
+  ones, the host's side of a timed step); RuntimeError if the loss is not finite."""
+  for _ in range(warmup):
+    train_state, metrics = compiled(train_state, batch)
+  jax.block_until_ready(train_state)
+  times = []
+  usage_before = resource.getrusage(resource.RUSAGE_SELF)
+  for _ in range(num_steps):
+    start = time.perf_counter()
+    train_state, metrics = compiled(train_state, batch)
+    jax.block_until_ready((train_state, metrics))
+    times.append(time.perf_counter() - start)
+  usage_after = resource.getrusage(resource.RUSAGE_SELF)
+  if not np.isfinite(float(metrics["loss"])):
+    raise RuntimeError(f"benchmark loss is {float(metrics['loss'])}")
+  # The host's side of a step: pages first touched (a CPU step whose buffers are mapped
+  # afresh faults in every one of them; transformer/host_memory.py) and the kernel time,
+  # per timed step, over all of the process's threads.
+  host = {
+    "host_page_faults_per_step": (usage_after.ru_minflt - usage_before.ru_minflt) / num_steps,
+    "host_kernel_s_per_step": (usage_after.ru_stime - usage_before.ru_stime) / num_steps,
+  }
+  return train_state, times, host
 
 
 def _memory(compiled) -> dict[str, Any]:
