@@ -17,6 +17,10 @@ from transformer import cli
 from transformer.config import DEFAULT_CONFIG
 from transformer.training import distributed
 
+# The version of `make train`'s records (docs/results/README.md): bump it when what they hold
+# changes (a figure's meaning or value), not when the code that computes it is reworded.
+RECORD_VERSION = 1
+
 _CONFIG = config_flags.DEFINE_config_file(
   "config", DEFAULT_CONFIG, "Config file, optionally FILE:ARG.", lock_config=True
 )

@@ -5,7 +5,7 @@
 
 render_docs.py  the regions, their rendering and the making of records (`--record`)
 doc_views.py    the views: each reads its records and turns them into Markdown
-record_sources.py  the code each record file measures; the shown records older than it
+record_sources.py  each record file's producer; the shown records older than its version
 
 Run from the repository root: it is no part of the installed package, and it imports
 the package only for what the views compute (a sweep's rows, a config's steps).

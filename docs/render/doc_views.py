@@ -140,24 +140,45 @@ def ctranslate2_speed() -> str:
   )
 
 
-def source(name: str, records: Sequence[Record]) -> str:
+# (record file, record, shown as dated history) for each record the view being rendered by
+# shown() names; None outside shown().
+_shown: list[tuple[str, Record, bool]] | None = None
+
+
+def shown(view: Callable[[], str]) -> list[tuple[str, Record, bool]]:
+  """What a view shows: (record file, record, as dated history) per record it names."""
+  global _shown
+  _shown = []
+  try:
+    view()
+    return _shown
+  finally:
+    _shown = None
+
+
+def cite(name: str, records: Sequence[Record], history: bool = False) -> None:
+  """Names the records a view shows (source does it too): as current figures, which must
+  be of their producer's RECORD_VERSION (record_sources.py), or as dated history, each
+  labelled with its commit where it is shown."""
+  if _shown is not None:
+    _shown.extend((name, r, history) for r in records)
+
+
+def source(name: str, records: Sequence[Record], history: bool = False) -> str:
   """One line: the record file, and each distinct machine, date, commit and command."""
+  cite(name, records, history)
 
   def distinct(key: str) -> list[str]:
     return list(dict.fromkeys(str(r[key]) for r in records))
 
-  machines, dates, commits = distinct("machine"), distinct("date"), distinct("commit")
-  commands = distinct("command")
   parts = [
     f"`docs/results/{name}.jsonl`",
-    "; ".join(machines),
-    ", ".join(dates),
-    "commit " + ", ".join(commits),
+    "; ".join(distinct("machine")),
+    ", ".join(distinct("date")),
+    "commit " + ", ".join(distinct("commit")),
   ]
-  if len(commands) == 1:
-    parts.append(f"`{commands[0]}`")
-  else:
-    parts.append("each row's command is in its record")
+  commands = distinct("command")
+  parts.append(f"`{commands[0]}`" if len(commands) == 1 else "each row's command is in its record")
   quoted: dict[str, list[str]] = {}  # a page -> its commits ("PAGE at COMMIT (...)")
   for r in records:
     if "source" in r:
@@ -170,6 +191,8 @@ def source(name: str, records: Sequence[Record]) -> str:
       "figures first quoted in "
       + "; ".join(f"{where} at {', '.join(commits)}" for where, commits in quoted.items())
     )
+  if history:
+    parts.append("dated: each figure as of its own commit")
   return "<sub>Records: " + "; ".join(parts) + ".</sub>"
 
 
@@ -217,6 +240,7 @@ def make_train() -> str:
 
 def make_train_expected() -> str:
   r = _make_train()
+  cite("make_train", [r])
   return textwrap.fill(
     f"sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
     f"{r['num_sentences']:,}-sentence {r['split']} split, perplexity "
@@ -228,7 +252,9 @@ def make_train_expected() -> str:
 
 
 def make_test() -> str:
+  """The suite's size and time, as of the commit it names (no producer version: history)."""
   r = read_records("make_test")[-1]
+  cite("make_test", [r], history=True)
   low, high = r["wall_time_min_range"]
   minutes = f"{low} minutes" if low == high else f"{low} to {high} minutes"
   install = "install included" if r["install_included"] else "with the install already done"
@@ -808,6 +834,7 @@ def mixed_precision_expected() -> str:
 
 def _sweep_expected(name: str, keep: Callable[[Record], bool] = lambda r: True) -> str:
   records = [r for r in latest(read_records(name), key=lambda r: r["row"]) if keep(r)]
+  cite(name, records)
   rows = "; ".join(f"{r['row']} {r['ppl']:.2f} and {r['bleu']:.2f}" for r in records)
   first = records[0]
   return textwrap.fill(
@@ -1247,9 +1274,10 @@ def tpu_step_experiments() -> str:
       f"{now['mfu']:.1%}",
       "",
       f"{reference['total'] / reference['hbm']:.0%}",
+      reference["commit"],
     )
   ]
-  shown = [reference]
+  history: list[Record] = []
   for overrides, (r, before) in sorted(against.items()):
     p, b = r["profile"], before["profile"]
     moved = sorted(
@@ -1267,9 +1295,10 @@ def tpu_step_experiments() -> str:
         f"{p['mfu']:.1%}",
         deltas,
         f"{r['total'] / r['hbm']:.0%} (from {before['total'] / before['hbm']:.0%})",
+        r["commit"] if r["commit"] == before["commit"] else f"{before['commit']}, {r['commit']}",
       )
     )
-    shown += [r, before]
+    history += [r, before]
   return (
     "Transformer-base's train step on a v5e-8 (the paper's batch, the config's mesh), "
     "compiled with config overrides (`python -m transformer.tools.compile_check --config "
@@ -1277,11 +1306,21 @@ def tpu_step_experiments() -> str:
     "step as the config stood when each was compiled, per chip, by the per-op profile "
     "(predicted, not measured):\n\n"
     + table(
-      ("change", "step before", "step with it", "MFU", "parts that moved most", "HBM per chip"),
+      (
+        "change",
+        "step before",
+        "step with it",
+        "MFU",
+        "parts that moved most",
+        "HBM per chip",
+        "compiled at (before, with it)",
+      ),
       rows,
     )
     + "\n\n"
-    + source("compile_check", list({id(r): r for r in shown}.values()))
+    + source("compile_check", [reference])
+    + "\n"
+    + source("compile_check", list({id(r): r for r in history}.values()), history=True)
   )
 
 

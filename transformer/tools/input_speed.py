@@ -27,6 +27,10 @@ from transformer import config as config_lib
 from transformer.data import pipeline, sources
 from transformer.data import tokenizer as tokenizer_lib
 
+# The version of this tool's records (docs/results/README.md): bump it when what they hold
+# changes (a figure's meaning or value), not when the code that computes it is reworded.
+RECORD_VERSION = 1
+
 
 def count(batch: dict[str, np.ndarray]) -> dict[str, int]:
   """Sentence pairs, and real (non-pad) tokens and slots per side, of a batch."""

@@ -52,6 +52,10 @@ from transformer import config as config_lib
 from transformer.run import sharding
 from transformer.training import state, steps
 
+# The version of this tool's records (docs/results/README.md): bump it when what they hold
+# changes (a figure's meaning or value), not when the code that computes it is reworded.
+RECORD_VERSION = 1
+
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _CONFIG = config_flags.DEFINE_config_file(
   "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
