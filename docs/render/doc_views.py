@@ -136,6 +136,11 @@ def table(headers: str | Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
   return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
+def columns(records: Iterable[Any], cells: dict[str, Callable[[Any], Any]]) -> str:
+  """A Markdown table of one row per record: {header: the record's cell}."""
+  return table(list(cells), [[cell(r) for cell in cells.values()] for r in records])
+
+
 def _thousands(value: float, digits: int = 0) -> str:
   return f"{value:,.{digits}f}"
 
@@ -252,31 +257,23 @@ def _by_label(name: str, kind: str) -> dict[str, Record]:
   return {r["label"]: r for r in latest(records, key=lambda r: r["label"])}
 
 
-# (label, what the row is, the label whose record replaces it): the labels are
-# bench/cpu.sh's. Until cpu.sh ran with configs/wmt14.py scanning its layers, the option
-# rows were measured on the unscanned base; a record under today's label replaces them.
-_CPU_STEP_ROWS = (
-  ("base", "wmt14 base (`configs/wmt14.py`, scanned layers)", None),
-  ("base-glibc_default", "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`", None),
-  ("base-unscanned", "wmt14 base, `model.scan_layers=false`", None),
-  ("base-unsafe_rbg", "wmt14 base, `dropout_rng_impl=unsafe_rbg`", None),
-  ("base-attention_xla", "wmt14 base, `model.attention_kernel=xla`", None),
-  ("base-remat_full", "wmt14 base, `model.remat=full`", None),
-  (
-    "base-unscanned-unsafe_rbg",
-    "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
-    "base-unsafe_rbg",
-  ),
-  (
-    "base-unscanned-attention_xla",
-    "wmt14 base, unscanned, `model.attention_kernel=xla`",
-    "base-attention_xla",
-  ),
-  ("base-unscanned-remat_full", "wmt14 base, unscanned, `model.remat=full`", "base-remat_full"),
-  ("big", "wmt14 big, 4 x 64 tokens", None),
-  ("default", "default (Tatoeba), 16 x 64 tokens", None),
-  ("default-train-shape", "default, 17 x 64 tokens: the step `make train` runs", None),
-)
+# bench/cpu.sh's labels: what each row is. Until cpu.sh ran with configs/wmt14.py
+# scanning its layers, the option rows were measured on the unscanned base
+# ("base-unscanned-X"); a record of today's label ("base-X") replaces them.
+_CPU_STEP_ROWS = {
+  "base": "wmt14 base (`configs/wmt14.py`, scanned layers)",
+  "base-glibc_default": "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`",
+  "base-unscanned": "wmt14 base, `model.scan_layers=false`",
+  "base-unsafe_rbg": "wmt14 base, `dropout_rng_impl=unsafe_rbg`",
+  "base-attention_xla": "wmt14 base, `model.attention_kernel=xla`",
+  "base-remat_full": "wmt14 base, `model.remat=full`",
+  "base-unscanned-unsafe_rbg": "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
+  "base-unscanned-attention_xla": "wmt14 base, unscanned, `model.attention_kernel=xla`",
+  "base-unscanned-remat_full": "wmt14 base, unscanned, `model.remat=full`",
+  "big": "wmt14 big, 4 x 64 tokens",
+  "default": "default (Tatoeba), 16 x 64 tokens",
+  "default-train-shape": "default, 17 x 64 tokens: the step `make train` runs",
+}
 
 
 def _median_of(record: Record, key: str) -> float | None:
@@ -290,28 +287,23 @@ def _median_of(record: Record, key: str) -> float | None:
 @view
 def cpu_train_step() -> str:
   by_label = _by_label("cpu", "train_step")
-  shown = [
-    (what, by_label[label])
-    for label, what, replaced_by in _CPU_STEP_ROWS
-    if label in by_label and (replaced_by is None or replaced_by not in by_label)
-  ]
-  rows = [
-    (
-      what,
-      f"{r['date']}, {r['commit']}",
-      _optional(r.get("compile_s"), lambda v: f"{v:.1f} s"),
-      _optional(_median_of(r, "step_time_s"), lambda v: _ms(v, 0)),
-      _optional(_median_of(r, "tokens_per_sec"), _thousands),
-      _optional(r.get("mfu"), _percent),
-      _optional(r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"),
-      "kept" if r["host_memory_retained"] else "returned",
-    )
-    for what, r in shown
-  ]
-  headers = (
-    "run|measured|compile|step (median)|target tokens/s|MFU|peak in that run|freed host memory"
-  )
-  return table(headers, rows) + "\n\n" + source("cpu", [r for _, r in shown])
+  # An unscanned option row gives way to the scanned base's ("base-unscanned-X" to "base-X").
+  replaced = lambda label: label.replace("base-unscanned-", "base-") in set(by_label) - {label}
+  shown = [(w, by_label[label]) for label, w in _CPU_STEP_ROWS.items() if label in by_label]
+  shown = [(w, r) for w, r in shown if not replaced(r["label"])]
+  cells = {
+    "run": lambda s: s[0],
+    "measured": lambda s: f"{s[1]['date']}, {s[1]['commit']}",
+    "compile": lambda s: _optional(s[1].get("compile_s"), lambda v: f"{v:.1f} s"),
+    "step (median)": lambda s: _optional(_median_of(s[1], "step_time_s"), lambda v: _ms(v, 0)),
+    "target tokens/s": lambda s: _optional(_median_of(s[1], "tokens_per_sec"), _thousands),
+    "MFU": lambda s: _optional(s[1].get("mfu"), _percent),
+    "peak in that run": lambda s: _optional(
+      s[1].get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"
+    ),
+    "freed host memory": lambda s: "kept" if s[1]["host_memory_retained"] else "returned",
+  }
+  return columns(shown, cells) + "\n\n" + source("cpu", [r for _, r in shown])
 
 
 @view
@@ -541,23 +533,17 @@ def _paper_rows(sweep: str) -> dict[str, Any]:
 def table3() -> str:
   paper = _paper_rows("table3")
   records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
-  rows = [
-    (
-      r["name"],
-      f"`{' '.join(f'{k}={v}' for k, v in r['overrides'].items()) or '(none)'}`",
-      _optional(paper[r["name"]].paper_ppl, lambda v: f"{v:.2f}"),
-      _optional(paper[r["name"]].paper_bleu, lambda v: f"{v:.1f}"),
-      "" if r["paper_params_m"] is None else f"{r['paper_params_m']}M",
-      f"{r['num_params'] / 1e6:.1f}M",
-      _scientific(r["flops_per_token"]),
-    )
-    for r in records
-  ]
-  headers = (
-    "row|train.py overrides of `configs/wmt14.py:base`|paper PPL|paper BLEU|paper params"
-    "|our params|FLOPs / target token"
-  )
-  return table(headers, rows) + "\n\n" + source("table3_dry_run", records)
+  overrides = lambda r: " ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "(none)"
+  cells = {
+    "row": lambda r: r["name"],
+    "train.py overrides of `configs/wmt14.py:base`": lambda r: f"`{overrides(r)}`",
+    "paper PPL": lambda r: _optional(paper[r["name"]].paper_ppl, lambda v: f"{v:.2f}"),
+    "paper BLEU": lambda r: _optional(paper[r["name"]].paper_bleu, lambda v: f"{v:.1f}"),
+    "paper params": lambda r: _optional(r["paper_params_m"], lambda v: f"{v}M"),
+    "our params": lambda r: f"{r['num_params'] / 1e6:.1f}M",
+    "FLOPs / target token": lambda r: _scientific(r["flops_per_token"]),
+  }
+  return columns(records, cells) + "\n\n" + source("table3_dry_run", records)
 
 
 @view
@@ -612,25 +598,20 @@ def table3_small() -> str:
   def change(value: float | None, reference: float | None) -> str:
     return "" if value is None or reference is None else f"{100 * (value / reference - 1):+.0f}%"
 
-  rows = [
-    (
-      r["row"],
-      r["changed"],
-      f"{r['num_params'] / 1e6:.1f}",
-      f"{r['ppl']:.2f}",
-      change(r["ppl"], base["ppl"]),
-      f"{r['bleu']:.2f}",
-      _optional(paper[r["row"]].paper_ppl, lambda v: f"{v:.2f}"),
-      change(paper[r["row"]].paper_ppl, paper["base"].paper_ppl),
-      _optional(paper[r["row"]].paper_bleu, lambda v: f"{v:.1f}"),
-    )
-    for r in records
-  ]
-  headers = (
-    f"row|changed values|params (M)|validation ppl|ppl vs base|BLEU (first "
-    f"{records[0]['bleu_sentences']} validation sentences)|paper ppl|paper ppl vs base|paper BLEU"
-  )
-  return table(headers, rows) + "\n\n" + source("table3_small", records)
+  cells = {
+    "row": lambda r: r["row"],
+    "changed values": lambda r: r["changed"],
+    "params (M)": lambda r: f"{r['num_params'] / 1e6:.1f}",
+    "validation ppl": lambda r: f"{r['ppl']:.2f}",
+    "ppl vs base": lambda r: change(r["ppl"], base["ppl"]),
+    f"BLEU (first {records[0]['bleu_sentences']} validation sentences)": lambda r: (
+      f"{r['bleu']:.2f}"
+    ),
+    "paper ppl": lambda r: _optional(paper[r["row"]].paper_ppl, lambda v: f"{v:.2f}"),
+    "paper ppl vs base": lambda r: change(paper[r["row"]].paper_ppl, paper["base"].paper_ppl),
+    "paper BLEU": lambda r: _optional(paper[r["row"]].paper_bleu, lambda v: f"{v:.1f}"),
+  }
+  return columns(records, cells) + "\n\n" + source("table3_small", records)
 
 
 @view
@@ -654,29 +635,26 @@ def mixed_precision() -> str:
   records = latest(every, key=lambda r: r["row"])
   by_row = {r["row"]: r for r in records}
 
-  def reference(record: Record) -> float:
-    """float32's perplexity at the record's seed, from a run of the same commit where
-    there is one (the older rows were measured against their own), else the newest."""
+  def against_float32(record: Record) -> str:
+    """Against float32's perplexity at the record's seed, from a run of the same commit
+    where there is one (the older rows were measured against their own), else the newest."""
+    if record["row"].startswith("float32"):
+      return ""
     name = "float32_seed1" if "seed1" in record["row"] else "float32"
     same = [r for r in every if r["row"] == name and r["commit"] == record["commit"]]
-    return (same or [by_row[name]])[-1]["ppl"]
+    return f"{100 * (record['ppl'] / (same or [by_row[name]])[-1]['ppl'] - 1):+.1f}%"
 
-  rows = [
-    (
-      r["row"],
-      f"`{r['changed']}`",
-      f"{r['ppl']:.2f}",
-      "" if r["row"].startswith("float32") else f"{100 * (r['ppl'] / reference(r) - 1):+.1f}%",
-      f"{r['bleu']:.2f}",
-      r["commit"],
-    )
-    for r in records
-  ]
-  headers = (
-    "run|changed values|validation ppl|ppl vs float32, same seed|BLEU (first "
-    f"{records[0]['bleu_sentences']} validation sentences)|commit"
-  )
-  return table(headers, rows) + "\n\n" + source("mixed_precision", records)
+  cells = {
+    "run": lambda r: r["row"],
+    "changed values": lambda r: f"`{r['changed']}`",
+    "validation ppl": lambda r: f"{r['ppl']:.2f}",
+    "ppl vs float32, same seed": against_float32,
+    f"BLEU (first {records[0]['bleu_sentences']} validation sentences)": lambda r: (
+      f"{r['bleu']:.2f}"
+    ),
+    "commit": lambda r: r["commit"],
+  }
+  return columns(records, cells) + "\n\n" + source("mixed_precision", records)
 
 
 def _sweep_expected(name: str, keep: Callable[[Record], bool] = lambda r: True) -> str:
@@ -714,22 +692,16 @@ def decoder_only_vs_encoder_decoder_expected() -> str:
 @view
 def input_padding() -> str:
   records = latest(read_records("input_pipeline"), key=lambda r: r["flags"])
-  rows = [
-    (
-      f"`{r['flags']}`" if r["flags"] else "(none)",
-      r["batching"],
-      f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
-      f"{_thousands(r['source_tokens_per_batch'])} / {_thousands(r['target_tokens_per_batch'])}",
-      f"{_percent(r['source_padding_efficiency'])} / {_percent(r['target_padding_efficiency'])}",
-      f"{r['shapes_seen']} / {r['shapes_planned']}",
-    )
-    for r in records
-  ]
-  headers = (
-    "flags|batching|max_len / tokens_per_batch|real tokens per batch (source / target)"
-    "|real share of slots (source / target)|shapes seen / planned"
-  )
-  return table(headers, rows) + "\n\n" + source("input_pipeline", records)
+  both = lambda r, fmt, key: f"{fmt(r[f'source_{key}'])} / {fmt(r[f'target_{key}'])}"
+  cells = {
+    "flags": lambda r: f"`{r['flags']}`" if r["flags"] else "(none)",
+    "batching": lambda r: r["batching"],
+    "max_len / tokens_per_batch": lambda r: f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
+    "real tokens per batch (source / target)": lambda r: both(r, _thousands, "tokens_per_batch"),
+    "real share of slots (source / target)": lambda r: both(r, _percent, "padding_efficiency"),
+    "shapes seen / planned": lambda r: f"{r['shapes_seen']} / {r['shapes_planned']}",
+  }
+  return columns(records, cells) + "\n\n" + source("input_pipeline", records)
 
 
 # docs/decoding.md.
@@ -1203,18 +1175,15 @@ def gpu_train_step() -> str:
   steps = [r for r in sitting if r["name"] == "train_step"]
   beams = [r for r in sitting if r["name"] == "beam_search"]
   peak = {r["label"]: r for r in sitting if r["name"] == "peak"}[steps[0]["label"]]
-  rows = [
-    (
-      _GPU_ROWS.get(r["label"], r["label"]),
-      f"{r['dtype']}, {r['attention_kernel']}",
-      _ms(r["step_time_s"]),
-      _thousands(r["tokens_per_sec"]),
-      _percent(r["mfu"]),
-      f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
-      f"{r['compile_s']:.0f} s",
-    )
-    for r in steps
-  ]
+  cells = {
+    "run": lambda r: _GPU_ROWS.get(r["label"], r["label"]),
+    "dtype, attention": lambda r: f"{r['dtype']}, {r['attention_kernel']}",
+    "step (median)": lambda r: _ms(r["step_time_s"]),
+    "target tokens/s": lambda r: _thousands(r["tokens_per_sec"]),
+    "MFU": lambda r: _percent(r["mfu"]),
+    "peak GPU memory": lambda r: f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
+    "compile": lambda r: f"{r['compile_s']:.0f} s",
+  }
   beam_lines = "\n".join(
     f"Beam search on {b['label']} (beam {b['beam_size']}, {b['sentences']} sentences, "
     f"{b['steps']} output tokens each, with the cache, untrained parameters): "
@@ -1233,7 +1202,7 @@ def gpu_train_step() -> str:
     f"One {peak['device']}, the paper's batch (96 x 256 target tokens a step), "
     f"jax {versions['jax']} and flax {versions['flax']}; MFU against the datasheet's dense "
     f"bf16 peak, {peak['peak_flops_per_sec'] / 1e12:.0f} TFLOP/s; measured:\n\n"
-    + table("run|dtype, attention|step (median)|target tokens/s|MFU|peak GPU memory|compile", rows)
+    + columns(steps, cells)
     + "\n\n"
     + (beam_lines + "\n\n" if beams else "")
     + "Beside them, predicted for a TPU by the per-op profile (v5e-8, float32, the "
