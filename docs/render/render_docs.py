@@ -11,15 +11,15 @@
 
 A record is one JSON object per line of `docs/results/NAME.jsonl`: what one of the
 project's commands printed or wrote (`bench --json`, `memory --json`, `sweeps --dry_run
---json`, eval.py's `eval/<split>-<step>.json`), with its producer's version and where it came from:
+--json`, eval.py's `eval/<split>-<step>.json`), with its version and where it came from:
 
-  record_version  the RECORD_VERSION of the code that made it (record_sources.py)
-  machine   the hardware it ran on, in words
-  date      YYYY-MM-DD (UTC)
-  commit    the code that ran (`git rev-parse --short HEAD`, `-dirty` if it had changes)
-  command   the command line, as run (a row of --from_json that names its own keeps it)
-  source    only on a figure that earlier docs quoted and that was turned into a record
-            afterwards: where it was quoted
+  record_version  its producer's RECORD_VERSION when it ran (record_sources.py)
+  machine         the hardware it ran on, in words
+  date            YYYY-MM-DD (UTC)
+  commit          the code that ran (`git rev-parse --short HEAD`, `-dirty` if it had changes)
+  command         the command line, as run (a row of --from_json that names its own keeps it)
+  source          only on a figure that earlier docs quoted and that was turned into a
+                  record afterwards: where it was quoted
 
 Records are appended, never edited: a newer record of the same fact replaces the older
 one in the docs, and the older one stays as history. `--record` runs the command (or
@@ -32,10 +32,10 @@ marker, in a Markdown file or a Python docstring:
     (replaced by `make docs`)
     <!-- /results -->
 
-VIEW names a function of `docs/render/doc_views.py`, which reads the records and
-turns them into Markdown. Rendering is deterministic, so `--check` (and a test) fail when a
-region no longer matches its records, or when a record shown as a current figure is of
-an older version than its producer's (record_sources.py).
+VIEW names a function of `docs/render/doc_views.py` (one decorated with @view), which
+reads the records and turns them into Markdown. Rendering is deterministic, so `--check`
+(and a test) fail when a region no longer matches its records, or when a record shown as
+a current figure is of another version than its producer's (record_sources.py).
 """
 
 from __future__ import annotations
