@@ -65,6 +65,26 @@ def test_the_sweeps_dry_run_matches_the_known_answer_of_its_version():
   )
 
 
+# tools.input_speed: what it counts of a batch, from which docs/data.md's padding shares
+# and tokens per batch follow. Two rows: two packed pairs beside one, padding in both.
+INPUT_SPEED_KNOWN_ANSWERS = {
+  1: {"pairs": 3, "source_tokens": 5, "source_slots": 8, "target_tokens": 7, "target_slots": 8},
+}
+
+
+def test_what_input_speed_counts_matches_the_known_answer_of_its_version():
+  import numpy as np
+
+  from transformer.tools import input_speed
+
+  batch = {
+    "source": np.array([[5, 6, 7, 0], [8, 9, 0, 0]]),
+    "decoder_input": np.array([[1, 5, 6, 0], [1, 7, 8, 9]]),
+    "target_segment_ids": np.array([[1, 1, 1, 0], [1, 1, 2, 2]]),
+  }
+  assert input_speed.count(batch) == INPUT_SPEED_KNOWN_ANSWERS[input_speed.RECORD_VERSION]
+
+
 def _repo(tmp_path, records, page="Results:\n\n<!-- results:steps -->\nold\n<!-- /results -->\n"):
   """A repository with one record file, steps.jsonl, and a page showing its newest records
   per label as current figures."""
