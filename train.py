@@ -17,8 +17,7 @@ from transformer import cli
 from transformer.config import DEFAULT_CONFIG
 from transformer.training import distributed
 
-# The version of `make train`'s records (docs/results/README.md): bump it when what they hold
-# changes (a figure's meaning or value), not when the code that computes it is reworded.
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1
 
 _CONFIG = config_flags.DEFINE_config_file(

@@ -17,8 +17,7 @@ from transformer.messages import format_duration
 from transformer.sweeps import runner, spec
 from transformer.training import describe
 
-# The version of a sweep's records (docs/results/README.md): bump it when what they hold
-# changes (a figure's meaning or value), not when the code that computes it is reworded.
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1
 
 # Table 3's column names for the keys its rows change.

@@ -44,8 +44,7 @@ from transformer.model import decoding
 from transformer.run import checkpoints, sharding
 from transformer.tools import export
 
-# The version of this tool's records (docs/results/README.md): bump it when what they hold
-# changes (a figure's meaning or value), not when the code that computes it is reworded.
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1
 
 SYSTEMS = ("ours", "float32", "int8")

@@ -27,8 +27,7 @@ from transformer import config as config_lib
 from transformer.data import pipeline, sources
 from transformer.data import tokenizer as tokenizer_lib
 
-# The version of this tool's records (docs/results/README.md): bump it when what they hold
-# changes (a figure's meaning or value), not when the code that computes it is reworded.
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1
 
 

@@ -52,8 +52,7 @@ from transformer import config as config_lib
 from transformer.run import sharding
 from transformer.training import state, steps
 
-# The version of this tool's records (docs/results/README.md): bump it when what they hold
-# changes (a figure's meaning or value), not when the code that computes it is reworded.
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program

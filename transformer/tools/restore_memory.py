@@ -41,8 +41,7 @@ from ml_collections import config_flags
 from transformer import cli, storage, versions
 from transformer import config as config_lib
 
-# The version of this tool's records (docs/results/README.md): bump it when what they hold
-# changes (a figure's meaning or value), not when the code that computes it is reworded.
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program

@@ -60,8 +60,7 @@ from transformer.tools.bench import (
 )
 from transformer.training import state
 
-# The version of bench's records (docs/results/README.md): bump it when what they hold
-# changes (a figure's meaning or value), not when the code that computes it is reworded.
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
