@@ -17,6 +17,9 @@ from transformer import cli
 from transformer.config import DEFAULT_CONFIG
 from transformer.training import distributed
 
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
+RECORD_VERSION = 1
+
 _CONFIG = config_flags.DEFINE_config_file(
   "config", DEFAULT_CONFIG, "Config file, optionally FILE:ARG.", lock_config=True
 )

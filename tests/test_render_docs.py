@@ -1,4 +1,5 @@
-"""make docs: regions rendered from result records, stale regions found, records made."""
+"""make docs: regions rendered from result records, records checked against their
+producers' versions, records made."""
 
 import json
 import os
@@ -29,7 +30,64 @@ def test_every_view_is_used_and_every_region_names_a_view():
   assert used == set(doc_views.views())
 
 
+def test_every_record_shown_as_current_is_of_its_producers_version():
+  assert record_sources.outdated() == [], "rerun these records' commands and append"
+
+
+def test_every_shown_record_has_its_provenance_and_a_version():
+  for view in doc_views.views().values():
+    for name, record, _ in doc_views.shown(view):
+      assert all(record.get(k) for k in doc_views.PROVENANCE_KEYS), (name, record)
+      assert isinstance(record.get("record_version"), int), (name, record)
+
+
+def test_every_producer_declares_its_version():
+  for name in record_sources.PRODUCERS:
+    assert record_sources.producer_version(name) >= 1
+
+
+# What a producer computes, keyed by its RECORD_VERSION: a change to the output without a
+# new version fails here. Table 3's dry run: parameters and FLOPs per target token of two
+# rows, from shapes alone.
+DRY_RUN_KNOWN_ANSWERS = {
+  1: {"base": (63_045_632, 406_216_704.0), "C1": (33_644_544, 211_181_568.0)},
+}
+
+
+def test_the_sweeps_dry_run_matches_the_known_answer_of_its_version():
+  from transformer.sweeps import report, spec
+
+  sweep = spec.load_sweep("configs/sweeps/table3.py")
+  rows = spec.select_rows(sweep, "base,C1")
+  described = report.describe_rows(rows, {r.name: spec.row_config(sweep, r) for r in rows})
+  assert {d["name"]: (d["num_params"], d["flops_per_token"]) for d in described} == (
+    DRY_RUN_KNOWN_ANSWERS[report.RECORD_VERSION]
+  )
+
+
+# tools.input_speed: what it counts of a batch, from which docs/data.md's padding shares
+# and tokens per batch follow. Two rows: two packed pairs beside one, padding in both.
+INPUT_SPEED_KNOWN_ANSWERS = {
+  1: {"pairs": 3, "source_tokens": 5, "source_slots": 8, "target_tokens": 7, "target_slots": 8},
+}
+
+
+def test_what_input_speed_counts_matches_the_known_answer_of_its_version():
+  import numpy as np
+
+  from transformer.tools import input_speed
+
+  batch = {
+    "source": np.array([[5, 6, 7, 0], [8, 9, 0, 0]]),
+    "decoder_input": np.array([[1, 5, 6, 0], [1, 7, 8, 9]]),
+    "target_segment_ids": np.array([[1, 1, 1, 0], [1, 1, 2, 2]]),
+  }
+  assert input_speed.count(batch) == INPUT_SPEED_KNOWN_ANSWERS[input_speed.RECORD_VERSION]
+
+
 def _repo(tmp_path, records, page="Results:\n\n<!-- results:steps -->\nold\n<!-- /results -->\n"):
+  """A repository with one record file, steps.jsonl, and a page showing its newest records
+  per label as current figures."""
   results = tmp_path / "docs" / "results"
   results.mkdir(parents=True)
   (results / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -39,7 +97,8 @@ def _repo(tmp_path, records, page="Results:\n\n<!-- results:steps -->\nold\n<!--
     newest = doc_views.latest(
       doc_views.read_records("steps", str(results)), key=lambda r: r["label"]
     )
-    return doc_views.table(("label", "ms"), [(r["label"], r["ms"]) for r in newest])
+    rows = [(r["label"], r["ms"]) for r in newest]
+    return doc_views.table(("label", "ms"), rows) + "\n\n" + doc_views.source("steps", newest)
 
   return {"steps": steps}
 
@@ -59,6 +118,34 @@ def test_a_new_record_makes_its_region_stale_until_rendered(tmp_path):
   assert text.startswith("Results:\n\n<!-- results:steps -->\n") and text.endswith(
     "<!-- /results -->\n"
   )
+
+
+def test_a_record_of_an_older_version_is_named_only_where_shown_as_current(tmp_path, monkeypatch):
+  producer = tmp_path / "tool.py"
+  producer.write_text('"""A tool."""\n\nRECORD_VERSION = 2  # bumped: its figures changed\n')
+  monkeypatch.setattr(record_sources, "REPO_ROOT", str(tmp_path))
+  monkeypatch.setitem(record_sources.PRODUCERS, "steps", "tool.py")
+  old, new = (
+    {"label": "base", "ms": 10, "record_version": 1, **PROVENANCE},
+    {"label": "big", "ms": 30, "record_version": 2, **PROVENANCE},
+  )
+  views = _repo(tmp_path, [old, new])
+  results = str(tmp_path / "docs" / "results")
+  assert record_sources.outdated(views, results) == [
+    "docs/results/steps.jsonl:1 (view steps): record_version 1, tool.py is at 2: rerun and append"
+  ]
+  # The same record shown as dated history, labelled with its commit, is not outdated; nor
+  # is a new record file no view shows yet.
+  views["steps"] = lambda: doc_views.source("steps", [old], history=True)
+  (tmp_path / "docs" / "results" / "no_view_yet.jsonl").write_text(json.dumps(old) + "\n")
+  assert record_sources.outdated(views, results) == []
+  assert "dated: each figure as of its own commit" in views["steps"]()
+
+
+def test_a_shown_record_file_without_a_producer_is_named(tmp_path):
+  views = _repo(tmp_path, [{"label": "base", "ms": 10, "record_version": 1, **PROVENANCE}])
+  with pytest.raises(doc_views.RecordError, match="steps.jsonl has no producer in PRODUCERS"):
+    record_sources.outdated(views, str(tmp_path / "docs" / "results"))
 
 
 def test_a_region_in_an_indented_docstring_keeps_its_indent():
@@ -82,23 +169,12 @@ def test_a_record_without_provenance_is_named_with_its_line(tmp_path):
     doc_views.read_records("steps", str(tmp_path))
 
 
-def test_record_appends_what_a_command_prints_with_its_provenance(tmp_path):
-  out = tmp_path / "new.jsonl"
+def test_record_appends_what_a_command_prints_with_its_version_and_provenance(tmp_path):
+  out = tmp_path / "memory.jsonl"  # a record file of tools.memory's
   program = 'print(\'compiling...\'); print(\'{"name": "train_step", "step_time_s": 0.5}\')'
   result = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "docs.render.render_docs",
-      "--record",
-      str(out),
-      "--machine",
-      "a test machine",
-      "--",
-      sys.executable,
-      "-c",
-      program,
-    ],
+    [sys.executable, "-m", "docs.render.render_docs", "--record", str(out)]
+    + ["--machine", "a test machine", "--", sys.executable, "-c", program],
     capture_output=True,
     text=True,
     cwd=render_docs.REPO_ROOT,
@@ -106,6 +182,7 @@ def test_record_appends_what_a_command_prints_with_its_provenance(tmp_path):
   assert result.returncode == 0, result.stderr
   (record,) = [json.loads(line) for line in out.read_text().splitlines()]
   assert record["name"] == "train_step" and record["step_time_s"] == 0.5
+  assert record["record_version"] == record_sources.producer_version("memory")
   assert record["machine"] == "a test machine"
   assert record["command"] == f"{sys.executable} -c {program}"
   assert len(record["date"]) == 10 and record["commit"]
@@ -118,21 +195,8 @@ def test_record_from_json_lines_a_script_wrote(tmp_path):
     '{"name": "input_pipeline", "command": "input_speed --json"}\n'
   )
   out = tmp_path / "records.jsonl"
-  assert (
-    render_docs.main(
-      [
-        "--record",
-        str(out),
-        "--from_json",
-        str(written),
-        "--command",
-        "bash bench/cpu.sh",
-        "--machine",
-        "m",
-      ]
-    )
-    == 0
-  )
+  argv = ["--record", str(out), "--from_json", str(written), "--command", "bash bench/cpu.sh"]
+  assert render_docs.main(argv + ["--machine", "m"]) == 0
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["name"] for r in records] == ["peak", "train_step", "input_pipeline"]
   # The script's command, except where a row names its own.
@@ -142,56 +206,20 @@ def test_record_from_json_lines_a_script_wrote(tmp_path):
 def test_a_make_train_workdir_becomes_the_record_readme_renders(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   (workdir / "eval").mkdir(parents=True)
-  window = {
-    "kind": "train",
-    "steps_per_sec": 2.0,
-    "mfu": 0.5,
-    "hfu": 0.55,
-    "padding_efficiency": 0.9,
-  }
-  (workdir / "metrics.jsonl").write_text(
-    "".join(
-      json.dumps(r) + "\n"
-      for r in (
-        {**window, "step": 1, "tokens_per_sec": 1000.0, "elapsed_s": 30.0},
-        {**window, "step": 2, "tokens_per_sec": 3000.0, "elapsed_s": 61.0},
-        {"kind": "validation", "step": 2, "ppl": 12.5},
-      )
-    )
+  window = {"kind": "train", "steps_per_sec": 2.0, "mfu": 0.5, "hfu": 0.55}
+  metrics = (
+    {**window, "step": 1, "tokens_per_sec": 1000.0, "elapsed_s": 30.0},
+    {**window, "step": 2, "tokens_per_sec": 3000.0, "elapsed_s": 61.0},
+    {"kind": "validation", "step": 2, "ppl": 12.5},
   )
-  (workdir / "eval" / "test-2.json").write_text(
-    json.dumps(
-      {
-        "split": "test",
-        "step": 2,
-        "num_sentences": 40,
-        "beam_size": 4,
-        "alpha": 0.6,
-        "bleu": 12.3,
-        "bleu_tok": 12.9,
-        "chrf": 40.0,
-        "bleu_signature": "nrefs:1|tok:13a",
-        "sentences_per_sec": 8.0,
-        "ppl": 13.0,
-      }
-    )
-  )
+  (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+  scores = {"split": "test", "step": 2, "num_sentences": 40, "beam_size": 4, "alpha": 0.6}
+  scores |= {"bleu": 12.3, "bleu_tok": 12.9, "chrf": 40.0, "ppl": 13.0}
+  scores |= {"bleu_signature": "nrefs:1|tok:13a", "sentences_per_sec": 8.0}
+  (workdir / "eval" / "test-2.json").write_text(json.dumps(scores))
   monkeypatch.setattr(doc_views, "RESULTS_DIR", str(tmp_path))
-  assert (
-    render_docs.main(
-      [
-        "--record",
-        str(tmp_path / "make_train.jsonl"),
-        "--from_workdir",
-        str(workdir),
-        "--wall_time_s",
-        "100",
-        "--command",
-        "make train",
-      ]
-    )
-    == 0
-  )
+  argv = ["--record", str(tmp_path / "make_train.jsonl"), "--from_workdir", str(workdir)]
+  assert render_docs.main(argv + ["--wall_time_s", "100", "--command", "make train"]) == 0
   text = doc_views.make_train()
   for expected in (
     "1m40s, of which training 1m01s (2 steps of about 1,000 real",
@@ -212,120 +240,3 @@ def test_the_acceptance_rate_a_speed_up_needs_inverts_the_tokens_per_round(a):
   (1 - a^4) / (1 - a) tokens."""
   tokens_per_round = (1 - a**4) / (1 - a)
   assert doc_views.acceptance_for(tokens_per_round, 3) == pytest.approx(a, abs=1e-9)
-
-
-def test_every_record_file_has_its_producing_paths_and_they_exist():
-  files = {
-    os.path.basename(p)[: -len(".jsonl")]
-    for p in os.listdir(doc_views.RESULTS_DIR)
-    if p.endswith(".jsonl")
-  }
-  assert set(record_sources.PRODUCERS) == files
-  missing = [
-    path
-    for paths in record_sources.PRODUCERS.values()
-    for path in paths
-    if not os.path.exists(os.path.join(render_docs.REPO_ROOT, path))
-  ]
-  assert missing == []
-
-
-def test_every_shown_record_is_as_new_as_the_code_it_measures():
-  """A record the docs show was made at or after the last change to the code that
-  produces it (docs/render/record_sources.py); each stale one is named in a line."""
-  problems, reason = record_sources.check()
-  if reason:
-    pytest.skip(reason)
-  stale_files = {
-    line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl") for line in problems
-  }
-  unexpected = [
-    line
-    for line in problems
-    if line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl")
-    not in record_sources.AWAITING_RERUN
-  ]
-  assert not unexpected, "rerun these records:\n" + "\n".join(unexpected)
-  fresh = sorted(set(record_sources.AWAITING_RERUN) - stale_files)
-  assert not fresh, f"fresh again, drop them from AWAITING_RERUN: {fresh}"
-
-
-def test_records_that_trail_the_code_are_left_out_of_the_check_and_only_they_are():
-  trailing = set(record_sources.TRAILS_THE_CODE)
-  assert trailing <= set(record_sources.PRODUCERS)
-  assert not trailing & set(record_sources.AWAITING_RERUN)
-  problems, reason = record_sources.check()
-  if reason:
-    pytest.skip(reason)
-  named = {
-    line.split()[0].removeprefix("docs/results/").removesuffix(".jsonl") for line in problems
-  }
-  assert not named & trailing
-  # Every other stale file is still named: the awaiting ones are all stale here.
-  assert set(record_sources.AWAITING_RERUN) <= named
-
-
-def test_only_executable_code_counts_as_a_change():
-  code = b'"""A module."""\nimport os\n\ndef f():\n  """Doc."""\n  return 1  # one\n'
-  reworded = b'"""Another docstring."""\nimport os\n\n\ndef f():\n  return 1  # 1\n'
-  changed = b'"""A module."""\nimport os\n\ndef f():\n  """Doc."""\n  return 2\n'
-  executable = record_sources.executable
-  assert executable("m.py", code) == executable("m.py", reworded)
-  assert executable("m.py", code) != executable("m.py", changed)
-  assert executable("cpu.sh", b"a\n") != executable("cpu.sh", b"b\n")
-  assert executable("m.py", None) is None  # a file that does not exist
-
-
-def test_a_record_older_than_a_code_change_is_named_with_the_commit(tmp_path):
-  env = {
-    **os.environ,
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@t",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@t",
-  }
-
-  def git(*args):
-    return subprocess.run(
-      ["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
-    ).stdout.strip()
-
-  def commit(text, message):
-    (tmp_path / "tool.py").write_text(text)
-    git("add", "-A")
-    git("commit", "-qm", message)
-    return git("rev-parse", "--short", "HEAD")
-
-  git("init", "-q")
-  (tmp_path / "docs" / "results").mkdir(parents=True)
-  measured = commit('"""Tool."""\nSTEPS = 10\n', "tool")
-  record = {"name": "steps", **PROVENANCE, "commit": measured + "-dirty"}
-  (tmp_path / "docs" / "results" / "steps.jsonl").write_text(json.dumps(record) + "\n")
-  commit('"""The tool, reworded."""\n\nSTEPS = 10  # a comment\n', "docstring only")
-  shown, producers = {"steps": [record]}, {"steps": ("tool.py",)}
-  assert record_sources.stale(shown, producers, str(tmp_path)) == []
-  changed = commit('"""The tool, reworded."""\n\nSTEPS = 20\n', "fewer steps")
-  commit('"""The tool once more."""\n\nSTEPS = 20\n', "docstring again")
-  assert record_sources.stale(shown, producers, str(tmp_path)) == [
-    f"docs/results/steps.jsonl line(s) 1: commit {measured} predates {changed}, which "
-    "changed tool.py: rerun and append"
-  ]
-
-
-def test_the_rendered_records_are_those_a_view_shows(tmp_path):
-  """The newest record per label (what the view's Records line names), not the one it
-  replaced; a view without a Records line shows the newest record of its file."""
-  records = [
-    {"label": "base", "ms": 10, **PROVENANCE},
-    {"label": "base", "ms": 9, **PROVENANCE},
-    {"label": "big", "ms": 30, **PROVENANCE},
-  ]
-  views = _repo(tmp_path, records)
-  results = str(tmp_path / "docs" / "results")
-  views["steps"] = lambda: doc_views.source(
-    "steps", doc_views.latest(doc_views.read_records("steps", results), key=lambda r: r["label"])
-  )
-  views["newest"] = lambda: str(doc_views.read_records("steps", results)[-1]["ms"])
-  assert record_sources.rendered_records(views) == {"steps": records[1:]}
-  del views["steps"]
-  assert record_sources.rendered_records(views) == {"steps": records[2:]}

@@ -1,9 +1,9 @@
 """The result records of docs/results/, and the views `make docs` renders from them.
 
-A view is named in a region of README, docs/ or a config's docstring
-(`<!-- results:NAME -->`, see render_docs.py). Each view reads its records, keeps the
-newest record of each fact, and ends with where the figures came from: the record
-file, the machine, the date, the commit and the command.
+A view is a function decorated with @view, named in a region of README, docs/ or a
+config's docstring (`<!-- results:NAME -->`, see render_docs.py). It reads its records,
+keeps the newest record of each fact, and ends with where the figures came from
+(`source`): the record file, the machine, the date, the commit and the command.
 """
 
 from __future__ import annotations
@@ -20,13 +20,25 @@ RESULTS_DIR = os.path.join(REPO_ROOT, "docs", "results")
 PROVENANCE_KEYS = ("machine", "date", "commit", "command")
 
 Record = dict[str, Any]
+_VIEWS: dict[str, Callable[[], str]] = {}
 
 
 class RecordError(ValueError):
   """A record file, record or region that cannot be rendered; the message names it."""
 
 
-def read_records(name: str, results_dir: str | None = None) -> list[dict[str, Any]]:
+def view(function: Callable[[], str]) -> Callable[[], str]:
+  """Makes a function a view, rendered in the regions that name it."""
+  _VIEWS[function.__name__] = function
+  return function
+
+
+def views() -> dict[str, Callable[[], str]]:
+  """Every view, by the name regions use."""
+  return dict(_VIEWS)
+
+
+def read_records(name: str, results_dir: str | None = None) -> list[Record]:
   """The records of docs/results/NAME.jsonl, in file order, each checked for provenance."""
   path = os.path.join(results_dir or RESULTS_DIR, f"{name}.jsonl")
   if not os.path.exists(path):
@@ -48,16 +60,85 @@ def read_records(name: str, results_dir: str | None = None) -> list[dict[str, An
   return records
 
 
-def latest(records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> list:
+def latest(records: Iterable[Record], key: Callable[[Record], Any]) -> list[Record]:
   """The newest record of each fact (records with equal key(record)), in the order the
   facts first appear."""
-  by_key: dict[Any, dict[str, Any]] = {}
+  by_key: dict[Any, Record] = {}
   for record in records:
     by_key[key(record)] = record  # a dict keeps the key's first position
   return list(by_key.values())
 
 
+def one_sitting(records: list[Record]) -> list[Record]:
+  """The runs made at the newest record's commit, in file order (older ones are history).
+  `abc1234-dirty` counts as abc1234: a run of one sitting finds the records file its
+  earlier runs appended to uncommitted."""
+  commit = lambda r: r["commit"].removesuffix("-dirty")
+  return [r for r in records if commit(r) == commit(records[-1])]
+
+
+# (record file, record, shown as dated history) for each record the view being rendered
+# by shown() names; None outside shown().
+_shown: list[tuple[str, Record, bool]] | None = None
+
+
+def shown(view: Callable[[], str]) -> list[tuple[str, Record, bool]]:
+  """What a view shows: (record file, record, as dated history) per record it names."""
+  global _shown
+  _shown = []
+  try:
+    view()
+    return _shown
+  finally:
+    _shown = None
+
+
+def cite(name: str, records: Sequence[Record], history: bool = False) -> None:
+  """Names the records a view shows (source does it too): as current figures, which must
+  be of their producer's RECORD_VERSION (record_sources.py), or as dated history, each
+  labelled with its commit where it is shown."""
+  if _shown is not None:
+    _shown.extend((name, r, history) for r in records)
+
+
+def source(name: str, records: Sequence[Record], history: bool = False) -> str:
+  """One line: the record file, and each distinct machine, date, commit and command."""
+  cite(name, records, history)
+
+  def distinct(key: str) -> list[str]:
+    return list(dict.fromkeys(str(r[key]) for r in records))
+
+  parts = [f"`docs/results/{name}.jsonl`", "; ".join(distinct("machine"))]
+  parts += [", ".join(distinct("date")), "commit " + ", ".join(distinct("commit"))]
+  commands = distinct("command")
+  parts.append(f"`{commands[0]}`" if len(commands) == 1 else "each row's command is in its record")
+  quoted: dict[str, list[str]] = {}  # a page -> its commits ("PAGE at COMMIT (...)")
+  for r in records:
+    if "source" in r:
+      where, _, commit = r["source"].split(" (")[0].partition(" at ")
+      quoted.setdefault(where, [])
+      quoted[where] += [] if commit in quoted[where] else [commit]
+  if quoted:
+    pages = "; ".join(f"{where} at {', '.join(commits)}" for where, commits in quoted.items())
+    parts.append("figures first quoted in " + pages)
+  if history:
+    parts.append("dated: each figure as of its own commit")
+  return "<sub>Records: " + "; ".join(parts) + ".</sub>"
+
+
 # Formatting.
+
+
+def table(headers: str | Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+  """A Markdown table; headers as a sequence or one string, "a|b|c"."""
+  headers = headers.split("|") if isinstance(headers, str) else headers
+  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+  return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+def columns(records: Iterable[Any], cells: dict[str, Callable[[Any], Any]]) -> str:
+  """A Markdown table of one row per record: {header: the record's cell}."""
+  return table(list(cells), [[cell(r) for cell in cells.values()] for r in records])
 
 
 def _thousands(value: float, digits: int = 0) -> str:
@@ -66,6 +147,10 @@ def _thousands(value: float, digits: int = 0) -> str:
 
 def _percent(value: float) -> str:
   return f"{100 * value:.1f}%"
+
+
+def _ms(seconds: float, digits: int = 1) -> str:
+  return f"{seconds * 1e3:,.{digits}f} ms"
 
 
 def _minutes(seconds: float) -> str:
@@ -84,111 +169,23 @@ def _scientific(value: float) -> str:
   return f"{mantissa}e{int(exponent)}"
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-  lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-  return "\n".join(lines)
-
-
-def ctranslate2_quality() -> str:
-  """The exported model's outputs and BLEU beside the run's own (compare_ctranslate2)."""
-  r = read_records("ctranslate2")[-1]
-  gaps = [d["logprob_gap"] for d in r["greedy_differing"]]
-  differing = (
-    f"The {len(gaps)} that differ part where our two candidates' log-probabilities are "
-    f"at most {max(gaps):.1e} apart (near-ties: float32 sums in another order decide them)."
-    if gaps
-    else "None differs."
-  )
-  b = r["bleu"]
-  rows = [
-    ("greedy", f"{b['ours_greedy']:.2f}", f"{b['float32_greedy']:.2f}", f"{b['int8_greedy']:.2f}"),
-    (
-      f"beam {r['beam_size']}, alpha {r['length_penalty_alpha']}",
-      f"{b['ours_beam']:.2f}",
-      f"{b['float32_beam']:.2f}",
-      f"{b['int8_beam']:.2f}",
-    ),
-  ]
-  return (
-    f"Greedy: {r['greedy_identical']:,} of {r['num_sentences']:,} {r['split']} sentences "
-    f"({r['greedy_identical_share']:.1%}) identical to ours token for token. {differing}\n\n"
-    + table(("sacreBLEU", "ours", "CTranslate2 float32", "CTranslate2 int8"), rows)
-    + f"\n\nStep {r['step']:,} of `{r['workdir']}`, CTranslate2 {r['ctranslate2']}.\n\n"
-    + source("ctranslate2", [r])
-  )
-
-
-def ctranslate2_speed() -> str:
-  """Sentences/s of the run's own decoding and of the exported model, one interleaved run."""
-  r = read_records("ctranslate2")[-1]
-  rates = {(x["system"], x["search"], x["batch"]): x["sentences_per_sec"] for x in r["speed"]}
-  batches = sorted({x["batch"] for x in r["speed"]})
-  names = {"ours": "ours (JAX)", "float32": "CTranslate2 float32", "int8": "CTranslate2 int8"}
-  rows = [
-    (names[system], search, *(f"{rates[(system, search, b)]:.1f}" for b in batches))
-    for system in ("ours", "float32", "int8")
-    for search in ("greedy", "beam")
-  ]
-  return (
-    table(("", "search", *(f"batch {b} (sentences/s)" for b in batches)), rows)
-    + f"\n\nBatch 1: the first {r['batch1_sentences']:,} {r['split']} sentences; batch "
-    f"{r['batch_size']}: all {r['num_sentences']:,}, in the split's order. Each figure is "
-    f"the fastest of {r['rounds']} turns, the systems taking turns; ours compiled first. "
-    f"CTranslate2 {r['ctranslate2']} with {r['ctranslate2_threads']}.\n\n"
-    + source("ctranslate2", [r])
-  )
-
-
-def source(name: str, records: Sequence[Record]) -> str:
-  """One line: the record file, and each distinct machine, date, commit and command."""
-
-  def distinct(key: str) -> list[str]:
-    return list(dict.fromkeys(str(r[key]) for r in records))
-
-  machines, dates, commits = distinct("machine"), distinct("date"), distinct("commit")
-  commands = distinct("command")
-  parts = [
-    f"`docs/results/{name}.jsonl`",
-    "; ".join(machines),
-    ", ".join(dates),
-    "commit " + ", ".join(commits),
-  ]
-  if len(commands) == 1:
-    parts.append(f"`{commands[0]}`")
-  else:
-    parts.append("each row's command is in its record")
-  quoted: dict[str, list[str]] = {}  # a page -> its commits ("PAGE at COMMIT (...)")
-  for r in records:
-    if "source" in r:
-      where, _, commit = r["source"].split(" (")[0].partition(" at ")
-      quoted.setdefault(where, [])
-      if commit not in quoted[where]:
-        quoted[where].append(commit)
-  if quoted:
-    parts.append(
-      "figures first quoted in "
-      + "; ".join(f"{where} at {', '.join(commits)}" for where, commits in quoted.items())
-    )
-  return "<sub>Records: " + "; ".join(parts) + ".</sub>"
+def _optional(value: float | None, fmt: Callable[[float], str]) -> str:
+  return "" if value is None else fmt(value)
 
 
 # README and configs/default.py: what `make train` and `make test` reach.
 
 
-def _make_train() -> Record:
-  return read_records("make_train")[-1]
-
-
+@view
 def make_train() -> str:
-  r = _make_train()
+  r = read_records("make_train")[-1]
   low, high = r["tokens_per_sec_windows"]
+  tokens_per_step = _thousands(round(r["tokens_per_sec"] / r["steps_per_sec"], -2))
   rows = [
     (
       "time (install done, vocabulary cached)",
       f"{_minutes(r['wall_time_s'])}, of which training {_minutes(r['train_time_s'])} "
-      f"({r['num_train_steps']:,} steps of about "
-      f"{_thousands(round(r['tokens_per_sec'] / r['steps_per_sec'], -2))} real target tokens)",
+      f"({r['num_train_steps']:,} steps of about {tokens_per_step} real target tokens)",
     ),
     (
       "training throughput (median logged window)",
@@ -204,9 +201,9 @@ def make_train() -> str:
   ]
   if "validation_ppl" in r:  # the run's last validation, in records made by --from_workdir
     rows.append(("validation perplexity, last step (unsmoothed)", f"{r['validation_ppl']:.2f}"))
-  rows += [
-    ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s"),
-  ]
+  rows.append(
+    ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s")
+  )
   last_line = f"sacreBLEU {r['bleu']:.2f}  {r['bleu_signature']}"
   return (
     table(("`make train`", "result"), rows)
@@ -215,20 +212,24 @@ def make_train() -> str:
   )
 
 
+@view
 def make_train_expected() -> str:
-  r = _make_train()
+  r = read_records("make_train")[-1]
+  cite("make_train", [r])
   return textwrap.fill(
     f"sacreBLEU {r['bleu']:.2f} (tokenized BLEU {r['bleu_tok']:.2f}) on the "
-    f"{r['num_sentences']:,}-sentence {r['split']} split, perplexity "
-    f"{r['ppl']:.2f} there; {r['num_train_steps']:,} steps in "
-    f"{_minutes(r['train_time_s'])} on a {r['machine']} ({r['date']}, commit "
-    f"{r['commit']}; docs/results/make_train.jsonl).",
+    f"{r['num_sentences']:,}-sentence {r['split']} split, perplexity {r['ppl']:.2f} there; "
+    f"{r['num_train_steps']:,} steps in {_minutes(r['train_time_s'])} on a {r['machine']} "
+    f"({r['date']}, commit {r['commit']}; docs/results/make_train.jsonl).",
     width=88,
   )
 
 
+@view
 def make_test() -> str:
+  """The suite's size and time, as of the commit it names (dated: it has no producer)."""
   r = read_records("make_test")[-1]
+  cite("make_test", [r], history=True)
   low, high = r["wall_time_min_range"]
   minutes = f"{low} minutes" if low == high else f"{low} to {high} minutes"
   install = "install included" if r["install_included"] else "with the install already done"
@@ -239,19 +240,7 @@ def make_test() -> str:
   )
 
 
-# docs/performance.md.
-
-
-def _one_sitting(records: list[Record]) -> list[Record]:
-  """The runs made at the newest record's commit, in file order (older ones are history).
-  `abc1234-dirty` counts as abc1234, as for the records' age (record_sources.py): a run
-  of one sitting finds the records file its earlier runs appended to uncommitted."""
-  commit = lambda r: r["commit"].removesuffix("-dirty")
-  return [r for r in records if commit(r) == commit(records[-1])]
-
-
-# What a bench run reports once, in its "peak" record before its measurements.
-_RUN_WIDE = ("peak_flops_per_sec", "host_memory_retained")
+# docs/performance.md: bench on this CPU.
 
 
 def _by_label(name: str, kind: str) -> dict[str, Record]:
@@ -263,35 +252,28 @@ def _by_label(name: str, kind: str) -> dict[str, Record]:
       peaks[r.get("label")] = r
     elif r["name"] == kind:
       peak = peaks.get(r.get("label"), {})
-      records.append({**{k: peak[k] for k in _RUN_WIDE if k in peak}, **r})
+      run_wide = ("peak_flops_per_sec", "host_memory_retained")
+      records.append({**{k: peak[k] for k in run_wide if k in peak}, **r})
   return {r["label"]: r for r in latest(records, key=lambda r: r["label"])}
 
 
-# (label, what the row is, the label whose record replaces it): the labels are
-# bench/cpu.sh's. Until cpu.sh ran with configs/wmt14.py scanning its layers, the option
-# rows were measured on the unscanned base; a record under today's label replaces them.
-_CPU_STEP_ROWS = (
-  ("base", "wmt14 base (`configs/wmt14.py`, scanned layers)", None),
-  ("base-glibc_default", "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`", None),
-  ("base-unscanned", "wmt14 base, `model.scan_layers=false`", None),
-  ("base-unsafe_rbg", "wmt14 base, `dropout_rng_impl=unsafe_rbg`", None),
-  ("base-attention_xla", "wmt14 base, `model.attention_kernel=xla`", None),
-  ("base-remat_full", "wmt14 base, `model.remat=full`", None),
-  (
-    "base-unscanned-unsafe_rbg",
-    "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
-    "base-unsafe_rbg",
-  ),
-  (
-    "base-unscanned-attention_xla",
-    "wmt14 base, unscanned, `model.attention_kernel=xla`",
-    "base-attention_xla",
-  ),
-  ("base-unscanned-remat_full", "wmt14 base, unscanned, `model.remat=full`", "base-remat_full"),
-  ("big", "wmt14 big, 4 x 64 tokens", None),
-  ("default", "default (Tatoeba), 16 x 64 tokens", None),
-  ("default-train-shape", "default, 17 x 64 tokens: the step `make train` runs", None),
-)
+# bench/cpu.sh's labels: what each row is. Until cpu.sh ran with configs/wmt14.py
+# scanning its layers, the option rows were measured on the unscanned base
+# ("base-unscanned-X"); a record of today's label ("base-X") replaces them.
+_CPU_STEP_ROWS = {
+  "base": "wmt14 base (`configs/wmt14.py`, scanned layers)",
+  "base-glibc_default": "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`",
+  "base-unscanned": "wmt14 base, `model.scan_layers=false`",
+  "base-unsafe_rbg": "wmt14 base, `dropout_rng_impl=unsafe_rbg`",
+  "base-attention_xla": "wmt14 base, `model.attention_kernel=xla`",
+  "base-remat_full": "wmt14 base, `model.remat=full`",
+  "base-unscanned-unsafe_rbg": "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
+  "base-unscanned-attention_xla": "wmt14 base, unscanned, `model.attention_kernel=xla`",
+  "base-unscanned-remat_full": "wmt14 base, unscanned, `model.remat=full`",
+  "big": "wmt14 big, 4 x 64 tokens",
+  "default": "default (Tatoeba), 16 x 64 tokens",
+  "default-train-shape": "default, 17 x 64 tokens: the step `make train` runs",
+}
 
 
 def _median_of(record: Record, key: str) -> float | None:
@@ -302,130 +284,95 @@ def _median_of(record: Record, key: str) -> float | None:
   return statistics.median(runs) if runs else None
 
 
+@view
 def cpu_train_step() -> str:
   by_label = _by_label("cpu", "train_step")
-  shown = [
-    (what, by_label[label])
-    for label, what, replaced_by in _CPU_STEP_ROWS
-    if label in by_label and (replaced_by is None or replaced_by not in by_label)
-  ]
-  chosen = [r for _, r in shown]
-
-  def cell(value: float | None, fmt: Callable[[float], str]) -> str:
-    return "" if value is None else fmt(value)
-
-  rows = [
-    (
-      what,
-      f"{r['date']}, {r['commit']}",
-      cell(r.get("compile_s"), lambda v: f"{v:.1f} s"),
-      cell(_median_of(r, "step_time_s"), lambda v: f"{_thousands(1e3 * v)} ms"),
-      cell(_median_of(r, "tokens_per_sec"), _thousands),
-      cell(r.get("mfu"), _percent),
-      cell(r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"),
-      "kept" if r["host_memory_retained"] else "returned",
-    )
-    for what, r in shown
-  ]
-  return (
-    table(
-      (
-        "run",
-        "measured",
-        "compile",
-        "step (median)",
-        "target tokens/s",
-        "MFU",
-        "peak in that run",
-        "freed host memory",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + source("cpu", chosen)
-  )
+  # An unscanned option row gives way to the scanned base's ("base-unscanned-X" to "base-X").
+  replaced = lambda label: label.replace("base-unscanned-", "base-") in set(by_label) - {label}
+  shown = [(w, by_label[label]) for label, w in _CPU_STEP_ROWS.items() if label in by_label]
+  shown = [(w, r) for w, r in shown if not replaced(r["label"])]
+  cells = {
+    "run": lambda s: s[0],
+    "measured": lambda s: f"{s[1]['date']}, {s[1]['commit']}",
+    "compile": lambda s: _optional(s[1].get("compile_s"), lambda v: f"{v:.1f} s"),
+    "step (median)": lambda s: _optional(_median_of(s[1], "step_time_s"), lambda v: _ms(v, 0)),
+    "target tokens/s": lambda s: _optional(_median_of(s[1], "tokens_per_sec"), _thousands),
+    "MFU": lambda s: _optional(s[1].get("mfu"), _percent),
+    "peak in that run": lambda s: _optional(
+      s[1].get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"
+    ),
+    "freed host memory": lambda s: "kept" if s[1]["host_memory_retained"] else "returned",
+  }
+  return columns(shown, cells) + "\n\n" + source("cpu", [r for _, r in shown])
 
 
+@view
 def cpu_default_beam_search() -> str:
   beam = _by_label("cpu", "beam_search")["default"]
   return (
     f"Beam search on the default model (beam {beam['beam_size']}, {beam['sentences']} "
     f"sentences, {beam['steps']} output tokens each, with the cache): "
-    f"{1e3 * beam['step_time_s']:.0f} ms per step, {_thousands(beam['tokens_per_sec'])} "
+    f"{_ms(beam['step_time_s'], 0)} per step, {_thousands(beam['tokens_per_sec'])} "
     f"output tokens/s, {beam['sentences_per_sec']:.1f} sentences/s.\n\n" + source("cpu", [beam])
   )
 
 
+@view
 def compile_depth() -> str:
   by_label = _by_label("cpu", "train_step")
-  rows, used = [], []
-  for layers in (2, 12):
-    unrolled = by_label[f"compile-N{layers}-scan_false"]
-    scanned = by_label[f"compile-N{layers}-scan_true"]
-    used += [unrolled, scanned]
-    rows.append(
-      (f"N = {layers}", f"{unrolled['compile_s']:.1f} s", f"{scanned['compile_s']:.1f} s")
-    )
-  deep_unrolled = by_label["compile-N12-scan_false"]
-  deep_scanned = by_label["compile-N12-scan_true"]
+  runs = {n: [by_label[f"compile-N{n}-scan_{s}"] for s in ("false", "true")] for n in (2, 12)}
+  rows = [(f"N = {n}", *(f"{r['compile_s']:.1f} s" for r in pair)) for n, pair in runs.items()]
+  unrolled, scanned = runs[12]
   return (
-    table(("layers per stack", "compile, unrolled layers", "compile, `scan_layers=true`"), rows)
-    + f"\n\nAt N = 12 the scanned step also ran faster: "
-    f"{_thousands(1e3 * deep_scanned['step_time_s'])} ms against "
-    f"{_thousands(1e3 * deep_unrolled['step_time_s'])} ms.\n\n" + source("cpu", used)
+    table("layers per stack|compile, unrolled layers|compile, `scan_layers=true`", rows)
+    + f"\n\nAt N = 12 the scanned step also ran faster: {_ms(scanned['step_time_s'], 0)} "
+    f"against {_ms(unrolled['step_time_s'], 0)}.\n\n"
+    + source("cpu", [r for pair in runs.values() for r in pair])
   )
 
 
+@view
 def host_memory() -> str:
   """The base step with freed memory kept and returned: every run of each label at the
   newest commit it was measured at (one sitting)."""
   steps = [r for r in read_records("cpu") if r["name"] == "train_step"]
-
-  def sitting(label: str) -> list[Record]:
-    return _one_sitting([r for r in steps if r["label"] == label])
-
-  def runs(chosen: list[Record], key: str) -> list[float]:
-    return [r[key] for r in chosen]
+  kept, returned = (
+    one_sitting([r for r in steps if r["label"] == label])
+    for label in ("base", "base-glibc_default")
+  )
 
   def median(chosen: list[Record], key: str) -> float:
-    return statistics.median(runs(chosen, key))
+    return statistics.median(r[key] for r in chosen)
 
   def row(what: str, chosen: list[Record]) -> tuple:
-    kernel_s = runs(chosen, "host_kernel_s_per_step")
-    low, high = min(kernel_s), max(kernel_s)
-    kernel = f"{low:.2f} s" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f} to {high:.2f} s"
+    kernel_s = [f"{r['host_kernel_s_per_step']:.2f}" for r in chosen]
+    low, high = min(kernel_s, key=float), max(kernel_s, key=float)
     return (
       what,
-      _runs(runs(chosen, "step_time_s"), lambda s: _thousands(1e3 * s), "ms"),
-      _runs(runs(chosen, "tokens_per_sec"), _thousands),
+      _runs([r["step_time_s"] for r in chosen], lambda s: _thousands(1e3 * s), "ms"),
+      _runs([r["tokens_per_sec"] for r in chosen], _thousands),
       _thousands(median(chosen, "host_page_faults_per_step")),
-      kernel,
+      f"{low} s" if low == high else f"{low} to {high} s",
       f"{median(chosen, 'peak_rss_bytes') / 1e9:.2f} GB",
     )
 
-  kept, returned = sitting("base"), sitting("base-glibc_default")
   gain = 1 - median(kept, "step_time_s") / median(returned, "step_time_s")
   memory = median(kept, "peak_rss_bytes") / median(returned, "peak_rss_bytes")
+  headers = (
+    "freed memory|step: median (each run)|target tokens/s|host page faults per step (median)"
+    "|kernel time per step|peak resident memory (median)"
+  )
+  rows = [
+    row("kept (the default on CPU)", kept),
+    row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned),
+  ]
   return (
-    table(
-      (
-        "freed memory",
-        "step: median (each run)",
-        "target tokens/s",
-        "host page faults per step (median)",
-        "kernel time per step",
-        "peak resident memory (median)",
-      ),
-      [
-        row("kept (the default on CPU)", kept),
-        row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned),
-      ],
-    )
-    + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
+    table(headers, rows) + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
     f"{100 * (memory - 1):.0f}% more peak resident memory.\n\n" + source("cpu", kept + returned)
   )
 
 
+@view
 def host_memory_input_pipeline() -> str:
   pipelines = _by_label("host_memory", "input_pipeline")
   kept, returned = pipelines["default-retain_freed_memory"], pipelines["default-glibc_default"]
@@ -439,9 +386,9 @@ def host_memory_input_pipeline() -> str:
   )
 
 
+@view
 def train_loop() -> str:
-  records = [r for r in read_records("host_memory") if r["name"] == "train_loop"]
-  records = _one_sitting(records)
+  records = one_sitting([r for r in read_records("host_memory") if r["name"] == "train_loop"])
   rows = []
   for label, what in (
     ("default-train_loop", "kept (the default on CPU)"),
@@ -459,26 +406,18 @@ def train_loop() -> str:
         f"{100 * ratios[-1]:.0f}%)",
       )
     )
-  return (
-    table(
-      (
-        "freed host memory",
-        "runs",
-        "loop, steps/s (median)",
-        "bare step, steps/s (median)",
-        "loop / bare: median (range)",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + source("host_memory", records)
+  headers = (
+    "freed host memory|runs|loop, steps/s (median)|bare step, steps/s (median)"
+    "|loop / bare: median (range)"
   )
+  return table(headers, rows) + "\n\n" + source("host_memory", records)
 
 
+@view
 def restore_memory() -> str:
   """tools.restore_memory: host memory and time of restoring averaged parameters, the
   parameters alone against whole train states, the newest sitting's processes."""
-  sitting = _one_sitting(read_records("restore_memory"))
+  sitting = one_sitting(read_records("restore_memory"))
   records = [r for r in sitting if r["num_params"] == sitting[-1]["num_params"]]
   gib = 2**30
   by_way: dict[str, list[Record]] = {}
@@ -502,18 +441,18 @@ def restore_memory() -> str:
     f"The mean of {first['average_last']} checkpoints of a {first['num_params'] / 1e6:,.1f}M-"
     f"parameter model (parameters {first['params_bytes'] / gib:.2f} GiB, train state "
     f"{first['state_bytes'] / gib:.2f} GiB, float32), each way in a fresh process:\n\n"
-    + table(("restore", "held by the restore at its peak", "peak resident", "time"), rows)
+    + table("restore|held by the restore at its peak|peak resident|time", rows)
     + "\n\n"
     + source("restore_memory", records)
   )
 
 
+@view
 def checkpoint_saves() -> str:
   """tools.restore_memory's saves: a whole train state written, per model of the newest
   sitting (what a preemption notice's margin must hold, docs/clusters.md)."""
-  records = _one_sitting(read_records("restore_memory"))
   models: dict[int, Record] = {}
-  for r in records:
+  for r in one_sitting(read_records("restore_memory")):
     models.setdefault(r["num_params"], r)  # the same checkpoints for both ways
   rows = [
     (
@@ -525,39 +464,23 @@ def checkpoint_saves() -> str:
     for r in models.values()
   ]
   return (
-    table(("parameters", "train state (GiB)", "one save: median (each)", "MB/s"), rows)
+    table("parameters|train state (GiB)|one save: median (each)|MB/s", rows)
     + "\n\n"
     + source("restore_memory", list(models.values()))
   )
 
 
+@view
 def memory_per_mesh() -> str:
   records = latest(read_records("memory"), key=lambda r: (r["data"], r["fsdp"], r["tensor"]))
-
-  def mib(n: int) -> str:
-    return f"{n / 2**20:,.1f}"
-
+  kinds = ("state", "argument", "output", "temp", "temp_propagated")
   rows = [
-    (
-      r["data"],
-      r["fsdp"],
-      r["tensor"],
-      mib(r["state"]),
-      mib(r["argument"]),
-      mib(r["output"]),
-      mib(r["temp"]),
-      mib(r["temp_propagated"]),
-    )
-    for r in records
+    (r["data"], r["fsdp"], r["tensor"], *(f"{r[k] / 2**20:,.1f}" for k in kinds)) for r in records
   ]
-  first = records[0]
   return (
-    f"{first['rows']} x {first['seq_len']} source and target tokens per step; MiB per "
-    "device:\n\n"
-    + table(
-      ("data", "fsdp", "tensor", "state", "argument", "output", "temp", "temp, propagation only"),
-      rows,
-    )
+    f"{records[0]['rows']} x {records[0]['seq_len']} source and target tokens per step; MiB "
+    "per device:\n\n"
+    + table("data|fsdp|tensor|state|argument|output|temp|temp, propagation only", rows)
     + "\n\n"
     + source("memory", records)
   )
@@ -565,46 +488,34 @@ def memory_per_mesh() -> str:
 
 def _side_by_side(kind: str) -> str:
   records = [r for r in read_records("flax_side_by_side") if r["kind"] == kind]
-  newest = max(r["sitting"] for r in records)
-  chosen = [r for r in records if r["sitting"] == newest]
+  chosen = [r for r in records if r["sitting"] == max(r["sitting"] for r in records)]
   fmt = _thousands if kind == "train_step" else (lambda v: f"{v:.2f}")
   rows = []
   for r in chosen:
     ours, flax = statistics.median(r["project_runs"]), statistics.median(r["flax_runs"])
-    row = [
-      f"{r['layers']}",
-      _runs(r["project_runs"], fmt),
-      _runs(r["flax_runs"], fmt),
-      f"**{ours / flax:.2f}x**",
-    ]
+    row = [f"{r['layers']}", _runs(r["project_runs"], fmt), _runs(r["flax_runs"], fmt)]
+    row.append(f"**{ours / flax:.2f}x**")
     if "flax_same_glibc_runs" in r:
       same = statistics.median(r["flax_same_glibc_runs"])
       row += [_runs(r["flax_same_glibc_runs"], fmt), f"{ours / same:.2f}x"]
     rows.append(row)
-  unit = chosen[0]["unit"]
-  headers = ["layers", f"this project, {unit}", "Flax example", "ratio"]
+  headers = ["layers", f"this project, {chosen[0]['unit']}", "Flax example", "ratio"]
   if len(rows[0]) > len(headers):
     headers += ["Flax example, same glibc options", "ratio"]
   return table(headers, rows) + "\n\n" + source("flax_side_by_side", chosen)
 
 
+@view
 def flax_train_step() -> str:
   return _side_by_side("train_step")
 
 
+@view
 def flax_beam_search() -> str:
   return _side_by_side("beam_search")
 
 
-# docs/reproduce.md.
-
-
-def _paper(value: float | None, digits: int) -> str:
-  return "" if value is None else f"{value:.{digits}f}"
-
-
-def _overrides(overrides: dict) -> str:
-  return " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)"
+# docs/reproduce.md: the paper's tables, and the sweeps at CPU scale.
 
 
 def _training_flops(record: Record, tokens_per_step: float = 25_000) -> float:
@@ -612,43 +523,34 @@ def _training_flops(record: Record, tokens_per_step: float = 25_000) -> float:
   return record["flops_per_token"] * tokens_per_step * steps
 
 
-def table3() -> str:
+def _paper_rows(sweep: str) -> dict[str, Any]:
   from transformer.sweeps.spec import load_sweep
 
-  paper = {row.name: row for row in load_sweep("configs/sweeps/table3.py").rows}
+  return {row.name: row for row in load_sweep(f"configs/sweeps/{sweep}.py").rows}
+
+
+@view
+def table3() -> str:
+  paper = _paper_rows("table3")
   records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
-  rows = [
-    (
-      r["name"],
-      f"`{_overrides(r['overrides'])}`",
-      _paper(paper[r["name"]].paper_ppl, 2),
-      _paper(paper[r["name"]].paper_bleu, 1),
-      "" if r["paper_params_m"] is None else f"{r['paper_params_m']}M",
-      f"{r['num_params'] / 1e6:.1f}M",
-      _scientific(r["flops_per_token"]),
-    )
-    for r in records
-  ]
-  return (
-    table(
-      (
-        "row",
-        "train.py overrides of `configs/wmt14.py:base`",
-        "paper PPL",
-        "paper BLEU",
-        "paper params",
-        "our params",
-        "FLOPs / target token",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + source("table3_dry_run", records)
-  )
+  overrides = lambda r: " ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "(none)"
+  cells = {
+    "row": lambda r: r["name"],
+    "train.py overrides of `configs/wmt14.py:base`": lambda r: f"`{overrides(r)}`",
+    "paper PPL": lambda r: _optional(paper[r["name"]].paper_ppl, lambda v: f"{v:.2f}"),
+    "paper BLEU": lambda r: _optional(paper[r["name"]].paper_bleu, lambda v: f"{v:.1f}"),
+    "paper params": lambda r: _optional(r["paper_params_m"], lambda v: f"{v}M"),
+    "our params": lambda r: f"{r['num_params'] / 1e6:.1f}M",
+    "FLOPs / target token": lambda r: _scientific(r["flops_per_token"]),
+  }
+  return columns(records, cells) + "\n\n" + source("table3_dry_run", records)
 
 
+@view
 def table3_cost() -> str:
   """Parameter counts against the paper's, and training FLOPs, from the dry run."""
+  from transformer import config as config_lib
+
   records = latest(read_records("table3_dry_run"), key=lambda r: r["name"])
   by_name = {r["name"]: r for r in records}
   compared = [
@@ -658,156 +560,106 @@ def table3_cost() -> str:
   ]
   furthest, furthest_name = max(compared, key=lambda c: abs(c[0]))
   hundred_k = [r for r in records if "num_train_steps" not in r["overrides"]]
-  cheapest = min(hundred_k, key=_training_flops)
-  dearest = max(hundred_k, key=_training_flops)
-  total = sum(_training_flops(r) for r in records)
+  cheapest, dearest = min(hundred_k, key=_training_flops), max(hundred_k, key=_training_flops)
+  flops = lambda r: _scientific(_training_flops(r))
   # The WMT configs' steps on one GPU, as bench/gpu.sh measured them, priced at each
   # config's num_train_steps.
-  from transformer import config as config_lib
-
-  gpu = [r for r in _one_sitting(read_records("gpu")) if r["name"] == "train_step"]
-  gpu_by_label = {r["label"]: r for r in gpu}
-  gpu_hours = {
+  gpu = {r["label"]: r for r in one_sitting(read_records("gpu")) if r["name"] == "train_step"}
+  hours = {
     model: config_lib.load_config(f"configs/wmt14.py:{model}").num_train_steps
-    * gpu_by_label[model]["step_time_s"]
+    * gpu[model]["step_time_s"]
     / 3600
     for model in ("base", "big")
   }
-  shown_gpu = [gpu_by_label["base"], gpu_by_label["big"]]
   device = read_records("gpu")[-1]["machine"].split(" (")[0].removeprefix("one ")
   return (
     f"Every row's parameter count is within {100 * abs(furthest):.0f}% of the paper's "
     f"({furthest_name} is the furthest, {100 * furthest:+.1f}%). By our FLOP count a "
-    f"100K-step row at 25,000 target tokens per step is about "
-    f"{_scientific(_training_flops(by_name['base']))} FLOPs (base; from "
-    f"{_scientific(_training_flops(cheapest))} for {cheapest['name']} to "
-    f"{_scientific(_training_flops(dearest))} for {dearest['name']}), big about "
-    f"{_scientific(_training_flops(by_name['big']))}, and the whole table about "
-    f"{_scientific(total)}. On one {device}, at the steps bench/gpu.sh measured there "
-    f"(96 x 256 target tokens, the configs' bf16 and cuDNN attention; "
-    f'docs/performance.md, "GPU"), base\'s 100K steps take about '
-    f"{gpu_hours['base']:.1f} hours and big's 300K about {gpu_hours['big']:.1f}: the "
+    f"100K-step row at 25,000 target tokens per step is about {flops(by_name['base'])} "
+    f"FLOPs (base; from {flops(cheapest)} for {cheapest['name']} to {flops(dearest)} for "
+    f"{dearest['name']}), big about {flops(by_name['big'])}, and the whole table about "
+    f"{_scientific(sum(_training_flops(r) for r in records))}. On one {device}, at the "
+    "steps bench/gpu.sh measured there (96 x 256 target tokens, the configs' bf16 and "
+    'cuDNN attention; docs/performance.md, "GPU"), base\'s 100K steps take about '
+    f"{hours['base']:.1f} hours and big's 300K about {hours['big']:.1f}: the "
     "measured step times the steps, with no input pipeline, evaluation or checkpoints.\n\n"
     + source("table3_dry_run", records)
     + "\n"
-    + source("gpu", shown_gpu)
+    + source("gpu", [gpu["base"], gpu["big"]])
   )
 
 
+@view
 def table3_small() -> str:
-  from transformer.sweeps.spec import load_sweep
-
-  paper = {row.name: row for row in load_sweep("configs/sweeps/table3_small.py").rows}
+  paper = _paper_rows("table3_small")
   records = latest(read_records("table3_small"), key=lambda r: r["row"])
   base = next(r for r in records if r["row"] == "base")
-  paper_base = paper["base"].paper_ppl
 
   def change(value: float | None, reference: float | None) -> str:
     return "" if value is None or reference is None else f"{100 * (value / reference - 1):+.0f}%"
 
-  rows = [
-    (
-      r["row"],
-      r["changed"],
-      f"{r['num_params'] / 1e6:.1f}",
-      f"{r['ppl']:.2f}",
-      change(r["ppl"], base["ppl"]),
-      f"{r['bleu']:.2f}",
-      _paper(paper[r["row"]].paper_ppl, 2),
-      change(paper[r["row"]].paper_ppl, paper_base),
-      _paper(paper[r["row"]].paper_bleu, 1),
-    )
-    for r in records
-  ]
-  return (
-    table(
-      (
-        "row",
-        "changed values",
-        "params (M)",
-        "validation ppl",
-        "ppl vs base",
-        f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
-        "paper ppl",
-        "paper ppl vs base",
-        "paper BLEU",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + source("table3_small", records)
-  )
+  cells = {
+    "row": lambda r: r["row"],
+    "changed values": lambda r: r["changed"],
+    "params (M)": lambda r: f"{r['num_params'] / 1e6:.1f}",
+    "validation ppl": lambda r: f"{r['ppl']:.2f}",
+    "ppl vs base": lambda r: change(r["ppl"], base["ppl"]),
+    f"BLEU (first {records[0]['bleu_sentences']} validation sentences)": lambda r: (
+      f"{r['bleu']:.2f}"
+    ),
+    "paper ppl": lambda r: _optional(paper[r["row"]].paper_ppl, lambda v: f"{v:.2f}"),
+    "paper ppl vs base": lambda r: change(paper[r["row"]].paper_ppl, paper["base"].paper_ppl),
+    "paper BLEU": lambda r: _optional(paper[r["row"]].paper_bleu, lambda v: f"{v:.1f}"),
+  }
+  return columns(records, cells) + "\n\n" + source("table3_small", records)
 
 
+@view
 def decoder_only_vs_encoder_decoder() -> str:
   records = latest(read_records("decoder_only_vs_encoder_decoder"), key=lambda r: r["row"])
   rows = [
     (r["row"], _thousands(r["num_params"]), f"{r['ppl']:.2f}", f"{r['bleu']:.2f}") for r in records
   ]
-  return (
-    table(
-      (
-        "row",
-        "parameters",
-        "validation ppl",
-        f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + source("decoder_only_vs_encoder_decoder", records)
+  headers = (
+    f"row|parameters|validation ppl|BLEU (first {records[0]['bleu_sentences']} validation "
+    "sentences)"
   )
+  return table(headers, rows) + "\n\n" + source("decoder_only_vs_encoder_decoder", records)
 
 
+@view
 def mixed_precision() -> str:
   """Each run's validation perplexity and BLEU, the perplexity set against float32's at
-  the same seed (the sweep's criterion: within 2%)."""
+  the same seed (the sweep's criterion: within 2%), each row at its own commit."""
   every = read_records("mixed_precision")
   records = latest(every, key=lambda r: r["row"])
   by_row = {r["row"]: r for r in records}
 
-  def reference(record: Record) -> float:
-    """float32's perplexity at the record's seed, from a run of the same commit where
-    there is one (the older rows were measured against their own), else the newest."""
+  def against_float32(record: Record) -> str:
+    """Against float32's perplexity at the record's seed, from a run of the same commit
+    where there is one (the older rows were measured against their own), else the newest."""
+    if record["row"].startswith("float32"):
+      return ""
     name = "float32_seed1" if "seed1" in record["row"] else "float32"
     same = [r for r in every if r["row"] == name and r["commit"] == record["commit"]]
-    return (same or [by_row[name]])[-1]["ppl"]
+    return f"{100 * (record['ppl'] / (same or [by_row[name]])[-1]['ppl'] - 1):+.1f}%"
 
-  rows = [
-    (
-      r["row"],
-      f"`{r['changed']}`",
-      f"{r['ppl']:.2f}",
-      "" if r["row"].startswith("float32") else f"{100 * (r['ppl'] / reference(r) - 1):+.1f}%",
-      f"{r['bleu']:.2f}",
-      r["commit"],
-    )
-    for r in records
-  ]
-  return (
-    table(
-      (
-        "run",
-        "changed values",
-        "validation ppl",
-        "ppl vs float32, same seed",
-        f"BLEU (first {records[0]['bleu_sentences']} validation sentences)",
-        "commit",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + source("mixed_precision", records)
-  )
-
-
-def mixed_precision_expected() -> str:
-  # The sweep's own rows: not the earlier runs with the residual stream in bf16.
-  return _sweep_expected("mixed_precision", keep=lambda r: "residual" not in r["row"])
+  cells = {
+    "run": lambda r: r["row"],
+    "changed values": lambda r: f"`{r['changed']}`",
+    "validation ppl": lambda r: f"{r['ppl']:.2f}",
+    "ppl vs float32, same seed": against_float32,
+    f"BLEU (first {records[0]['bleu_sentences']} validation sentences)": lambda r: (
+      f"{r['bleu']:.2f}"
+    ),
+    "commit": lambda r: r["commit"],
+  }
+  return columns(records, cells) + "\n\n" + source("mixed_precision", records)
 
 
 def _sweep_expected(name: str, keep: Callable[[Record], bool] = lambda r: True) -> str:
   records = [r for r in latest(read_records(name), key=lambda r: r["row"]) if keep(r)]
+  cite(name, records)
   rows = "; ".join(f"{r['row']} {r['ppl']:.2f} and {r['bleu']:.2f}" for r in records)
   first = records[0]
   return textwrap.fill(
@@ -818,10 +670,18 @@ def _sweep_expected(name: str, keep: Callable[[Record], bool] = lambda r: True) 
   )
 
 
+@view
+def mixed_precision_expected() -> str:
+  # The sweep's own rows: not the earlier runs with the residual stream in bf16.
+  return _sweep_expected("mixed_precision", keep=lambda r: "residual" not in r["row"])
+
+
+@view
 def table3_small_expected() -> str:
   return _sweep_expected("table3_small")
 
 
+@view
 def decoder_only_vs_encoder_decoder_expected() -> str:
   return _sweep_expected("decoder_only_vs_encoder_decoder")
 
@@ -829,34 +689,19 @@ def decoder_only_vs_encoder_decoder_expected() -> str:
 # docs/data.md.
 
 
+@view
 def input_padding() -> str:
   records = latest(read_records("input_pipeline"), key=lambda r: r["flags"])
-  rows = [
-    (
-      f"`{r['flags']}`" if r["flags"] else "(none)",
-      r["batching"],
-      f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
-      f"{_thousands(r['source_tokens_per_batch'])} / {_thousands(r['target_tokens_per_batch'])}",
-      f"{_percent(r['source_padding_efficiency'])} / {_percent(r['target_padding_efficiency'])}",
-      f"{r['shapes_seen']} / {r['shapes_planned']}",
-    )
-    for r in records
-  ]
-  return (
-    table(
-      (
-        "flags",
-        "batching",
-        "max_len / tokens_per_batch",
-        "real tokens per batch (source / target)",
-        "real share of slots (source / target)",
-        "shapes seen / planned",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + source("input_pipeline", records)
-  )
+  both = lambda r, fmt, key: f"{fmt(r[f'source_{key}'])} / {fmt(r[f'target_{key}'])}"
+  cells = {
+    "flags": lambda r: f"`{r['flags']}`" if r["flags"] else "(none)",
+    "batching": lambda r: r["batching"],
+    "max_len / tokens_per_batch": lambda r: f"{r['max_len']} / {_thousands(r['tokens_per_batch'])}",
+    "real tokens per batch (source / target)": lambda r: both(r, _thousands, "tokens_per_batch"),
+    "real share of slots (source / target)": lambda r: both(r, _percent, "padding_efficiency"),
+    "shapes seen / planned": lambda r: f"{r['shapes_seen']} / {r['shapes_planned']}",
+  }
+  return columns(records, cells) + "\n\n" + source("input_pipeline", records)
 
 
 # docs/decoding.md.
@@ -865,8 +710,7 @@ def input_padding() -> str:
 def acceptance_for(tokens_per_round: float, k: int) -> float:
   """The acceptance rate a at which a round gives `tokens_per_round` tokens
   (speculative_lib.tokens_per_round, which grows with a: bisected)."""
-  # Imports JAX: only this view needs it.
-  from transformer.model.decoding import speculative as speculative_lib
+  from transformer.model.decoding import speculative as speculative_lib  # imports JAX
 
   low, high = 0.0, 1.0
   for _ in range(60):
@@ -875,11 +719,11 @@ def acceptance_for(tokens_per_round: float, k: int) -> float:
   return (low + high) / 2
 
 
+@view
 def speculative() -> str:
   """Speculative against plain greedy decoding, one row per batch size, with a, c, the
   check's cost and what Leviathan et al.'s formula predicts."""
-  # Imports JAX: only this view needs it.
-  from transformer.model.decoding import speculative as speculative_lib
+  from transformer.model.decoding import speculative as speculative_lib  # imports JAX
 
   # bench also prints its peak record (name "peak") before the speculative ones.
   records = [r for r in read_records("speculative") if r["name"] == "speculative"]
@@ -895,7 +739,7 @@ def speculative() -> str:
         f"{r['speculative_ms_per_sentence']:.1f}",
         f"{r['speedup']:.2f}x",
         f"{a:.3f}",
-        f"{r['draft_cost_ratio']:.3f}",
+        f"{c:.3f}",
         f"{r['check_cost_ratio']:.2f}",
         f"{r['expected_speedup']:.2f}x",
         f"{with_check:.2f}x",
@@ -904,25 +748,14 @@ def speculative() -> str:
     )
   first, k = records[0], records[0]["draft_len"]
   needed = 1.5 * (k * first["draft_cost_ratio"] + first["check_cost_ratio"])
+  headers = (
+    "batch|greedy ms/sentence|speculative ms/sentence|measured speed-up|a|c"
+    "|(k + 1)-token check / target pass|predicted (1 - a^(k+1)) / ((1 - a)(k c + 1))"
+    "|predicted with the check's cost|target passes, greedy → speculative"
+  )
   return (
-    table(
-      (
-        "batch",
-        "greedy ms/sentence",
-        "speculative ms/sentence",
-        "measured speed-up",
-        "a",
-        "c",
-        "(k + 1)-token check / target pass",
-        "predicted (1 - a^(k+1)) / ((1 - a)(k c + 1))",
-        "predicted with the check's cost",
-        "target passes, greedy → speculative",
-      ),
-      rows,
-    )
-    + f"\n\n{first['sentences']} test sentences, k = {first['draft_len']}; the target "
-    f"trained {first['target_steps']:,} steps (validation ppl "
-    f"{first['target_validation_ppl']:.2f}), "
+    table(headers, rows) + f"\n\n{first['sentences']} test sentences, k = {k}; the target trained "
+    f"{first['target_steps']:,} steps (validation ppl {first['target_validation_ppl']:.2f}), "
     f"the draft {first['draft_steps']:,} (ppl {first['draft_validation_ppl']:.2f}, scored over "
     f"the whole vocabulary). At these costs 1.5x one sentence at a time needs "
     f"{needed:.2f} tokens per round, of the k + 1 = {k + 1} a round gives at most: "
@@ -936,66 +769,141 @@ def speculative() -> str:
   )
 
 
-def _command_flag(command: str, flag: str) -> str | None:
-  """'big' from '... --config configs/wmt14.py:big ...' (flag 'config', after the colon)."""
+@view
+def ctranslate2_quality() -> str:
+  """The exported model's outputs and BLEU beside the run's own (compare_ctranslate2)."""
+  r = read_records("ctranslate2")[-1]
+  gaps = [d["logprob_gap"] for d in r["greedy_differing"]]
+  differing = (
+    f"The {len(gaps)} that differ part where our two candidates' log-probabilities are "
+    f"at most {max(gaps):.1e} apart (near-ties: float32 sums in another order decide them)."
+    if gaps
+    else "None differs."
+  )
+  b = r["bleu"]
+  rows = [
+    (search, *(f"{b[f'{system}_{key}']:.2f}" for system in ("ours", "float32", "int8")))
+    for search, key in (
+      ("greedy", "greedy"),
+      (f"beam {r['beam_size']}, alpha {r['length_penalty_alpha']}", "beam"),
+    )
+  ]
+  return (
+    f"Greedy: {r['greedy_identical']:,} of {r['num_sentences']:,} {r['split']} sentences "
+    f"({r['greedy_identical_share']:.1%}) identical to ours token for token. {differing}\n\n"
+    + table("sacreBLEU|ours|CTranslate2 float32|CTranslate2 int8", rows)
+    + f"\n\nStep {r['step']:,} of `{r['workdir']}`, CTranslate2 {r['ctranslate2']}.\n\n"
+    + source("ctranslate2", [r])
+  )
+
+
+@view
+def ctranslate2_speed() -> str:
+  """Sentences/s of the run's own decoding and of the exported model, one interleaved run."""
+  r = read_records("ctranslate2")[-1]
+  rates = {(x["system"], x["search"], x["batch"]): x["sentences_per_sec"] for x in r["speed"]}
+  batches = sorted({x["batch"] for x in r["speed"]})
+  names = {"ours": "ours (JAX)", "float32": "CTranslate2 float32", "int8": "CTranslate2 int8"}
+  rows = [
+    (names[system], search, *(f"{rates[(system, search, b)]:.1f}" for b in batches))
+    for system in ("ours", "float32", "int8")
+    for search in ("greedy", "beam")
+  ]
+  return (
+    table(("", "search", *(f"batch {b} (sentences/s)" for b in batches)), rows)
+    + f"\n\nBatch 1: the first {r['batch1_sentences']:,} {r['split']} sentences; batch "
+    f"{r['batch_size']}: all {r['num_sentences']:,}, in the split's order. Each figure is "
+    f"the fastest of {r['rounds']} turns, the systems taking turns; ours compiled first. "
+    f"CTranslate2 {r['ctranslate2']} with {r['ctranslate2_threads']}.\n\n"
+    + source("ctranslate2", [r])
+  )
+
+
+# docs/performance.md and reproduce.md: compile_check's predictions for TPU slices, and
+# the GPU measured.
+
+
+def _flag(command: str, flag: str) -> str | None:
+  """'configs/wmt14.py:big' from '... --config configs/wmt14.py:big ...' (flag 'config')."""
   words = command.replace("=", " ").split()
-  if f"--{flag}" not in words:
-    return None
-  return words[words.index(f"--{flag}") + 1]
+  return words[words.index(f"--{flag}") + 1] if f"--{flag}" in words else None
+
+
+def _model(record: Record) -> str:
+  return (_flag(record["command"], "config") or "").rsplit(":", 1)[-1]
+
+
+def _overrides(command: str) -> tuple[str, ...]:
+  """A command's config overrides, "--config.model.dtype=bfloat16" as "model.dtype=bfloat16":
+  a compile_check record with any is an experiment on the step, not the config's figure."""
+  return tuple(w.removeprefix("--config.") for w in command.split() if w.startswith("--config."))
+
+
+def _launch_key(record: Record) -> tuple:
+  """What a compile_check record is about: model, slice, slices, mesh asked, batch asked."""
+  command = record["command"]
+  mesh = "search" if "--search_mesh" in command.split() else _flag(command, "mesh")
+  slices = record.get("num_slices", 1)
+  return (
+    _flag(command, "config"),
+    record["topology"],
+    slices,
+    mesh,
+    _flag(command, "batch_tokens"),
+  )
+
+
+def _configs_as_they_are() -> list[Record]:
+  """compile_check's records without config overrides."""
+  return [r for r in read_records("compile_check") if not _overrides(r["command"])]
+
+
+def _v5e8() -> list[Record]:
+  """The newest record of each WMT config on a v5e-8, where it is of the config's mesh."""
+  key = lambda r: (_flag(r["command"], "config"), r["topology"])
+  records = latest(_configs_as_they_are(), key=key)
+  return [r for r in records if r["topology"] == "v5e-8" and _flag(r["command"], "mesh") is None]
+
+
+def _v5e8_profiles() -> list[Record]:
+  """Those with a per-op profile, at the paper's batch, sorted by config."""
+  profiled = [r for r in _v5e8() if "profile" in r and _flag(r["command"], "batch_tokens") is None]
+  return sorted(profiled, key=lambda r: _flag(r["command"], "config") or "")
+
+
+def _predicted_step(r: Record) -> tuple[float, float, str]:
+  """(step seconds, MFU, which predictor) of a compile_check record: the per-op profile's
+  where the record has one, else the roofline's of an older record."""
+  if "profile" in r:
+    return r["profile"]["step_s"], r["profile"]["mfu"], "per-op"
+  return r["step_s"], r["mfu"], f"roofline, {r['bound']}"
+
+
+def _launch_mesh(record: Record) -> str:
+  """The mesh column: the in-slice mesh "data x fsdp x tensor" (the mesh over every slice,
+  divided by the slices' dcn_* split) and who chose it (the config, --mesh or --search_mesh)."""
+  asked, searched = _launch_key(record)[3], len(record.get("search", []))
+  if "error" in record:
+    if asked == "search":
+      return f"--search_mesh ({searched} tried)"
+    return "the config's" if asked is None else f"{asked.replace(',', 'x')} (--mesh)"
+  dcn = record.get("dcn_mesh") or {}
+  axes = ("data", "fsdp", "tensor")
+  mesh = "x".join(str(record["mesh"][a] // dcn.get(a, 1)) for a in axes)
+  if asked == "search":
+    return f"{mesh} (--search_mesh, best of {searched})"
+  return f"{mesh} ({'the config' + chr(39) + 's' if asked is None else '--mesh'})"
 
 
 _SLICE_ORDER = ("v5e-8", "v4-32", "v5p-128", "v5e-256")
 
 
-def _config_overrides(command: str) -> tuple[str, ...]:
-  """A command's config overrides, "--config.model.dtype=bfloat16" as "model.dtype=bfloat16":
-  a compile_check record with any is an experiment on the step, not the config's figure."""
-  return tuple(
-    word.removeprefix("--config.") for word in command.split() if word.startswith("--config.")
-  )
-
-
-def _launch_key(record: dict[str, Any]) -> tuple:
-  """What a compile_check record is about: model, slice, slices, mesh asked, batch asked."""
-  command = record["command"]
-  mesh = "search" if "--search_mesh" in command.split() else _command_flag(command, "mesh")
-  return (
-    _command_flag(command, "config"),
-    record["topology"],
-    record.get("num_slices", 1),
-    mesh,
-    _command_flag(command, "batch_tokens"),
-  )
-
-
-def _slice_mesh(record: dict[str, Any]) -> str:
-  """The in-slice mesh "data x fsdp x tensor" (the mesh over every slice, divided by the
-  slices' dcn_* split)."""
-  dcn = record.get("dcn_mesh") or {}
-  return "x".join(str(record["mesh"][a] // dcn.get(a, 1)) for a in ("data", "fsdp", "tensor"))
-
-
-def _launch_mesh(record: dict[str, Any]) -> str:
-  """The mesh column: the mesh and who chose it (the config, --mesh or --search_mesh)."""
-  _, _, _, asked, _ = _launch_key(record)
-  if asked == "search":
-    searched = len(record.get("search", []))
-    if "error" in record:
-      return f"--search_mesh ({searched} tried)"
-    return f"{_slice_mesh(record)} (--search_mesh, best of {searched})"
-  if "error" in record:
-    return "the config's" if asked is None else f"{asked.replace(',', 'x')} (--mesh)"
-  return f"{_slice_mesh(record)} ({'the config' + chr(39) + 's' if asked is None else '--mesh'})"
-
-
+@view
 def before_you_launch() -> str:
   """compile_check's records: each WMT model on each slice, with the config's mesh and
   the best of --search_mesh (or a --mesh recorded where no search was), every figure a
   prediction of XLA's TPU compiler."""
-  records = latest(
-    [r for r in read_records("compile_check") if not _config_overrides(r["command"])],
-    key=_launch_key,
-  )
+  records = latest(_configs_as_they_are(), key=_launch_key)
   searched = {key[:3] + key[4:] for key in map(_launch_key, records) if key[3] == "search"}
   records = [  # a search compiled each mesh a --mesh record would show
     r
@@ -1004,19 +912,17 @@ def before_you_launch() -> str:
     or _launch_key(r)[:3] + _launch_key(r)[4:] not in searched
   ]
 
-  def order(record):
+  def order(record: Record) -> tuple:
     model, topology, slices, asked, batch = _launch_key(record)
     where = _SLICE_ORDER.index(topology) if topology in _SLICE_ORDER else len(_SLICE_ORDER)
-    chosen = {None: 0, "search": 2}.get(asked, 1)
-    return (model, slices, where, int(batch or 0), chosen)
+    return (model, slices, where, int(batch or 0), {None: 0, "search": 2}.get(asked, 1))
 
   rows = []
   for r in sorted(records, key=order):
-    model = (_command_flag(r["command"], "config") or "").rsplit(":", 1)[-1]
     slices = f"{r['num_slices']} x " if r.get("num_slices", 1) > 1 else ""
-    asked_tokens = _command_flag(r["command"], "batch_tokens")
+    asked_tokens = _flag(r["command"], "batch_tokens")
     batch_note = f" (--batch_tokens {int(asked_tokens):,})" if asked_tokens else ""
-    head = (model, f"{slices}{r['topology']}", _launch_mesh(r))
+    head = (_model(r), f"{slices}{r['topology']}", _launch_mesh(r))
     if "error" in r:
       rows.append((*head, batch_note.strip(), f"no: {r['error']}", "", "", "", "", ""))
       continue
@@ -1024,105 +930,64 @@ def before_you_launch() -> str:
     if "oom" in r:
       rows.append((*head, batch, r["oom"].split(" (predicted")[0], "", "", "", "", ""))
       continue
-    share = r["total"] / r["hbm"]
     per_op = r.get("profile")
     rows.append(
       (
         *head,
         batch,
-        f"{'fits' if r['fits'] else 'does not fit'}, {share:.0%} of {r['hbm'] / 2**30:.0f} GiB",
-        f"{per_op['step_s'] * 1e3:,.1f} ms" if per_op else "(older record)",
+        f"{'fits' if r['fits'] else 'does not fit'}, {r['total'] / r['hbm']:.0%} of "
+        f"{r['hbm'] / 2**30:.0f} GiB",
+        _ms(per_op["step_s"]) if per_op else "(older record)",
         f"{per_op['mfu']:.0%}" if per_op else "",
         f"{per_op['tokens_per_s']:,.0f}" if per_op else "",
         f"{r['step_s'] * 1e3:,.0f} ms ({r['bound']}), {r['mfu']:.0%}",
         f"{r['flops_vs_formula']:+.1%}",
       )
     )
+  headers = (
+    "model|slice|mesh|batch|memory per chip|step (per-op)|MFU (per-op)|target tokens/s (slice)"
+    "|roofline step, MFU (not a bound)|XLA FLOPs vs formula"
+  )
   return (
     "Per chip, every figure predicted by XLA's TPU compiler (libtpu), none measured; "
     "mesh data x fsdp x tensor in each slice, batch rows x tokens (the paper's 25,000 "
     "tokens a step unless --batch_tokens says otherwise). The step, its MFU and tokens/s "
     "are the per-op profile's (the compiler's estimated cycles per op; records made before "
     "it existed show only the roofline):\n\n"
-    + table(
-      (
-        "model",
-        "slice",
-        "mesh",
-        "batch",
-        "memory per chip",
-        "step (per-op)",
-        "MFU (per-op)",
-        "target tokens/s (slice)",
-        "roofline step, MFU (not a bound)",
-        "XLA FLOPs vs formula",
-      ),
-      rows,
-    )
+    + table(headers, rows)
     + "\n\n"
     + source("compile_check", records)
   )
 
 
-def _predicted_step(r) -> tuple[float, float, str]:
-  """(step seconds, MFU, which predictor) of a compile_check record: the per-op profile's
-  where the record has one, else the roofline's of an older record."""
-  if "profile" in r:
-    return r["profile"]["step_s"], r["profile"]["mfu"], "per-op"
-  return r["step_s"], r["mfu"], f"roofline, {r['bound']}"
-
-
-def _v5e8_profiles() -> list[Record]:
-  """compile_check's newest record of each WMT config on a v5e-8 with a per-op profile
-  (the config's mesh, the paper's batch, no overrides), sorted by config."""
-  records = [
-    r
-    for r in latest(
-      [r for r in read_records("compile_check") if not _config_overrides(r["command"])],
-      key=lambda r: (_command_flag(r["command"], "config"), r["topology"]),
-    )
-    if r["topology"] == "v5e-8"
-    and "profile" in r
-    and _command_flag(r["command"], "mesh") is None
-    and _command_flag(r["command"], "batch_tokens") is None
-  ]
-  return sorted(records, key=lambda r: _command_flag(r["command"], "config") or "")
-
-
+@view
 def tpu_step_profile() -> str:
   """Where a v5e-8 step's time goes, by model part, for each WMT model: the per-op
   profile of compile_check's newest record of it (the config's mesh, the paper's batch)."""
   records = _v5e8_profiles()
-  models = [(_command_flag(r["command"], "config") or "").rsplit(":", 1)[-1] for r in records]
-  parts: list[str] = []
-  for r in records:
-    parts += [p for p in r["profile"]["by_part_s"] if p not in parts]
-  rows = []
-  for part in parts:
-    cells = []
-    for r in records:
-      seconds = r["profile"]["by_part_s"].get(part, 0.0)
-      cells.append(f"{seconds * 1e3:.2f} ms ({seconds / r['profile']['step_s']:.0%})")
-    rows.append((part, *cells))
-  rows.append(("**step**", *(f"**{r['profile']['step_s'] * 1e3:.1f} ms**" for r in records)))
-  rows.append(("**MFU**", *(f"**{r['profile']['mfu']:.0%}**" for r in records)))
+  profiles = [r["profile"] for r in records]
+  parts = list(dict.fromkeys(part for p in profiles for part in p["by_part_s"]))
+  share = lambda s, p: f"{s * 1e3:.2f} ms ({s / p['step_s']:.0%})"
+  rows = [(part, *(share(p["by_part_s"].get(part, 0.0), p) for p in profiles)) for part in parts]
+  rows.append(("**step**", *(f"**{p['step_s'] * 1e3:.1f} ms**" for p in profiles)))
+  rows.append(("**MFU**", *(f"**{p['mfu']:.0%}**" for p in profiles)))
   top = []
-  for model, r in zip(models, records):
+  for r, p in zip(records, profiles):
     ops = "; ".join(
       # An op JAX gave no source path (a collective the partitioner made) by its own name.
       f"{o['part']} {o['seconds'] * 1e3:.2f} ms "
       f"(`{o['op_name'].rsplit(')/', 1)[-1][-60:] or o['name']}`"
       + (f", x{o['runs']}" if o["runs"] > 1 else "")
       + ")"
-      for o in r["profile"]["top_ops"][:5]
+      for o in p["top_ops"][:5]
     )
-    top.append(f"- {model}'s five longest ops: {ops}.")
-    uncosted = r["profile"].get("uncosted", [])[:3]  # records before it have none
+    top.append(f"- {_model(r)}'s five longest ops: {ops}.")
+    uncosted = p.get("uncosted", [])[:3]  # records before it have none
     if uncosted:
       from transformer.tools import op_profile
 
       top.append(
-        f"- {model}'s ops with no estimate, not timed (the most bytes): "
+        f"- {_model(r)}'s ops with no estimate, not timed (the most bytes): "
         + op_profile.uncosted_text(uncosted)
         + "."
       )
@@ -1130,7 +995,7 @@ def tpu_step_profile() -> str:
     "The per-op profile of the train step on a v5e-8 (the config's mesh, the paper's batch; "
     "`python -m transformer.tools.compile_check --config configs/wmt14.py:MODEL --topology "
     "v5e-8 --json`), per chip, predicted by the compiler's own estimates, not measured:\n\n"
-    + table(("part", *models), rows)
+    + table(("part", *map(_model, records)), rows)
     + "\n\n"
     + "\n".join(top)
     + "\n\n"
@@ -1138,175 +1003,89 @@ def tpu_step_profile() -> str:
   )
 
 
-# bench/gpu.sh's labels: what each row changes from the WMT config as it is.
-_GPU_ROWS = {
-  "base": "base, the config (`auto`)",
-  "big": "big, the config (`auto`)",
-  "base-f32": "base, `model.dtype=float32`",
-  "big-f32": "big, `model.dtype=float32`",
-  "base-bf16-einsum": "base, bf16, `model.attention_kernel=einsum`",
-  "big-bf16-einsum": "big, bf16, `model.attention_kernel=einsum`",
-  "big-noremat": "big, the config, `model.remat=none`",
-}
-
-
-def gpu_train_step() -> str:
-  """bench/gpu.sh's newest sitting: the WMT steps on one GPU at the paper's batch, with
-  the TPU prediction for the same configs beside them."""
-  sitting = _one_sitting(read_records("gpu"))
-  peaks = {r["label"]: r for r in sitting if r["name"] == "peak"}
-  steps = [r for r in sitting if r["name"] == "train_step"]
-  rows = []
-  for r in steps:
-    rows.append(
-      (
-        _GPU_ROWS.get(r["label"], r["label"]),
-        f"{r['dtype']}, {r['attention_kernel']}",
-        f"{1e3 * r['step_time_s']:.1f} ms",
-        _thousands(r["tokens_per_sec"]),
-        _percent(r["mfu"]),
-        f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
-        f"{r['compile_s']:.0f} s",
-      )
-    )
-  device = peaks[steps[0]["label"]]["device"]
-  peak_flops = peaks[steps[0]["label"]]["peak_flops_per_sec"]
-  versions = steps[0]["versions"]
-  beams = [r for r in sitting if r["name"] == "beam_search"]
-  beam_lines = [
-    f"Beam search on {b['label']} (beam {b['beam_size']}, {b['sentences']} sentences, "
-    f"{b['steps']} output tokens each, with the cache, untrained parameters): "
-    f"{1e3 * b['step_time_s']:.1f} ms per step, {_thousands(b['tokens_per_sec'])} output "
-    f"tokens/s, {b['sentences_per_sec']:.0f} sentences/s."
-    for b in beams
-  ]
-  predicted = []
-  profiles = _v5e8_profiles()
-  for p in profiles:
-    model = (_command_flag(p["command"], "config") or "").rsplit(":", 1)[-1]
-    per_chip = p["rows"] * p["seq_len"] / p["profile"]["step_s"] / p["chips"]
-    predicted.append(
-      f"{model} {_thousands(per_chip)} target tokens/s per chip ({p['profile']['mfu']:.0%} MFU)"
-    )
-  return (
-    f"One {device}, the paper's batch (96 x 256 target tokens a step), "
-    f"jax {versions['jax']} and flax {versions['flax']}; MFU against the datasheet's dense "
-    f"bf16 peak, {peak_flops / 1e12:.0f} TFLOP/s; measured:\n\n"
-    + table(
-      (
-        "run",
-        "dtype, attention",
-        "step (median)",
-        "target tokens/s",
-        "MFU",
-        "peak GPU memory",
-        "compile",
-      ),
-      rows,
-    )
-    + "\n\n"
-    + "\n".join(beam_lines)
-    + ("\n\n" if beam_lines else "")
-    + "Beside them, predicted for a TPU by the per-op profile (v5e-8, float32, the "
-    "config's mesh; not measured): "
-    + "; ".join(predicted)
-    + ".\n\n"
-    + source("gpu", steps + beams)  # a peak record's "source" names its peak's, not a page
-    + "\n"
-    + source("compile_check", profiles)
-  )
-
-
+@view
 def tpu_step_experiments() -> str:
   """Changes to the base step on a v5e-8, each compiled with config overrides and set
   against the step as the config stood when it was compiled (the newest record without
-  overrides before it), by the per-op profile."""
-
-  def wanted(r):
-    return (
+  overrides before it), by the per-op profile: dated, each row at its commits."""
+  reference, against = None, {}
+  for r in read_records("compile_check"):  # in the order made
+    if not (
       r["topology"] == "v5e-8"
       and "profile" in r
-      and _command_flag(r["command"], "config") == "configs/wmt14.py:base"
-      and _command_flag(r["command"], "mesh") is None
-    )
-
-  reference, against = None, {}
-  for r in [r for r in read_records("compile_check") if wanted(r)]:  # in the order made
-    if not _config_overrides(r["command"]):
+      and _flag(r["command"], "config") == "configs/wmt14.py:base"
+      and _flag(r["command"], "mesh") is None
+    ):
+      continue
+    if not _overrides(r["command"]):
       reference = r
     elif reference is not None:
-      against[_config_overrides(r["command"])] = (r, reference)
+      against[_overrides(r["command"])] = (r, reference)
   if reference is None:
     return "No per-op record of the base step on a v5e-8 yet."
   now = reference["profile"]
-  rows: list[tuple[str, ...]] = [
+  hbm = lambda r: f"{r['total'] / r['hbm']:.0%}"
+  rows = [
     (
       "the config as it is now",
       "",
-      f"{now['step_s'] * 1e3:.1f} ms",
+      _ms(now["step_s"]),
       f"{now['mfu']:.1%}",
       "",
-      f"{reference['total'] / reference['hbm']:.0%}",
+      hbm(reference),
+      reference["commit"],
     )
   ]
-  shown = [reference]
+  history: list[Record] = []
   for overrides, (r, before) in sorted(against.items()):
-    p, b = r["profile"], before["profile"]
-    moved = sorted(
-      set(p["by_part_s"]) | set(b["by_part_s"]),
-      key=lambda k: -abs(p["by_part_s"].get(k, 0) - b["by_part_s"].get(k, 0)),
-    )[:3]
-    deltas = ", ".join(
-      f"{k} {(p['by_part_s'].get(k, 0) - b['by_part_s'].get(k, 0)) * 1e3:+.2f} ms" for k in moved
-    )
+    p, b = r["profile"]["by_part_s"], before["profile"]["by_part_s"]
+    step, step_before = r["profile"]["step_s"], before["profile"]["step_s"]
+    moved = sorted(set(p) | set(b), key=lambda k: -abs(p.get(k, 0) - b.get(k, 0)))[:3]
     rows.append(
       (
         ", ".join(f"`{o}`" for o in overrides),
-        f"{b['step_s'] * 1e3:.1f} ms",
-        f"{p['step_s'] * 1e3:.1f} ms ({p['step_s'] / b['step_s'] - 1:+.0%})",
-        f"{p['mfu']:.1%}",
-        deltas,
-        f"{r['total'] / r['hbm']:.0%} (from {before['total'] / before['hbm']:.0%})",
+        _ms(step_before),
+        f"{_ms(step)} ({step / step_before - 1:+.0%})",
+        f"{r['profile']['mfu']:.1%}",
+        ", ".join(f"{k} {(p.get(k, 0) - b.get(k, 0)) * 1e3:+.2f} ms" for k in moved),
+        f"{hbm(r)} (from {hbm(before)})",
+        r["commit"] if r["commit"] == before["commit"] else f"{before['commit']}, {r['commit']}",
       )
     )
-    shown += [r, before]
+    history += [r, before]
+  headers = (
+    "change|step before|step with it|MFU|parts that moved most|HBM per chip"
+    "|compiled at (before, with it)"
+  )
   return (
     "Transformer-base's train step on a v5e-8 (the paper's batch, the config's mesh), "
     "compiled with config overrides (`python -m transformer.tools.compile_check --config "
     "configs/wmt14.py:base --topology v5e-8 --config.KEY=VALUE --json`) and set against the "
     "step as the config stood when each was compiled, per chip, by the per-op profile "
     "(predicted, not measured):\n\n"
-    + table(
-      ("change", "step before", "step with it", "MFU", "parts that moved most", "HBM per chip"),
-      rows,
-    )
+    + table(headers, rows)
     + "\n\n"
-    + source("compile_check", list({id(r): r for r in shown}.values()))
+    + source("compile_check", [reference])
+    + "\n"
+    + source("compile_check", list({id(r): r for r in history}.values()), history=True)
   )
 
 
+@view
 def table2_predicted_time() -> str:
   """Table 2's rows priced on a v5e-8: compile_check's predicted step time (the per-op
   profile, or an older record's roofline; not a measurement) times the config's steps."""
   from transformer import config as config_lib
 
-  records = [
-    r
-    for r in latest(
-      [r for r in read_records("compile_check") if not _config_overrides(r["command"])],
-      key=lambda r: (_command_flag(r["command"], "config"), r["topology"]),
-    )
-    if r["topology"] == "v5e-8" and "error" not in r and _command_flag(r["command"], "mesh") is None
-  ]
+  records = [r for r in _v5e8() if "error" not in r]
   rows = []
   for r in records:
-    config_name = _command_flag(r["command"], "config") or ""
-    steps = config_lib.load_config(config_name).num_train_steps
+    steps = config_lib.load_config(_flag(r["command"], "config") or "").num_train_steps
     step_s, mfu, how = _predicted_step(r)
     hours = step_s * steps / 3600
     rows.append(
       (
-        config_name.rsplit(":", 1)[-1],
+        _model(r),
         f"{steps // 1000}K",
         f"{1000 * step_s:.1f} ms ({how})",
         f"{100 * mfu:.0f}%",
@@ -1321,28 +1100,21 @@ def table2_predicted_time() -> str:
     "cycles per op; an older record's roofline where it has no profile, which says so), "
     'times the steps (docs/performance.md, "Before you launch"), without input, '
     "checkpoints or evaluation.\n\n"
-    + table(
-      ("model", "steps", "step", "MFU", "time to its steps", "chip-hours"),
-      rows,
-    )
+    + table("model|steps|step|MFU|time to its steps|chip-hours", rows)
     + "\n\n"
     + source("compile_check", records)
   )
 
 
+@view
 def table3_predicted_time() -> str:
   """Table 3's rows priced on a v5e-8: each row's train step compiled by
   `sweeps --compile_check v5e-8` (XLA's TPU compiler's roofline, not a measurement),
   times the row's steps."""
-  from transformer.sweeps.spec import load_sweep
-
-  order = [row.name for row in load_sweep("configs/sweeps/table3.py").rows]
-  records = [
-    r
-    for r in latest(read_records("table3_compile_check"), key=lambda r: (r["row"], r["topology"]))
-    if r["topology"] == "v5e-8"
-  ]
-  by_row = {r["row"]: r for r in records}
+  order = list(_paper_rows("table3"))
+  records = latest(read_records("table3_compile_check"), key=lambda r: (r["row"], r["topology"]))
+  by_row = {r["row"]: r for r in records if r["topology"] == "v5e-8"}
+  records = list(by_row.values())
   rows, hours_total, chip_hours_total = [], 0.0, 0.0
   for name in [n for n in order if n in by_row]:
     r = by_row[name]
@@ -1367,12 +1139,6 @@ def table3_predicted_time() -> str:
       )
     )
   missing = [n for n in order if n not in by_row]
-  summary = (
-    f"The {len(by_row)} rows priced take {hours_total:.0f} hours "
-    f"({chip_hours_total:,.0f} chip-hours) one after another on one v5e-8"
-    + (f"; not yet compiled: {', '.join(missing)}" if missing else "")
-    + "."
-  )
   return (
     "Predicted by XLA's TPU compiler for a v5e-8 at the paper's batch (the config's mesh; "
     "`python -m transformer.sweeps --sweep configs/sweeps/table3.py --compile_check v5e-8 "
@@ -1380,53 +1146,68 @@ def table3_predicted_time() -> str:
     "(or, in a record older than it, a roofline of its FLOPs, bytes and collectives, which "
     "the step column names), times its steps; without input, checkpoints or "
     "evaluation.\n\n"
-    + table(
-      ("row", "steps", "memory per chip", "step", "MFU", "time to its steps", "chip-hours"),
-      rows,
-    )
-    + "\n\n"
-    + summary
-    + "\n\n"
+    + table("row|steps|memory per chip|step|MFU|time to its steps|chip-hours", rows)
+    + f"\n\nThe {len(by_row)} rows priced take {hours_total:.0f} hours "
+    f"({chip_hours_total:,.0f} chip-hours) one after another on one v5e-8"
+    + (f"; not yet compiled: {', '.join(missing)}" if missing else "")
+    + ".\n\n"
     + source("table3_compile_check", records)
   )
 
 
-def views() -> dict[str, Callable[[], str]]:
-  """Every view, by the name regions use."""
-  return {
-    view.__name__: view
-    for view in (
-      make_train,
-      make_train_expected,
-      make_test,
-      cpu_train_step,
-      cpu_default_beam_search,
-      compile_depth,
-      host_memory,
-      host_memory_input_pipeline,
-      train_loop,
-      memory_per_mesh,
-      restore_memory,
-      checkpoint_saves,
-      before_you_launch,
-      tpu_step_profile,
-      tpu_step_experiments,
-      gpu_train_step,
-      flax_train_step,
-      flax_beam_search,
-      table2_predicted_time,
-      table3,
-      table3_cost,
-      table3_predicted_time,
-      table3_small,
-      decoder_only_vs_encoder_decoder,
-      table3_small_expected,
-      decoder_only_vs_encoder_decoder_expected,
-      mixed_precision,
-      mixed_precision_expected,
-      input_padding,
-      speculative,
-      ctranslate2_quality,
-      ctranslate2_speed,
-    )
+# bench/gpu.sh's labels: what each row changes from the WMT config as it is.
+_GPU_ROWS = {
+  "base": "base, the config (`auto`)",
+  "big": "big, the config (`auto`)",
+  "base-f32": "base, `model.dtype=float32`",
+  "big-f32": "big, `model.dtype=float32`",
+  "base-bf16-einsum": "base, bf16, `model.attention_kernel=einsum`",
+  "big-bf16-einsum": "big, bf16, `model.attention_kernel=einsum`",
+  "big-noremat": "big, the config, `model.remat=none`",
+}
+
+
+@view
+def gpu_train_step() -> str:
+  """bench/gpu.sh's newest sitting: the WMT steps on one GPU at the paper's batch, with
+  the TPU prediction for the same configs beside them."""
+  sitting = one_sitting(read_records("gpu"))
+  steps = [r for r in sitting if r["name"] == "train_step"]
+  beams = [r for r in sitting if r["name"] == "beam_search"]
+  peak = {r["label"]: r for r in sitting if r["name"] == "peak"}[steps[0]["label"]]
+  cells = {
+    "run": lambda r: _GPU_ROWS.get(r["label"], r["label"]),
+    "dtype, attention": lambda r: f"{r['dtype']}, {r['attention_kernel']}",
+    "step (median)": lambda r: _ms(r["step_time_s"]),
+    "target tokens/s": lambda r: _thousands(r["tokens_per_sec"]),
+    "MFU": lambda r: _percent(r["mfu"]),
+    "peak GPU memory": lambda r: f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
+    "compile": lambda r: f"{r['compile_s']:.0f} s",
   }
+  beam_lines = "\n".join(
+    f"Beam search on {b['label']} (beam {b['beam_size']}, {b['sentences']} sentences, "
+    f"{b['steps']} output tokens each, with the cache, untrained parameters): "
+    f"{_ms(b['step_time_s'])} per step, {_thousands(b['tokens_per_sec'])} output "
+    f"tokens/s, {b['sentences_per_sec']:.0f} sentences/s."
+    for b in beams
+  )
+  profiles = _v5e8_profiles()
+  predicted = "; ".join(
+    f"{_model(p)} {_thousands(p['rows'] * p['seq_len'] / p['profile']['step_s'] / p['chips'])}"
+    f" target tokens/s per chip ({p['profile']['mfu']:.0%} MFU)"
+    for p in profiles
+  )
+  versions = steps[0]["versions"]
+  return (
+    f"One {peak['device']}, the paper's batch (96 x 256 target tokens a step), "
+    f"jax {versions['jax']} and flax {versions['flax']}; MFU against the datasheet's dense "
+    f"bf16 peak, {peak['peak_flops_per_sec'] / 1e12:.0f} TFLOP/s; measured:\n\n"
+    + columns(steps, cells)
+    + "\n\n"
+    + (beam_lines + "\n\n" if beams else "")
+    + "Beside them, predicted for a TPU by the per-op profile (v5e-8, float32, the "
+    f"config's mesh; not measured): {predicted}.\n\n"
+    + source("gpu", steps + beams)  # a peak record's "source" names its peak's, not a page
+    + "\n"
+    + source("compile_check", profiles)
+  )

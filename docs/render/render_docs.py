@@ -1,7 +1,7 @@
 """The figures of README, docs/ and the configs' docstrings, rendered from result records.
 
     make docs                                          # render every region
-    python -m docs.render.render_docs --check    # exit 1 if a region is stale
+    python -m docs.render.render_docs --check    # exit 1 if a region or a record is stale
     python -m docs.render.render_docs --record docs/results/cpu.jsonl -- \\
         python -m transformer.tools.bench --config configs/default.py --json --label default
     python -m docs.render.render_docs --record docs/results/make_train.jsonl \\
@@ -11,18 +11,19 @@
 
 A record is one JSON object per line of `docs/results/NAME.jsonl`: what one of the
 project's commands printed or wrote (`bench --json`, `memory --json`, `sweeps --dry_run
---json`, eval.py's `eval/<split>-<step>.json`), with where it came from:
+--json`, eval.py's `eval/<split>-<step>.json`), with its version and where it came from:
 
-  machine   the hardware it ran on, in words
-  date      YYYY-MM-DD (UTC)
-  commit    the code that ran (`git rev-parse --short HEAD`, `-dirty` if it had changes)
-  command   the command line, as run (a row of --from_json that names its own keeps it)
-  source    only on a figure that earlier docs quoted and that was turned into a record
-            afterwards: where it was quoted
+  record_version  its producer's RECORD_VERSION when it ran (record_sources.py)
+  machine         the hardware it ran on, in words
+  date            YYYY-MM-DD (UTC)
+  commit          the code that ran (`git rev-parse --short HEAD`, `-dirty` if it had changes)
+  command         the command line, as run (a row of --from_json that names its own keeps it)
+  source          only on a figure that earlier docs quoted and that was turned into a
+                  record afterwards: where it was quoted
 
 Records are appended, never edited: a newer record of the same fact replaces the older
 one in the docs, and the older one stays as history. `--record` runs the command (or
-reads `--from_json`), attaches the four fields and appends what it printed.
+reads `--from_json`), attaches the version and the four fields and appends what it printed.
 
 A rendered region is everything between a start marker naming a view and the end
 marker, in a Markdown file or a Python docstring:
@@ -31,9 +32,10 @@ marker, in a Markdown file or a Python docstring:
     (replaced by `make docs`)
     <!-- /results -->
 
-VIEW names a function of `docs/render/doc_views.py`, which reads the records and
-turns them into Markdown. Rendering is deterministic, so `--check` (and a test) fail when a
-region no longer matches its records.
+VIEW names a function of `docs/render/doc_views.py` (one decorated with @view), which
+reads the records and turns them into Markdown. Rendering is deterministic, so `--check`
+(and a test) fail when a region no longer matches its records, or when a record shown as
+a current figure is of another version than its producer's (record_sources.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from docs.render import record_sources
 from docs.render.doc_views import REPO_ROOT, RecordError
 from docs.render.doc_views import views as all_views
 from transformer import storage
@@ -148,13 +151,19 @@ def describe_machine() -> str:
 
 
 def append_records(path: str, records: list[dict[str, Any]], where: dict[str, str]) -> None:
-  """Appends records to a .jsonl file, each with the provenance in `where`. A record that
-  names its own command keeps it: a script that runs several commands names each row's."""
+  """Appends records to a .jsonl file, each with its producer's record_version (where
+  record_sources.PRODUCERS names one for the file) and the provenance in `where`. A record
+  that names its own command or version keeps it: a script that runs several commands
+  names each row's."""
+  name = os.path.basename(path).removesuffix(".jsonl")
+  version = {}
+  if name in record_sources.PRODUCERS:
+    version = {"record_version": record_sources.producer_version(name)}
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a", encoding="utf-8") as f:
     for record in records:
-      own = {"command": record["command"]} if "command" in record else {}
-      f.write(json.dumps({**record, **where, **own}) + "\n")
+      own = {k: record[k] for k in ("record_version", "command") if k in record}
+      f.write(json.dumps({**record, **version, **where, **own}) + "\n")
 
 
 def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
@@ -235,7 +244,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--check",
     action="store_true",
-    help="Change nothing; exit 1 if a region differs from its records.",
+    help="Change nothing; exit 1 if a region differs from its records or shows a record "
+    "older than its producer's RECORD_VERSION.",
   )
   parser.add_argument(
     "--record",
@@ -323,13 +333,16 @@ def main(argv: list[str]) -> int:
 
   try:
     changed = render(check=args.check)
+    outdated = record_sources.outdated() if args.check else []
   except RecordError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   if args.check:
     for relative in changed:
       print(f"stale: {relative} (run `make docs`)")
-    return 1 if changed else 0
+    for line in outdated:
+      print(f"outdated: {line}")
+    return 1 if changed or outdated else 0
   for relative in changed:
     print(f"rendered {relative}")
   return 0

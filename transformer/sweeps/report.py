@@ -17,6 +17,9 @@ from transformer.messages import format_duration
 from transformer.sweeps import runner, spec
 from transformer.training import describe
 
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
+RECORD_VERSION = 1
+
 # Table 3's column names for the keys its rows change.
 _SHORT_NAMES = {
   "model.num_layers": "N",

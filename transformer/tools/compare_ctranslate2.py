@@ -44,6 +44,9 @@ from transformer.model import decoding
 from transformer.run import checkpoints, sharding
 from transformer.tools import export
 
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
+RECORD_VERSION = 1
+
 SYSTEMS = ("ours", "float32", "int8")
 SEARCHES = ("greedy", "beam")
 

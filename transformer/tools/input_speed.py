@@ -27,6 +27,9 @@ from transformer import config as config_lib
 from transformer.data import pipeline, sources
 from transformer.data import tokenizer as tokenizer_lib
 
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
+RECORD_VERSION = 1
+
 
 def count(batch: dict[str, np.ndarray]) -> dict[str, int]:
   """Sentence pairs, and real (non-pad) tokens and slots per side, of a batch."""

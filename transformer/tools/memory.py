@@ -52,6 +52,9 @@ from transformer import config as config_lib
 from transformer.run import sharding
 from transformer.training import state, steps
 
+# Its docs/results records' version: bump when what it computes changes, not on a reformat.
+RECORD_VERSION = 1
+
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _CONFIG = config_flags.DEFINE_config_file(
   "config", config_lib.DEFAULT_CONFIG, "Config file.", flag_values=_FLAG_VALUES
