@@ -41,6 +41,7 @@ PRODUCERS: dict[str, str] = {
   "restore_memory": "transformer/tools/restore_memory.py",
   "input_pipeline": "transformer/tools/input_speed.py",
   "ctranslate2": "transformer/tools/compare_ctranslate2.py",
+  "table3_converged": "transformer/sweeps/records.py",
 }
 
 _VERSION = re.compile(r"^RECORD_VERSION = (\d+)\b", re.MULTILINE)
