@@ -62,6 +62,18 @@ def test_dry_run_json_prints_one_object_per_row():
     ),
     (["--sweep", TABLE3], "error: --workdir is required (each row runs in WORKDIR/<row>)"),
     (
+      ["--sweep", TABLE3, "--workdir", "W", "--commit_records"],
+      "error: --commit_records needs --records FILE",
+    ),
+    (
+      ["--sweep", TABLE3, "--dry_run", "--records", "r.jsonl"],
+      "error: --records goes with training or --collect",
+    ),
+    (
+      ["--sweep", TABLE3, "--collect", "--records", "r.jsonl"],
+      "error: --collect --records needs --output_dir",
+    ),
+    (
       ["--sweep", TABLE3, "--dry_run", "--only", "A1,bse"],
       "error: --only: no row 'bse' in sweep table3 (did you mean base?)",
     ),

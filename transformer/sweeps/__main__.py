@@ -101,78 +101,34 @@ def main(argv, overrides: dict[str, str]) -> None:
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
-    if not FLAGS.sweep:
-      raise spec.SweepError("--sweep is required, e.g. --sweep configs/sweeps/table3.py")
-    modes = [name for name in ("dry_run", "collect") if FLAGS[name].value]
-    modes += ["launch"] if FLAGS.launch else []
-    if len(modes) > 1:
-      raise spec.SweepError(
-        f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})"
-      )
-    if FLAGS.compile_check and modes and FLAGS.launch != "tpu":
-      raise spec.SweepError("--compile_check goes alone or with --launch tpu")
-    if FLAGS.compile_check and not FLAGS.launch:
-      modes.append("compile_check")
-    if FLAGS.json and modes not in (["dry_run"], ["compile_check"]):
-      raise spec.SweepError("--json goes with --dry_run or --compile_check alone")
-    if FLAGS.launch == "tpu" and not FLAGS.compile_check:
-      raise spec.SweepError(
-        "--launch tpu checks each row on the slice first: name it, e.g. --compile_check "
-        "v5e-32 (or --compile_check none to launch without checking)"
-      )
-    if FLAGS.commit_records and not FLAGS.records:
-      raise spec.SweepError("--commit_records needs --records FILE")
-    if FLAGS.records and modes and modes != ["collect"]:
-      raise spec.SweepError("--records goes with training or --collect")
-    collect_records = FLAGS.collect and FLAGS.records
-    if collect_records and not FLAGS.output_dir:
-      raise spec.SweepError("--collect --records needs --output_dir")
-    if not FLAGS.workdir and not (FLAGS.dry_run or modes == ["compile_check"] or collect_records):
-      raise spec.SweepError("--workdir is required (each row runs in WORKDIR/<row>)")
+    mode = _mode()
     sweep = dataclasses.replace(spec.load_sweep(FLAGS.sweep), command_line_overrides=overrides)
     rows = spec.select_rows(sweep, FLAGS.only)
     # Every row is built and validated first: a bad override in the last row stops the
     # sweep here, before the first row spends hours training.
     configs = {row.name: spec.row_config(sweep, row) for row in rows}
-
-    if FLAGS.dry_run:
+    if mode == "dry_run":
       summaries = report.describe_rows(rows, configs)
       if FLAGS.json:
         for entry in summaries:
           print(json.dumps({**entry, "versions": versions.library_versions()}))
       else:
         print(report.dry_run_table(sweep, summaries))
-    elif modes == ["compile_check"] and FLAGS.json:
+    elif mode == "compile_check" and FLAGS.json:
       checks, _ = _check_rows(sweep, rows, configs)
       for row in rows:  # each row's compile_check report, with the row and its overrides
         record = {"row": row.name, "overrides": row.overrides, **checks[row.name]}
         print(json.dumps(record, default=str))
-    elif modes == ["compile_check"]:
+    elif mode == "compile_check":
       print(_check_rows(sweep, rows, configs)[1])
-    elif FLAGS.launch:
-      if FLAGS.launch == "tpu" and FLAGS.compile_check != "none":
-        checks, table = _check_rows(sweep, rows, configs)
-        print(table, file=sys.stderr)
-        for row in [r for r in rows if not checks[r.name]["fits"]]:
-          why = report.why_not(checks[row.name])
-          print(
-            f"{row.name}: no script, it does not fit {FLAGS.compile_check}: {why}", file=sys.stderr
-          )
-        rows = [r for r in rows if checks[r.name]["fits"]]
-      written = launch.write_scripts(
-        FLAGS.launch, sweep, rows, configs, FLAGS.workdir, launch.options_from_flags()
-      )
-      for path in written:
-        print(path)
-    elif collect_records:
-      written = aggregate.collect(sweep, FLAGS.records, FLAGS.output_dir)
-      print(storage.read_text(written[0]))
-      for path in written:
-        print(f"wrote {path}")
-    elif FLAGS.collect:
-      written = report.collect(
-        sweep, rows, configs, FLAGS.workdir, FLAGS.output_dir or FLAGS.workdir
-      )
+    elif mode == "launch":
+      _launch(sweep, rows, configs)
+    elif mode in ("collect", "collect_records"):
+      if mode == "collect_records":
+        written = aggregate.collect(sweep, FLAGS.records, FLAGS.output_dir)
+      else:
+        output_dir = FLAGS.output_dir or FLAGS.workdir
+        written = report.collect(sweep, rows, configs, FLAGS.workdir, output_dir)
       print(storage.read_text(written[0]))
       for path in written:
         print(f"wrote {path}")
@@ -187,6 +143,56 @@ def main(argv, overrides: dict[str, str]) -> None:
       )
   except (spec.SweepError, config_lib.ConfigError) as e:
     sys.exit(f"error: {e}")
+
+
+def _mode() -> str:
+  """What the flags ask for: dry_run, compile_check, launch, collect, collect_records or
+  train; a SweepError names a combination that does not go together."""
+  if not FLAGS.sweep:
+    raise spec.SweepError("--sweep is required, e.g. --sweep configs/sweeps/table3.py")
+  modes = [name for name in ("dry_run", "collect") if FLAGS[name].value]
+  modes += ["launch"] if FLAGS.launch else []
+  if len(modes) > 1:
+    raise spec.SweepError(f"choose one of --dry_run, --launch, --collect (got {', '.join(modes)})")
+  if FLAGS.compile_check and modes and FLAGS.launch != "tpu":
+    raise spec.SweepError("--compile_check goes alone or with --launch tpu")
+  if FLAGS.compile_check and not FLAGS.launch:
+    modes.append("compile_check")
+  if FLAGS.json and modes not in (["dry_run"], ["compile_check"]):
+    raise spec.SweepError("--json goes with --dry_run or --compile_check alone")
+  if FLAGS.launch == "tpu" and not FLAGS.compile_check:
+    raise spec.SweepError(
+      "--launch tpu checks each row on the slice first: name it, e.g. --compile_check "
+      "v5e-32 (or --compile_check none to launch without checking)"
+    )
+  if FLAGS.commit_records and not FLAGS.records:
+    raise spec.SweepError("--commit_records needs --records FILE")
+  if FLAGS.records and modes and modes != ["collect"]:
+    raise spec.SweepError("--records goes with training or --collect")
+  mode = modes[0] if modes else "train"
+  if mode == "collect" and FLAGS.records:
+    if not FLAGS.output_dir:
+      raise spec.SweepError("--collect --records needs --output_dir")
+    return "collect_records"
+  if not FLAGS.workdir and mode not in ("dry_run", "compile_check"):
+    raise spec.SweepError("--workdir is required (each row runs in WORKDIR/<row>)")
+  return mode
+
+
+def _launch(sweep, rows, configs) -> None:
+  """Writes --launch's scripts; for a TPU slice, only for the rows that fit it."""
+  if FLAGS.launch == "tpu" and FLAGS.compile_check != "none":
+    checks, table = _check_rows(sweep, rows, configs)
+    print(table, file=sys.stderr)
+    for row in [r for r in rows if not checks[r.name]["fits"]]:
+      why = report.why_not(checks[row.name])
+      print(f"{row.name}: no script, it does not fit {FLAGS.compile_check}: {why}", file=sys.stderr)
+    rows = [r for r in rows if checks[r.name]["fits"]]
+  written = launch.write_scripts(
+    FLAGS.launch, sweep, rows, configs, FLAGS.workdir, launch.options_from_flags()
+  )
+  for path in written:
+    print(path)
 
 
 def _check_rows(sweep, rows, configs) -> tuple[dict[str, dict], str]:
