@@ -34,7 +34,7 @@ from ml_collections import config_flags
 
 from transformer import cli
 from transformer.evaluation import searches
-from transformer.training import distributed
+from transformer.inference import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Config file (default: the run's own WORKDIR/config.json).", lock_config=True
@@ -143,7 +143,7 @@ def load_translator(settings):
   from transformer import config as config_lib
   from transformer import storage
   from transformer.evaluation import translate
-  from transformer.run import checkpoints
+  from transformer.inference import checkpoints
 
   workdir = _WORKDIR.value
   if not workdir:

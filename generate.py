@@ -23,7 +23,7 @@ from absl.flags import argparse_flags
 
 from transformer import cli
 from transformer.evaluation import searches
-from transformer.training import distributed
+from transformer.inference import distributed
 
 distributed.define_flags()
 
@@ -123,7 +123,7 @@ def _translator(args: argparse.Namespace):
   from transformer import config as config_lib
   from transformer import storage
   from transformer.evaluation import translate
-  from transformer.run import checkpoints
+  from transformer.inference import checkpoints
 
   if not storage.is_dir(args.workdir):
     raise config_lib.ConfigError(f"--workdir {args.workdir} does not exist")

@@ -15,7 +15,7 @@ from ml_collections import config_flags
 
 from transformer import cli
 from transformer.config import DEFAULT_CONFIG
-from transformer.training import distributed
+from transformer.inference import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", DEFAULT_CONFIG, "Config file, optionally FILE:ARG.", lock_config=True

@@ -26,8 +26,8 @@ from tests.helpers.tiny_run import REPO, flag_overrides, free_port, make_config,
 from transformer import config as config_lib
 from transformer.config import ConfigError
 from transformer.data import sources, tsv
-from transformer.run import checkpoints as run_checkpoints
-from transformer.run import sharding
+from transformer.inference import checkpoints as run_checkpoints
+from transformer.inference import sharding
 from transformer.training import checkpoints, goodput, loop, state
 
 STEPS = 40  # long enough that a kill polled from outside lands before the end

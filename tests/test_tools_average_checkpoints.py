@@ -13,7 +13,7 @@ import pytest
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.config import ConfigError
-from transformer.run import checkpoints as run_checkpoints
+from transformer.inference import checkpoints as run_checkpoints
 from transformer.tools import average_checkpoints
 from transformer.training import checkpoints, state
 

@@ -17,9 +17,9 @@ import numpy as np
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config
 from transformer import versions
+from transformer.inference import checkpoints as run_checkpoints
+from transformer.inference import sharding
 from transformer.model import ModelConfig
-from transformer.run import checkpoints as run_checkpoints
-from transformer.run import sharding
 from transformer.training import flops
 
 ROWS, SEQ_LEN = 4, 24

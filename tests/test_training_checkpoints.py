@@ -11,8 +11,8 @@ import pytest
 
 from transformer import config as config_lib
 from transformer.config import ConfigError
-from transformer.run import checkpoints as run_checkpoints
-from transformer.run import sharding
+from transformer.inference import checkpoints as run_checkpoints
+from transformer.inference import sharding
 from transformer.training import checkpoints, state
 
 

@@ -21,8 +21,8 @@ import pytest
 from tests.helpers import fault_injection
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config, read_metrics
+from transformer.inference import checkpoints as run_checkpoints
 from transformer.model import ModelConfig
-from transformer.run import checkpoints as run_checkpoints
 from transformer.training import checkpoints, flops, loop, reporting, state
 
 

@@ -29,7 +29,7 @@ Record = dict[str, Any]
 # The model's training-step code, without decoding (model/decoding/) and the draft
 # (model/draft.py), which a training step never runs, and the shardings it is placed by.
 _TRAIN_STEP_MODEL = (
-  "transformer/run/sharding.py",
+  "transformer/inference/sharding.py",
   "transformer/model/transformer.py",
   "transformer/model/layers.py",
   "transformer/model/attention.py",
@@ -69,7 +69,7 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
     "transformer/tools/decoding_speed.py",
     "transformer/config.py",
     "transformer/model/",
-    "transformer/run/",
+    "transformer/inference/",
     "transformer/training/steps.py",
     "transformer/training/state.py",
     "transformer/training/optimizer.py",
@@ -187,8 +187,8 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
   "restore_memory": (
     "transformer/tools/restore_memory.py",
     "configs/wmt14.py",  # the configs it restores
-    "transformer/run/checkpoints.py",
-    "transformer/run/model_setup.py",
+    "transformer/inference/checkpoints.py",
+    "transformer/inference/model_setup.py",
     "transformer/training/checkpoints.py",
     "transformer/training/state.py",
   ),
@@ -216,7 +216,7 @@ TRAILS_THE_CODE: dict[str, str] = {
 # Why the records below wait: two changes touched files they measure. The first day on a
 # pod (jax.distributed's start-up, the exit paths, bounded reads, a notice's place in the
 # loop, a log line's wording, config.final_step) changed no compiled step, batch or
-# decoded token. The serving layer (transformer/run) moved the sharding rules, the eval
+# decoded token. The serving layer (transformer/inference) moved the sharding rules, the eval
 # step and the checkpoints' read side below training and made a search's arrays inputs of
 # decode's program (the same computation); the decoding and loss tests hold every output
 # equal. Their figures should not move; one rerun of each confirms it. Since then the

@@ -4,7 +4,7 @@
 loop (`search_batches`) runs every batch of every job: translating sentences
 (`translate_lines`), continuing text (`continue_text`), translating a split's batches for
 scoring (`generate`, evaluation/score.py), and training's validation BLEU. `Translator`
-is a Generator on a trained run, restored through `transformer.run` (parameters only),
+is a Generator on a trained run, restored through `transformer.inference` (parameters only),
 with, optionally, a second run as the draft of speculative decoding.
 
 `SearchSettings` says how to generate (a search of evaluation/searches.py: beam search,
@@ -31,11 +31,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer import config as config_lib
-from transformer import data, run, storage
+from transformer import data, inference, storage
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.evaluation import searches
+from transformer.inference import checkpoints, sharding
 from transformer.model import decoding
-from transformer.run import checkpoints, sharding
 
 
 class SearchSettings:
@@ -188,7 +188,7 @@ def run_search(
 
 
 class Generator:
-  """A model set-up (run.ModelSetup), its parameters and vocabulary, and a search (the
+  """A model set-up (inference.ModelSetup), its parameters and vocabulary, and a search (the
   settings', speculative with `draft`): what every generation job runs, through one
   batch loop. `after_batch`, if set, is called after every batch searched (eval.py and
   generate.py stop there on a preemption notice: distributed.StopBetweenBatches);
@@ -196,7 +196,7 @@ class Generator:
 
   def __init__(
     self,
-    setup: run.ModelSetup,
+    setup: inference.ModelSetup,
     params: Any,
     tokenizer: data.Tokenizer,
     settings: SearchSettings = BEAM,
@@ -302,7 +302,7 @@ class Generator:
 
 
 class Translator(Generator):
-  """A trained run's Generator: its parameters (only) restored through `transformer.run`
+  """A trained run's Generator: its parameters (only) restored through `transformer.inference`
   onto the config's mesh, and a search (with its draft run, if any)."""
 
   def __init__(
@@ -319,10 +319,10 @@ class Translator(Generator):
     settings.check(with_draft=draft_workdir is not None)
     if draft_workdir is not None:  # checked before either run is restored
       draft_config = self._check_draft(config, workdir, draft_workdir)
-    restored = run.restore(workdir, step, average_last, config=config)
+    restored = inference.restore(workdir, step, average_last, config=config)
     draft = None
     if draft_workdir is not None:  # on the target's mesh, its rows split as the target's
-      draft_run = run.restore(draft_workdir, config=draft_config, mesh=restored.setup.mesh)
+      draft_run = inference.restore(draft_workdir, config=draft_config, mesh=restored.setup.mesh)
       draft = Draft(draft_run.setup.model, draft_run.params, draft_workdir)
     super().__init__(restored.setup, restored.params, restored.tokenizer, settings, draft)
     self.workdir, self.step, self.average_last = workdir, restored.step, average_last

@@ -6,7 +6,7 @@ r"""Write the mean of a run's last k checkpoints as a new run directory.
 The paper evaluates base models on the average of the last 5 checkpoints (written every
 10 minutes) and big models on the last 20. The output holds one checkpoint, at the
 newest averaged step, whose parameters are the element-wise mean (read one checkpoint
-at a time, parameters only: `transformer.run.restore`) and whose data-iterator state is
+at a time, parameters only: `transformer.inference.restore`) and whose data-iterator state is
 the newest checkpoint's, plus the run's config.json and vocab.model, so
 `eval.py --workdir RUN-avg5`, generate.py and the export work on it unchanged. It holds
 no optimizer state: it is a run to serve, not one to resume training from.
@@ -15,9 +15,9 @@ no optimizer state: it is a run to serve, not one to resume training from.
 import numpy as np
 from absl import flags
 
-from transformer import cli, run, storage
+from transformer import cli, inference, storage
 from transformer.config import ConfigError
-from transformer.run import checkpoints as run_checkpoints
+from transformer.inference import checkpoints as run_checkpoints
 from transformer.training import checkpoints
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
@@ -45,7 +45,7 @@ def average_into(
     )
   if checkpoints.steps_on_disk(output_workdir):  # an empty one, from a failed try, is reused
     raise ConfigError(f"{output_workdir} already holds checkpoints")
-  restored = run.restore(workdir, step, average_last)
+  restored = inference.restore(workdir, step, average_last)
   config, newest = restored.config, restored.step
   timeout_s = config.storage_timeout_s  # each read and the save, as in the run
   source = run_checkpoints.CheckpointReader(workdir, timeout_s)

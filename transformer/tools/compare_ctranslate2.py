@@ -40,8 +40,8 @@ from transformer import cli, data, host_memory, storage, versions
 from transformer.config import BOS_ID, EOS_ID, PAD_ID, ConfigError
 from transformer.data import batching
 from transformer.evaluation import bleu, translate
+from transformer.inference import checkpoints, sharding
 from transformer.model import decoding
-from transformer.run import checkpoints, sharding
 from transformer.tools import export
 
 SYSTEMS = ("ours", "float32", "int8")

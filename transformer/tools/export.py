@@ -42,13 +42,13 @@ import numpy as np
 from absl import flags
 from ctranslate2.specs import common_spec, transformer_spec
 
-from transformer import cli, run, storage
+from transformer import cli, inference, storage
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ConfigError
+from transformer.inference import checkpoints
 from transformer.model import ModelConfig
 from transformer.model.primitives import sinusoidal_encoding
 from transformer.model.transformer import unstack_layer_params
-from transformer.run import checkpoints
 
 # Weight storage in the exported model.bin; float32 keeps the trained weights exactly.
 QUANTIZATIONS = ("float32", "int8", "float16", "bfloat16", "int8_float16", "int8_bfloat16")
@@ -353,7 +353,7 @@ def export_run(
     raise ConfigError(f"{checkpoints.checkpoint_dir(workdir)} holds no checkpoint")
   # One row per process is all the restore needs: the export reads whole arrays.
   config.eval_batch_size = jax.device_count()
-  restored = run.restore(workdir, step, average_last, config=config)
+  restored = inference.restore(workdir, step, average_last, config=config)
   tokenizer, newest = restored.tokenizer, restored.step
   params = jax.device_get(restored.params)
   cfg = ModelConfig.from_config(config)

@@ -49,7 +49,7 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
-from transformer.run import sharding
+from transformer.inference import sharding
 from transformer.training import state, steps
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program

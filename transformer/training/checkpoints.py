@@ -1,6 +1,6 @@
 """Orbax checkpoints: writing the train state, the data iterator's position and the config,
 and restoring all of it to resume a run. Serving reads parameters alone, through the read
-side below training (transformer/run/checkpoints.py), whose names this module shares.
+side below training (transformer/inference/checkpoints.py), whose names this module shares.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}. Orbax writes each
 checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete
@@ -30,8 +30,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from transformer import storage
-from transformer.messages import first_line
-from transformer.run.checkpoints import (
+from transformer.inference.checkpoints import (
   ITEMS,
   CheckpointError,
   CheckpointTimeout,
@@ -40,6 +39,7 @@ from transformer.run.checkpoints import (
   load_run_config,
   steps_on_disk,
 )
+from transformer.messages import first_line
 
 __all__ = [  # the read side's names, used with the writer's
   "CheckpointError",

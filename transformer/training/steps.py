@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from transformer.inference import sharding
+from transformer.inference.model_setup import Model
 from transformer.model import model_inputs
-from transformer.run import sharding
-from transformer.run.model_setup import Model
-from transformer.run.scoring import cross_entropy_sums, fused_cross_entropy_sums
+from transformer.model.loss import cross_entropy_sums, fused_cross_entropy_sums
 from transformer.training import flops
 from transformer.training.optimizer import learning_rate_schedule
 from transformer.training.state import Setup, TrainState

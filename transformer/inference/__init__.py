@@ -8,7 +8,7 @@
 - `sharding`: the mesh, the logical axis rules, and placing batches on the mesh.
 """
 
-from transformer.run.model_setup import ModelSetup, setup
-from transformer.run.restore import Restored, restore
+from transformer.inference.model_setup import ModelSetup, setup
+from transformer.inference.restore import Restored, restore
 
 __all__ = ["ModelSetup", "Restored", "restore", "setup"]

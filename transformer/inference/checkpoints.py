@@ -24,8 +24,8 @@ import orbax.checkpoint as ocp
 from transformer import config as config_lib
 from transformer import storage
 from transformer.config import ConfigError
+from transformer.inference.model_setup import ModelSetup
 from transformer.messages import first_line
-from transformer.run.model_setup import ModelSetup
 
 ITEMS = ("state", "data_iterator", "config")  # a checkpoint's items, as training saves them
 

@@ -63,7 +63,7 @@ def on_cloud_tpu_vm() -> bool:
   """JAX's own answer, made as `import jax` ran: TPU chips on this machine's PCI bus and
   libtpu installed (or JAX_FORCE_TPU_INIT set). JAX's TPU cluster detection (GCE and GKE)
   asks exactly this flag first, so reading it here agrees with JAX by construction; it
-  lives in a private module, and tests/test_training_distributed.py fails if a JAX
+  lives in a private module, and tests/test_inference_distributed.py fails if a JAX
   upgrade moves it."""
   from jax._src import cloud_tpu_init
 
