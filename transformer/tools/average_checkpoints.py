@@ -12,13 +12,11 @@ the newest checkpoint's, plus the run's config.json and vocab.model, so
 no optimizer state: it is a run to serve, not one to resume training from.
 """
 
-import numpy as np
 from absl import flags
 
 from transformer import cli, inference, storage
 from transformer.config import ConfigError
-from transformer.inference import checkpoints as run_checkpoints
-from transformer.training import checkpoints
+from transformer.inference import checkpoints
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _WORKDIR = flags.DEFINE_string(
@@ -48,7 +46,7 @@ def average_into(
   restored = inference.restore(workdir, step, average_last)
   config, newest = restored.config, restored.step
   timeout_s = config.storage_timeout_s  # each read and the save, as in the run
-  source = run_checkpoints.CheckpointReader(workdir, timeout_s)
+  source = checkpoints.CheckpointReader(workdir, timeout_s)
   try:
     iterator_state = source.saved_iterator_state(newest)
   finally:
@@ -57,10 +55,9 @@ def average_into(
   storage.makedirs(output_workdir)
   for name in ("config.json", "vocab.model"):
     storage.copy(storage.join(workdir, name), storage.join(output_workdir, name))
-  target = checkpoints.Checkpointer(output_workdir, keep=1, async_save=False, timeout_s=timeout_s)
-  served = {"step": np.asarray(newest, np.int32), "params": restored.params}
-  target.save(newest, served, iterator_state, config)
-  target.close()
+  checkpoints.write_served(
+    output_workdir, newest, restored.params, iterator_state, config, timeout_s
+  )
   return newest
 
 
