@@ -16,7 +16,7 @@ from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer import inference
 from transformer.config import ConfigError
-from transformer.inference import checkpoints as run_checkpoints
+from transformer.inference import checkpoints as inference_checkpoints
 from transformer.training import checkpoints, state
 
 
@@ -61,7 +61,7 @@ def test_averaging_reads_parameters_alone_one_part_of_one_checkpoint_at_a_time(
   first, last = TRAINED_RUN_STEPS
   parts = set(state.setup(config).abstract_state.params)
   reads, first_reads = [], []
-  original = run_checkpoints.CheckpointReader.params
+  original = inference_checkpoints.CheckpointReader.params
 
   def params(self, step, target):
     (part,) = target  # one part of the parameters at a time: nothing else
@@ -71,7 +71,7 @@ def test_averaging_reads_parameters_alone_one_part_of_one_checkpoint_at_a_time(
       first_reads.append(out)
     return out
 
-  monkeypatch.setattr(run_checkpoints.CheckpointReader, "params", params)
+  monkeypatch.setattr(inference_checkpoints.CheckpointReader, "params", params)
   averaged = jax.device_get(inference.restore(workdir, average_last=2).params)
   assert {part for part, _ in reads} == parts and len(reads) == 2 * len(parts)
   assert all(

@@ -129,13 +129,15 @@ def _full_state_mean(config, workdir: str, average_last: int) -> Any:
 def measure(way: str, config, workdir: str, average_last: int) -> dict[str, Any]:
   """Restores the mean of the newest `average_last` checkpoints `way` in this process."""
   from transformer import inference
-  from transformer.inference import checkpoints as run_checkpoints
+  from transformer.inference import checkpoints as inference_checkpoints
 
   model_setup = inference.setup(config)  # abstract: nothing allocated yet
   before_kib = _status_kib("VmRSS")
   started = time.perf_counter()
   if way == "params_only":
-    params, _ = run_checkpoints.restore_params(workdir, model_setup, average_last=average_last)
+    params, _ = inference_checkpoints.restore_params(
+      workdir, model_setup, average_last=average_last
+    )
   else:
     params = _full_state_mean(config, workdir, average_last)
   jax.block_until_ready(params)
