@@ -6,8 +6,8 @@ r"""Write the mean of a run's last k checkpoints as a new run directory.
 The paper evaluates base models on the average of the last 5 checkpoints (written every
 10 minutes) and big models on the last 20. The output holds one checkpoint, at the
 newest averaged step, whose parameters are the element-wise mean (read one checkpoint
-at a time, parameters only: `transformer.inference.restore`) and whose data-iterator state is
-the newest checkpoint's, plus the run's config.json and vocab.model, so
+at a time, parameters only: `transformer.inference.restore`) and whose data-iterator
+state is the newest checkpoint's (written by `inference.checkpoints.write_served`), plus the run's config.json and vocab.model, so
 `eval.py --workdir RUN-avg5`, generate.py and the export work on it unchanged. It holds
 no optimizer state: it is a run to serve, not one to resume training from.
 """
