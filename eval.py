@@ -33,8 +33,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer import cli
-from transformer.evaluation import searches
-from transformer.training import distributed
+from transformer.inference import distributed
+from transformer.model.decoding import offered
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Config file (default: the run's own WORKDIR/config.json).", lock_config=True
@@ -54,19 +54,19 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest
 _SEARCH = flags.DEFINE_enum(
   "search",
   "beam",
-  list(searches.SEARCHES),
+  list(offered.SEARCHES),
   "How to generate: "
-  + "; ".join(f"{name}, {kind.help}" for name, kind in searches.SEARCHES.items()),
+  + "; ".join(f"{name}, {kind.help}" for name, kind in offered.SEARCHES.items()),
 )
 _DEFINE_BY_TYPE: dict[type, Callable[..., flags.FlagHolder]] = {
   int: flags.DEFINE_integer,
   float: flags.DEFINE_float,
   str: flags.DEFINE_string,
 }
-# Every search's options (evaluation/searches.py), each flag defined once.
+# Every search's options (model/decoding/offered.py), each flag defined once.
 _SEARCH_OPTIONS = {
   option.name: _DEFINE_BY_TYPE[option.type](option.name, option.default, option.help)
-  for option in searches.all_options()
+  for option in offered.all_options()
 }
 distributed.define_flags()
 
@@ -109,7 +109,7 @@ def main(argv):
       kind = _SEARCH.value
       settings = translate.SearchSettings(
         kind,
-        **{o.name: _SEARCH_OPTIONS[o.name].value for o in searches.all_options([kind])},
+        **{o.name: _SEARCH_OPTIONS[o.name].value for o in offered.all_options([kind])},
       )
       translator = load_translator(settings)
       translator.after_batch = stop.after_batch
@@ -143,7 +143,7 @@ def load_translator(settings):
   from transformer import config as config_lib
   from transformer import storage
   from transformer.evaluation import translate
-  from transformer.run import checkpoints
+  from transformer.inference import checkpoints
 
   workdir = _WORKDIR.value
   if not workdir:

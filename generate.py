@@ -22,8 +22,8 @@ from absl import app
 from absl.flags import argparse_flags
 
 from transformer import cli
-from transformer.evaluation import searches
-from transformer.training import distributed
+from transformer.inference import distributed
+from transformer.model.decoding import offered
 
 distributed.define_flags()
 
@@ -40,12 +40,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _search(parser: argparse.ArgumentParser, kinds: list[str]) -> None:
   """--search over `kinds` (the first the default) and their options, as declared in
-  evaluation/searches.py."""
-  described = "; ".join(f"{name}, {searches.SEARCHES[name].help}" for name in kinds)
+  model/decoding/offered.py."""
+  described = "; ".join(f"{name}, {offered.SEARCHES[name].help}" for name in kinds)
   parser.add_argument(
     "--search", choices=kinds, default=kinds[0], help=f"How to generate: {described}."
   )
-  for option in searches.all_options(kinds):
+  for option in offered.all_options(kinds):
     parser.add_argument(
       f"--{option.name}", type=option.type, default=option.default, help=option.help
     )
@@ -62,7 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
   _common(translate)
   translate.add_argument("text", nargs="?", help="The text to translate.")
   translate.add_argument("--input_file", help="Translate each line of this file (- = stdin).")
-  _search(translate, list(searches.SEARCHES))
+  _search(translate, list(offered.SEARCHES))
   continuation = jobs.add_parser(
     "continue", inherited_absl_flags=None, help="Continue text with a decoder-only run."
   )
@@ -71,7 +71,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
   continuation.add_argument(
     "--max_new_tokens", type=int, default=64, help="The most tokens to generate."
   )
-  _search(continuation, [name for name, kind in searches.SEARCHES.items() if kind.continues_text])
+  _search(continuation, offered.continuing())
   attention = jobs.add_parser(
     "attention", inherited_absl_flags=None, help="Plot attention maps for one sentence."
   )
@@ -123,7 +123,7 @@ def _translator(args: argparse.Namespace):
   from transformer import config as config_lib
   from transformer import storage
   from transformer.evaluation import translate
-  from transformer.run import checkpoints
+  from transformer.inference import checkpoints
 
   if not storage.is_dir(args.workdir):
     raise config_lib.ConfigError(f"--workdir {args.workdir} does not exist")
@@ -135,7 +135,7 @@ def _translator(args: argparse.Namespace):
     )
   settings = translate.BEAM
   if args.job != "attention":
-    options = searches.all_options([args.search])
+    options = offered.all_options([args.search])
     settings = translate.SearchSettings(
       args.search, **{o.name: getattr(args, o.name) for o in options}
     )

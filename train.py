@@ -15,7 +15,7 @@ from ml_collections import config_flags
 
 from transformer import cli
 from transformer.config import DEFAULT_CONFIG
-from transformer.training import distributed
+from transformer.inference import distributed
 
 # Its docs/results records' version: bump when what it computes changes, not on a reformat.
 RECORD_VERSION = 1

@@ -76,7 +76,7 @@ def get_config(arg="base,en-de"):
   # 1.25x (docs/performance.md). The same arithmetic, summed in another order.
   c.shard_optimizer_state = True
   # The pre-softmax projection and the loss fused, the whole target length as one chunk
-  # (run/scoring.py: fused_cross_entropy_sums): the softmax's denominator comes out of
+  # (model/loss.py: fused_cross_entropy_sums): the softmax's denominator comes out of
   # the matmul that makes the hidden states' gradient, rather than a reduction over the
   # [rows, 37,000] logits. On a v5e-8 the per-op profile puts base's step 0.5 ms faster
   # (docs/performance.md). Equal to the unfused loss and gradients to f32 rounding.

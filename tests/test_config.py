@@ -245,7 +245,7 @@ def test_every_key_is_read_by_the_package(small_corpus, tmp_path):
   and the model's modules read every ModelConfig field."""
   from tests.helpers.tiny_run import make_config
   from transformer.evaluation.validation import ValidationWithBleu
-  from transformer.run import model_setup
+  from transformer.inference import model_setup
   from transformer.training import loop, state
 
   config = make_config(

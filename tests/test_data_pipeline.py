@@ -448,7 +448,7 @@ def test_the_package_loads_tensorflow_only_when_a_name_is_used():
 
   code = (
     "import sys\n"
-    "import transformer.tools.compile_check, transformer.tools.memory, transformer.run\n"
+    "import transformer.tools.compile_check, transformer.tools.memory, transformer.inference\n"
     "assert 'tensorflow' not in sys.modules, 'imported with the tools'\n"
     "from transformer import data\n"
     "data.make_source\n"

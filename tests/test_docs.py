@@ -178,7 +178,7 @@ def _resolves(dotted: str) -> bool:
 
 _DEFINE = re.compile(r"DEFINE_\w+\(\s*\"(\w+)\"")
 _ARGPARSE = re.compile(r"add_argument\(\s*\"--(\w+)\"")
-# A search's options (transformer/evaluation/searches.py), which the commands make flags.
+# A search's options (transformer/model/decoding/offered.py), which the commands make flags.
 _SEARCH_OPTION = re.compile(r"\bOption\(\s*\"(\w+)\"")
 _IMPORT = re.compile(
   r"^\s*(?:from (transformer[\w.]*) import ([\w, ]+)|import (transformer[\w.]*))", re.MULTILINE

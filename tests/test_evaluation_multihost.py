@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, free_port
-from transformer.training import distributed
+from transformer.inference import distributed
 
 
 def _evaluate(workdir, num_processes, devices_per_process, order):

@@ -18,7 +18,7 @@ from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.config import ConfigError
 from transformer.data import pipeline
 from transformer.evaluation import score, translate
-from transformer.training import checkpoints, distributed
+from transformer.inference import checkpoints, distributed
 
 
 def test_split_is_translated_once_in_order(trained_run):

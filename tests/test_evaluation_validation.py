@@ -7,7 +7,8 @@ from tests.helpers.tiny_run import make_config, read_metrics
 from transformer import config as config_lib
 from transformer import data
 from transformer.evaluation.validation import ValidationWithBleu
-from transformer.run import checkpoints as run_checkpoints
+from transformer.inference import checkpoints as inference_checkpoints
+from transformer.inference.metrics import ValidationLoss
 from transformer.training import loop, state
 
 
@@ -18,10 +19,10 @@ def test_without_bleu_sentences_it_is_the_loops_validation(trained_run):
   config = trained_config.copy_and_resolve_references()
   config_lib.apply_overrides(config, {"eval_bleu_sentences": 0, "num_eval_batches": 2})
   setup = state.setup(config)
-  params, _ = run_checkpoints.restore_params(workdir, setup)
+  params, _ = inference_checkpoints.restore_params(workdir, setup)
   tokenizer = data.load_workdir_tokenizer(workdir)
-  plain = loop.ValidationLoss(config, setup, tokenizer)(params)
-  with_bleu = ValidationWithBleu(config, setup, tokenizer)(params)
+  plain = ValidationLoss(config, setup.model_setup, tokenizer)(params)
+  with_bleu = ValidationWithBleu(config, setup.model_setup, tokenizer)(params)
   assert "bleu" not in with_bleu and with_bleu == plain
   assert plain["ppl"] == pytest.approx(np.exp(plain["ce"]), rel=1e-6) and plain["ppl"] > 1
 

@@ -26,8 +26,8 @@ from tests.helpers.tiny_run import REPO, flag_overrides, free_port, make_config,
 from transformer import config as config_lib
 from transformer.config import ConfigError
 from transformer.data import sources, tsv
-from transformer.run import checkpoints as run_checkpoints
-from transformer.run import sharding
+from transformer.inference import checkpoints as inference_checkpoints
+from transformer.inference import sharding
 from transformer.training import checkpoints, goodput, loop, state
 
 STEPS = 40  # long enough that a kill polled from outside lands before the end
@@ -101,7 +101,7 @@ def _last_line(text):
 
 
 def _params(workdir, config, step):
-  params, used = run_checkpoints.restore_params(workdir, state.setup(config), step=step)
+  params, used = inference_checkpoints.restore_params(workdir, state.setup(config), step=step)
   assert used == step
   return jax.device_get(params)
 

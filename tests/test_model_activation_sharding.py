@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from transformer import config as config_lib
+from transformer.inference import sharding
 from transformer.model import decoding
-from transformer.run import sharding
 from transformer.tools import memory
 from transformer.training import state
 

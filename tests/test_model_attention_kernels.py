@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pallas_tpu
 
 from tests.helpers.model_helpers import D_K, packed_batch, random_params, run, tiny_config
 from transformer import config as config_lib
+from transformer.inference import sharding
 from transformer.model import attention_kernels
 from transformer.model.attention_kernels import (
   KERNELS,
@@ -29,7 +30,6 @@ from transformer.model.attention_kernels import (
   softmax_attention,
   tpu_flash_attention,
 )
-from transformer.run import sharding
 
 
 def test_every_kernel_a_config_may_name_is_implemented():

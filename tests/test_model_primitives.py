@@ -29,10 +29,10 @@ from tests.helpers.model_helpers import (
   tiny_config,
 )
 from transformer import config as config_lib
+from transformer.inference import sharding
 from transformer.model.layers import InputEmbedding
 from transformer.model.primitives import BLD, Dropout, keep_mask, relu, sinusoidal_encoding
 from transformer.model.transformer import Encoder
-from transformer.run import sharding
 
 
 @pytest.mark.parametrize("positional, decoder_only", POSITION_VARIANTS)

@@ -31,10 +31,10 @@ from tests.helpers.model_helpers import (
   tiny_config,
 )
 from transformer import config as config_lib
+from transformer.inference import sharding
 from transformer.model import Transformer, stack_layer_params
 from transformer.model.layers import Embed
 from transformer.model.transformer import Decoder, Encoder
-from transformer.run import sharding
 
 
 @pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])

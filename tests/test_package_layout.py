@@ -6,7 +6,7 @@ import os
 from tests.helpers.tiny_run import REPO
 
 PACKAGE = os.path.join(REPO, "transformer")
-FOLDERS = ("model", "data", "run", "training", "evaluation", "sweeps", "tools")
+FOLDERS = ("model", "data", "inference", "training", "evaluation", "sweeps", "tools")
 # What each layer may import from the package, besides itself (the rest is upward).
 ALLOWED = {
   "messages": set(),
@@ -17,19 +17,12 @@ ALLOWED = {
   "cli": {"config", "messages", "host_memory"},
   "model": {"config", "messages"},
   "data": {"config", "messages", "storage"},
-  # A model and its parameters: what serving a trained run needs, below training.
-  "run": {"config", "messages", "storage", "model", "data"},
-  "training": {"config", "messages", "storage", "versions", "model", "data", "run"},
-  "evaluation": {
-    "config",
-    "messages",
-    "storage",
-    "versions",
-    "model",
-    "data",
-    "run",
-    "training",
-  },
+  # A model and its parameters on a mesh of processes: what serving a trained run needs,
+  # below training.
+  "inference": {"config", "messages", "storage", "model", "data"},
+  "training": {"config", "messages", "storage", "versions", "model", "data", "inference"},
+  # Serving a trained run: never training (train.py hands its validation to the loop).
+  "evaluation": {"config", "messages", "storage", "versions", "model", "data", "inference"},
   "sweeps": {
     "config",
     "messages",
@@ -38,7 +31,7 @@ ALLOWED = {
     "cli",
     "model",
     "data",
-    "run",
+    "inference",
     "training",
     "evaluation",
   },
@@ -51,32 +44,28 @@ ALLOWED = {
     "host_memory",
     "model",
     "data",
-    "run",
+    "inference",
     "training",
     "evaluation",
     "sweeps",
   },
 }
-# What serves a trained run loads it through `transformer.run`, parameters only: none of
-# these imports training's state, optimizer or checkpoints (the writer), directly or
-# through another module of the package. Training's validation (evaluation/validation.py,
-# built on training.loop) is training's own, and not in the list.
+# What serves a trained run loads it through `transformer.inference`, parameters only: none
+# of these imports anything of training (its state, optimizer, steps, checkpoint writer or
+# process start-up), directly or through another module of the package. The whole
+# evaluation layer is checked as well, by ALLOWED above.
 SERVING = (
   "eval.py",
   "generate.py",
   "transformer/evaluation/translate.py",
-  "transformer/evaluation/searches.py",
   "transformer/evaluation/score.py",
   "transformer/evaluation/attention_maps.py",
+  "transformer/evaluation/validation.py",
   "transformer/tools/export.py",
   "transformer/tools/average_checkpoints.py",
+  "transformer/tools/compare_ctranslate2.py",
 )
-OPTIMIZER_SIDE = (
-  "transformer.training.state",
-  "transformer.training.optimizer",
-  "transformer.training.steps",
-  "transformer.training.loop",
-)
+TRAINING = "transformer.training"
 
 
 def _layer(module: str) -> str | None:
@@ -468,20 +457,36 @@ def _package_paths() -> list[str]:
   ]
 
 
-def test_serving_a_run_never_reaches_the_optimizer():
-  """The floor under serving: eval.py, generate.py, the searches and the export load a
-  run through transformer.run, and none of them imports the optimizer's side of
-  training, however indirectly. The checker itself sees an import that does."""
+def _training_reached(path: str, known: set[str]) -> list[str]:
+  return sorted(
+    m for m in _reachable_modules(path, known) if m == TRAINING or m.startswith(TRAINING + ".")
+  )
+
+
+def test_serving_a_run_never_reaches_training(tmp_path):
+  """The floor under serving: eval.py, generate.py, the searches, the export, averaging and
+  the CTranslate2 comparison load a run through transformer.inference, and none of them
+  imports training, however indirectly. The checker itself sees the leaks it guards
+  against: training's checkpoint writer, its process start-up, its loop."""
   known = {_module_name(p) for p in _package_paths()}
   reached = {
-    relative: sorted(_reachable_modules(os.path.join(REPO, relative), known) & set(OPTIMIZER_SIDE))
-    for relative in SERVING
+    relative: _training_reached(os.path.join(REPO, relative), known) for relative in SERVING
   }
   assert {k: v for k, v in reached.items() if v} == {}
   assert all(
-    "transformer.run.restore" in _reachable_modules(os.path.join(REPO, relative), known)
+    "transformer.inference.restore" in _reachable_modules(os.path.join(REPO, relative), known)
     for relative in ("eval.py", "generate.py", "transformer/tools/export.py")
   )
-  # Training's validation does reach it, through training.loop: the checker sees that.
-  validation = os.path.join(PACKAGE, "evaluation", "validation.py")
-  assert "transformer.training.optimizer" in _reachable_modules(validation, known)
+  leaks = {
+    "from transformer.training import checkpoints": "transformer.training.checkpoints",
+    "from transformer.training.loop import TrainingRun": "transformer.training.loop",
+    "import transformer.training.state": "transformer.training.state",
+  }
+  for line, module in leaks.items():
+    leaking = tmp_path / "leak.py"
+    leaking.write_text(line + "\n")
+    assert module in _training_reached(str(leaking), known), line
+  # Training itself reaches the start-up below it, and the optimizer: the walk is deep.
+  train = os.path.join(REPO, "train.py")
+  assert "transformer.inference.distributed" in _reachable_modules(train, known)
+  assert "transformer.training.optimizer" in _training_reached(train, known)

@@ -13,13 +13,13 @@ import pytest
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
 from transformer.config import ConfigError
-from transformer.run import checkpoints as run_checkpoints
+from transformer.inference import checkpoints as inference_checkpoints
 from transformer.tools import average_checkpoints
 from transformer.training import checkpoints, state
 
 
 def _params(workdir, config, **kwargs):
-  params, step = run_checkpoints.restore_params(workdir, state.setup(config), **kwargs)
+  params, step = inference_checkpoints.restore_params(workdir, state.setup(config), **kwargs)
   return jax.device_get(params), step
 
 
@@ -51,7 +51,7 @@ def test_averaging_identical_checkpoints_returns_them(trained_run, tmp_path):
   once = str(tmp_path / "once")
   average_checkpoints.average_into(workdir, once, 1)
   # A run whose two checkpoints hold the same parameters averages to exactly them.
-  reader = run_checkpoints.CheckpointReader(once, config.storage_timeout_s)
+  reader = inference_checkpoints.CheckpointReader(once, config.storage_timeout_s)
   params = reader.params(last, state.setup(config).params_target())
   iterator = reader.saved_iterator_state(last)
   reader.close()
@@ -82,7 +82,7 @@ def test_averaged_run_is_a_complete_workdir_to_serve(trained_run, tmp_path):
       assert a.read() == b.read(), name
   assert checkpoints.steps_on_disk(out) == [first]
   target = state.setup(config).params_target()
-  readers = [run_checkpoints.CheckpointReader(w, 60.0) for w in (workdir, out)]
+  readers = [inference_checkpoints.CheckpointReader(w, 60.0) for w in (workdir, out)]
   (original, original_iterator), (written, written_iterator) = [
     (jax.device_get(r.params(first, target)), r.saved_iterator_state(first)) for r in readers
   ]

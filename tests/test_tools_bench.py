@@ -17,9 +17,9 @@ import numpy as np
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config
 from transformer import versions
+from transformer.inference import checkpoints as inference_checkpoints
+from transformer.inference import sharding
 from transformer.model import ModelConfig
-from transformer.run import checkpoints as run_checkpoints
-from transformer.run import sharding
 from transformer.training import flops
 
 ROWS, SEQ_LEN = 4, 24
@@ -210,7 +210,7 @@ def test_speculative_on_two_tiny_runs(small_corpus, trained_run, tmp_path):
   draft_config = checkpoints.load_run_config(draft_workdir)
   assert draft_config.vocab_from == target_workdir and len(draft_config.draft.shortlist) == 40
   params = {
-    workdir: run_checkpoints.restore_params(
+    workdir: inference_checkpoints.restore_params(
       workdir, state.setup(checkpoints.load_run_config(workdir))
     )[0]
     for workdir in (target_workdir, draft_workdir)

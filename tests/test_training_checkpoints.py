@@ -11,8 +11,8 @@ import pytest
 
 from transformer import config as config_lib
 from transformer.config import ConfigError
-from transformer.run import checkpoints as run_checkpoints
-from transformer.run import sharding
+from transformer.inference import checkpoints as inference_checkpoints
+from transformer.inference import sharding
 from transformer.training import checkpoints, state
 
 
@@ -294,7 +294,7 @@ def three_checkpoints(tmp_path_factory, tiny):
 def test_restore_params_averages_the_newest_k(three_checkpoints, tiny):
   run, _ = tiny
   workdir, saved = three_checkpoints
-  averaged, step = run_checkpoints.restore_params(workdir, run, average_last=2)
+  averaged, step = inference_checkpoints.restore_params(workdir, run, average_last=2)
   assert step == 30
   expected = jax.tree.map(lambda a, b: np.mean([a, b], axis=0), saved[20], saved[30])
   jax.tree.map(
@@ -309,7 +309,7 @@ def test_restore_params_averages_the_newest_k(three_checkpoints, tiny):
 def test_restore_params_averages_up_to_a_chosen_step(three_checkpoints, tiny):
   run, _ = tiny
   workdir, saved = three_checkpoints
-  averaged, step = run_checkpoints.restore_params(workdir, run, step=20, average_last=2)
+  averaged, step = inference_checkpoints.restore_params(workdir, run, step=20, average_last=2)
   assert step == 20
   expected = jax.tree.map(lambda a, b: np.mean([a, b], axis=0), saved[10], saved[20])
   jax.tree.map(
@@ -317,7 +317,7 @@ def test_restore_params_averages_up_to_a_chosen_step(three_checkpoints, tiny):
     jax.device_get(averaged),
     expected,
   )
-  everything, _ = run_checkpoints.restore_params(workdir, run, average_last=3)
+  everything, _ = inference_checkpoints.restore_params(workdir, run, average_last=3)
   expected = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *saved.values())
   jax.tree.map(
     lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
@@ -329,10 +329,10 @@ def test_restore_params_averages_up_to_a_chosen_step(three_checkpoints, tiny):
 def test_restore_params_of_one_checkpoint_is_exact(three_checkpoints, tiny):
   run, _ = tiny
   workdir, saved = three_checkpoints
-  params, step = run_checkpoints.restore_params(workdir, run, step=10)
+  params, step = inference_checkpoints.restore_params(workdir, run, step=10)
   assert step == 10
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), saved[10])
-  newest, step = run_checkpoints.restore_params(workdir, run)
+  newest, step = inference_checkpoints.restore_params(workdir, run)
   assert step == 30
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(newest), saved[30])
 
@@ -341,11 +341,11 @@ def test_restore_params_errors(three_checkpoints, tiny, tmp_path):
   run, _ = tiny
   workdir, _ = three_checkpoints
   with pytest.raises(ConfigError, match=r"no checkpoint at step 15 .*there are \[10, 20, 30\]"):
-    run_checkpoints.restore_params(workdir, run, step=15)
+    inference_checkpoints.restore_params(workdir, run, step=15)
   with pytest.raises(ConfigError, match=r"--average_last 3: only 2 checkpoints up to step 20"):
-    run_checkpoints.restore_params(workdir, run, step=20, average_last=3)
+    inference_checkpoints.restore_params(workdir, run, step=20, average_last=3)
   with pytest.raises(ConfigError, match="holds no checkpoint"):
-    run_checkpoints.restore_params(str(tmp_path), run)
+    inference_checkpoints.restore_params(str(tmp_path), run)
   other_config = tiny_config(**{"model.d_ff": 32})
   other = state.setup(other_config, sharding.create_mesh(other_config))
   with pytest.raises(
@@ -353,4 +353,4 @@ def test_restore_params_errors(three_checkpoints, tiny, tmp_path):
     match=r"config\.model\.d_ff: the checkpoint was trained "
     r"with 16, the config says 32",
   ):
-    run_checkpoints.restore_params(workdir, other)
+    inference_checkpoints.restore_params(workdir, other)

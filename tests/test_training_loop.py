@@ -21,13 +21,13 @@ import pytest
 from tests.helpers import fault_injection
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, flag_overrides, make_config, read_metrics
+from transformer.inference import checkpoints as inference_checkpoints
 from transformer.model import ModelConfig
-from transformer.run import checkpoints as run_checkpoints
 from transformer.training import checkpoints, flops, loop, reporting, state
 
 
 def restored_params(workdir, config, step):
-  params, used = run_checkpoints.restore_params(workdir, state.setup(config), step=step)
+  params, used = inference_checkpoints.restore_params(workdir, state.setup(config), step=step)
   assert used == step
   return jax.device_get(params)
 

@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from transformer import config as config_lib
+from transformer.inference import model_setup, sharding
 from transformer.model import Transformer
-from transformer.run import model_setup, sharding
 from transformer.training import state
 
 VOCAB, D_MODEL, D_FF, HEADS, D_K, D_V = 32, 16, 24, 4, 4, 6  # d_k != d_v on purpose

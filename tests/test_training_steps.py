@@ -12,7 +12,8 @@ import pytest
 from tests.helpers import fault_injection
 from tests.helpers.train_steps import assert_trees_close, run_steps, synthetic_batch, tiny_config
 from transformer import config as config_lib
-from transformer.run import scoring, sharding
+from transformer.inference import sharding
+from transformer.model import loss
 from transformer.training import optimizer as optimizer_lib
 from transformer.training import state, steps
 
@@ -25,7 +26,7 @@ def test_label_smoothed_loss_by_hand():
   q = np.full(vocab, eps / (vocab - 1))
   q[1] = 1 - eps
   expected_loss = -np.sum(q * log_p) + np.sum(q * np.log(q))  # KL(q || p)
-  sums = scoring.cross_entropy_sums(jnp.asarray(logits), jnp.asarray(targets), eps)
+  sums = loss.cross_entropy_sums(jnp.asarray(logits), jnp.asarray(targets), eps)
   assert float(sums["num_tokens"]) == 1.0
   assert float(sums["loss_sum"]) == pytest.approx(expected_loss, rel=1e-5)
   assert float(sums["ce_sum"]) == pytest.approx(-log_p[1], rel=1e-5)
@@ -36,7 +37,7 @@ def test_no_smoothing_is_plain_cross_entropy():
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32)
   targets = jnp.asarray([[1, 2, 0], [3, 4, 5]], jnp.int32)
-  sums = scoring.cross_entropy_sums(logits, targets, 0.0)
+  sums = loss.cross_entropy_sums(logits, targets, 0.0)
   assert float(sums["loss_sum"]) == pytest.approx(float(sums["ce_sum"]))
 
 
@@ -54,14 +55,14 @@ def test_loss_gradient_in_closed_form_is_autodiffs(eps):
     kl = jnp.sum(q * (jnp.log(jnp.maximum(q, 1e-30)) - log_p), axis=-1)
     return jnp.sum(kl * (targets != 0))
 
-  ours = lambda logits: scoring.cross_entropy_sums(logits, targets, eps)["loss_sum"]
+  ours = lambda logits: loss.cross_entropy_sums(logits, targets, eps)["loss_sum"]
   np.testing.assert_allclose(ours(logits), textbook(logits), rtol=1e-5)
   np.testing.assert_allclose(
     jax.grad(ours)(logits), jax.grad(textbook)(logits), rtol=1e-5, atol=1e-6
   )
   # Accuracy: the target's logit is the largest.
   correct = jnp.sum((jnp.argmax(logits, -1) == targets) * (targets != 0))
-  assert float(scoring.cross_entropy_sums(logits, targets, eps)["correct_sum"]) == float(correct)
+  assert float(loss.cross_entropy_sums(logits, targets, eps)["correct_sum"]) == float(correct)
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 2, 4)])

@@ -179,7 +179,7 @@ def exit_with_error(error: BaseException) -> NoReturn:
   blocked in a storage client, on a thread that a normal exit would join (Orbax's own
   worker threads are joined as the interpreter ends), so the command would wait as long
   as the storage stalls. (Commands that run on several processes end through
-  training.distributed.exit_with_error, which also skips jax.distributed's shutdown.)"""
+  inference.distributed.exit_with_error, which also skips jax.distributed's shutdown.)"""
   message = str(error).strip().replace("\n", " ")
   print(f"error: {message}", file=sys.stderr, flush=True)
   if is_storage_timeout(error):

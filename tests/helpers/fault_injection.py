@@ -105,7 +105,7 @@ def _slow_validation(seconds: float, marker: str) -> None:
   global _original_evaluate_loss
   # Imported here: the launcher puts the repository on the path first, and nothing of
   # the package loads before the entry point starts jax.distributed.
-  from transformer.run import metrics
+  from transformer.inference import metrics
 
   _original_evaluate_loss = _original_evaluate_loss or metrics.evaluate_loss
   original = _original_evaluate_loss
@@ -310,7 +310,7 @@ def disarm() -> None:
   json_checkpoint_handler.JsonCheckpointHandler._save_fn = _ORIGINAL_SAVE
   json_checkpoint_handler.JsonCheckpointHandler.restore = _ORIGINAL_RESTORE
   if _original_evaluate_loss is not None:
-    from transformer.run import metrics
+    from transformer.inference import metrics
 
     metrics.evaluate_loss, _original_evaluate_loss = _original_evaluate_loss, None
 

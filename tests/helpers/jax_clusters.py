@@ -1,6 +1,6 @@
 """What JAX's own cluster detection reads, wrapped once (it lives in private modules).
 
-`transformer.training.distributed.on_cloud_tpu_vm` reads the flag JAX sets as `import
+`transformer.inference.distributed.on_cloud_tpu_vm` reads the flag JAX sets as `import
 jax` runs on a Cloud TPU VM; the TPU cluster classes bound the same flag when JAX
 imported them. A JAX upgrade that moves or renames it must fail a test, not let every
 host of a slice train alone.

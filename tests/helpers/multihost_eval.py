@@ -24,7 +24,7 @@ def main(workdir, split, process_id, num_processes, port, order):
     process_id=int(process_id),
   )
   from transformer.evaluation import score, translate
-  from transformer.run import sharding
+  from transformer.inference import sharding
   from transformer.training import checkpoints
 
   if order == "interleaved":

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from transformer import config as config_lib
-from transformer.run import sharding
+from transformer.inference import sharding
 from transformer.training import state, steps
 
 

@@ -90,7 +90,7 @@ def draft_config() -> ml_collections.ConfigDict:
 
 
 def mesh_config() -> ml_collections.ConfigDict:
-  """The device mesh's axis sizes (transformer/run/sharding.py); -1 fills with the
+  """The device mesh's axis sizes (transformer/inference/sharding.py); -1 fills with the
   devices left over."""
   m = ml_collections.ConfigDict()
   m.data = -1
@@ -110,7 +110,7 @@ def logical_axis_rules() -> list[tuple[str, str | tuple[str, ...] | None]]:
   # vocab over tensor (Megatron style). Activations have their own `activation_*` names,
   # since their rows already take fsdp and an array can use a mesh axis once: rows over
   # data and fsdp, heads, mlp and vocab over tensor, d_model and lengths whole.
-  # `batch` places the input batches (transformer/run/sharding.py).
+  # `batch` places the input batches (transformer/inference/sharding.py).
   return [
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
@@ -211,7 +211,7 @@ def _add_optimization_keys(c: ml_collections.ConfigDict) -> None:
   c.shard_optimizer_state = False
   c.label_smoothing = 0.1
   # > 0: training's projection and loss fused, this many target positions at a time
-  # (run/scoring.py: fused_cross_entropy_sums); 0: the whole f32 logits [B, T, V].
+  # (model/loss.py: fused_cross_entropy_sums); 0: the whole f32 logits [B, T, V].
   c.loss_chunk_len = 0
 
 

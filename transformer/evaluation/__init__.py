@@ -2,10 +2,8 @@
 
 translate.py       Generator (parameters + vocabulary + a search, one batch loop for
                    translating, continuing text and scoring), Translator (a trained
-                   run's Generator, restored through transformer.run), SearchSettings,
+                   run's Generator, restored through transformer.inference), SearchSettings,
                    run_search (one batch through any search)
-searches.py        the registry of searches: each one's name, options and checks,
-                   from which eval.py and generate.py build their flags
 score.py           evaluate_split / evaluate_files: every sentence once, in order;
                    BLEU, chrF, perplexity
 bleu.py            sacreBLEU, the paper's tokenized BLEU, chrF

@@ -22,7 +22,7 @@ from transformer import data, storage, versions
 from transformer.data import sources
 from transformer.evaluation import bleu
 from transformer.evaluation.translate import SearchStats, Translator
-from transformer.run import metrics, scoring
+from transformer.inference import metrics, scoring
 
 
 class _FilePairs(sources.TsvSource):

@@ -4,10 +4,10 @@
 loop (`search_batches`) runs every batch of every job: translating sentences
 (`translate_lines`), continuing text (`continue_text`), translating a split's batches for
 scoring (`generate`, evaluation/score.py), and training's validation BLEU. `Translator`
-is a Generator on a trained run, restored through `transformer.run` (parameters only),
+is a Generator on a trained run, restored through `transformer.inference` (parameters only),
 with, optionally, a second run as the draft of speculative decoding.
 
-`SearchSettings` says how to generate (a search of evaluation/searches.py: beam search,
+`SearchSettings` says how to generate (a search of decoding/offered.py: beam search,
 the paper's protocol and the default; greedy; sampling; greedy or sampling with a draft)
 and builds the decoding search (transformer/model/decoding), which owns all it needs: a
 speculative search owns its draft's parameters. `run_search` is the one place a batch
@@ -31,22 +31,22 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer import config as config_lib
-from transformer import data, run, storage
+from transformer import data, inference, storage
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.evaluation import searches
+from transformer.inference import checkpoints, sharding
 from transformer.model import decoding
-from transformer.run import checkpoints, sharding
+from transformer.model.decoding import offered
 
 
 class SearchSettings:
-  """How hypotheses are generated: a search of searches.SEARCHES (beam search, the
+  """How hypotheses are generated: a search of offered.SEARCHES (beam search, the
   paper's protocol and the default; greedy decoding; sampling) and the values of its
-  options and of the common ones (searches.COMMON_OPTIONS), each defaulting to its
+  options and of the common ones (offered.COMMON_OPTIONS), each defaulting to its
   declaration; with a draft model, draft_len tokens are proposed per target pass."""
 
   def __init__(self, kind: str = "beam", **values: Any):
     self.kind = kind
-    options = searches.all_options([kind] if kind in searches.SEARCHES else [])
+    options = offered.all_options([kind] if kind in offered.SEARCHES else [])
     unknown = set(values) - {option.name for option in options}
     if unknown:
       raise config_lib.ConfigError(f"search {kind!r} takes no option {', '.join(sorted(unknown))}")
@@ -66,30 +66,30 @@ class SearchSettings:
 
   def check(self, with_draft: bool = False) -> None:
     """One-line ConfigError for values no search can use."""
-    if self.kind not in searches.SEARCHES:
+    if self.kind not in offered.SEARCHES:
       raise config_lib.ConfigError(
-        f"search: {self.kind!r} is not one of {', '.join(searches.SEARCHES)}"
+        f"search: {self.kind!r} is not one of {', '.join(offered.SEARCHES)}"
       )
     for option in self._options:
       option.check(self.values[option.name])
-    if with_draft and not searches.SEARCHES[self.kind].drafts:
-      offered = searches.drafting()
+    if with_draft and not offered.SEARCHES[self.kind].drafts:
+      drafting = offered.drafting()
       raise config_lib.ConfigError(
-        f"draft_workdir: speculative decoding is offered for {', '.join(offered)} "
-        f"(--search={'|'.join(offered)}), not {self.kind}"
+        f"draft_workdir: speculative decoding is offered for {', '.join(drafting)} "
+        f"(--search={'|'.join(drafting)}), not {self.kind}"
       )
 
   def build(self, config: ml_collections.ConfigDict, draft: Draft | None = None) -> decoding.Search:
     """The decoding search these settings describe: speculative with a draft run, whose
     model and parameters the search then owns."""
-    search = searches.SEARCHES[self.kind].build(config, self.values)
+    search = offered.SEARCHES[self.kind].from_options(config, self.values)
     if draft is None:
       return search
     return decoding.Speculative(draft.model, self.draft_len, search, draft_params=draft.params)
 
   def record(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The search's own entries in eval.py's JSON."""
-    return searches.SEARCHES[self.kind].record(config, self.values)
+    return offered.SEARCHES[self.kind].record(config, self.values)
 
 
 BEAM = SearchSettings()
@@ -105,8 +105,8 @@ class Draft(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SearchStats:
-  """What speculative decoding saved over some batches (fill rows included): see
-  decoding.Generation."""
+  """What a search's model passes produced over some batches (fill rows included), which
+  every search counts: what speculative decoding saved. See decoding.Generation."""
 
   target_calls: int = 0
   proposed: int = 0
@@ -175,20 +175,18 @@ def run_search(
     tokens = np.asarray(multihost_utils.process_allgather(out.tokens_BxO, tiled=True))
   else:
     tokens = np.asarray(jax.device_get(out.tokens_BxO))
-  stats = SearchStats()
-  if isinstance(search, decoding.Speculative):  # scalars, the same on every process
-    stats = SearchStats(
-      int(out.calls),
-      int(out.proposed),
-      int(out.accepted),
-      int(np.sum(tokens != config_lib.PAD_ID)),
-      int(out.row_calls),
-    )
+  stats = SearchStats(  # every search counts them; scalars, the same on every process
+    int(out.calls),
+    int(out.proposed),
+    int(out.accepted),
+    int(np.sum(tokens != config_lib.PAD_ID)),
+    int(out.row_calls),
+  )
   return tokens, stats
 
 
 class Generator:
-  """A model set-up (run.ModelSetup), its parameters and vocabulary, and a search (the
+  """A model set-up (inference.ModelSetup), its parameters and vocabulary, and a search (the
   settings', speculative with `draft`): what every generation job runs, through one
   batch loop. `after_batch`, if set, is called after every batch searched (eval.py and
   generate.py stop there on a preemption notice: distributed.StopBetweenBatches);
@@ -196,7 +194,7 @@ class Generator:
 
   def __init__(
     self,
-    setup: run.ModelSetup,
+    setup: inference.ModelSetup,
     params: Any,
     tokenizer: data.Tokenizer,
     settings: SearchSettings = BEAM,
@@ -284,9 +282,9 @@ class Generator:
         "config.model.decoder_only: continuing text needs a "
         "decoder-only model; translate with this run"
       )
-    if not searches.SEARCHES[self.settings.kind].continues_text:
-      offered = [name for name, kind in searches.SEARCHES.items() if kind.continues_text]
-      raise config_lib.ConfigError(f"search: text continuation is {' or '.join(offered)}")
+    if not offered.SEARCHES[self.settings.kind].continues_text:
+      continuing = offered.continuing()
+      raise config_lib.ConfigError(f"search: text continuation is {' or '.join(continuing)}")
     check_generation_length(config, config.max_len + 1, max_new_tokens)
     rows = config.eval_batch_size
     ids = [
@@ -302,7 +300,7 @@ class Generator:
 
 
 class Translator(Generator):
-  """A trained run's Generator: its parameters (only) restored through `transformer.run`
+  """A trained run's Generator: its parameters (only) restored through `transformer.inference`
   onto the config's mesh, and a search (with its draft run, if any)."""
 
   def __init__(
@@ -319,10 +317,10 @@ class Translator(Generator):
     settings.check(with_draft=draft_workdir is not None)
     if draft_workdir is not None:  # checked before either run is restored
       draft_config = self._check_draft(config, workdir, draft_workdir)
-    restored = run.restore(workdir, step, average_last, config=config)
+    restored = inference.restore(workdir, step, average_last, config=config)
     draft = None
     if draft_workdir is not None:  # on the target's mesh, its rows split as the target's
-      draft_run = run.restore(draft_workdir, config=draft_config, mesh=restored.setup.mesh)
+      draft_run = inference.restore(draft_workdir, config=draft_config, mesh=restored.setup.mesh)
       draft = Draft(draft_run.setup.model, draft_run.params, draft_workdir)
     super().__init__(restored.setup, restored.params, restored.tokenizer, settings, draft)
     self.workdir, self.step, self.average_last = workdir, restored.step, average_last

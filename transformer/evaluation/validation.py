@@ -2,8 +2,9 @@
 of the first config.eval_bleu_sentences validation sentences, beam-searched (a decoder-only
 model continues BOS + source + EOS, see translate.py).
 
-train.py hands `ValidationWithBleu` to `training.loop.train_and_evaluate`; the training
-layer itself never imports evaluation.
+train.py hands `ValidationWithBleu` to `training.loop.train_and_evaluate`, which builds it
+with the model set-up: neither layer imports the other (the loss part is
+`inference.metrics.ValidationLoss`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from transformer import data
 from transformer.evaluation import bleu, translate
-from transformer.training.loop import ValidationLoss
+from transformer.inference.metrics import ValidationLoss
 
 
 class ValidationWithBleu(ValidationLoss):
@@ -26,7 +27,7 @@ class ValidationWithBleu(ValidationLoss):
   def __call__(self, params) -> dict[str, Any]:
     result = super().__call__(params)
     if self._bleu_pairs:  # the paper's beam search, with the parameters trained so far
-      generator = translate.Generator(self.setup.model_setup, params, self.tokenizer)
+      generator = translate.Generator(self.setup, params, self.tokenizer)
       hypotheses = generator.translate_lines([x for x, _ in self._bleu_pairs])
       result["bleu"] = bleu.sacre_bleu(hypotheses, [r for _, r in self._bleu_pairs]).score
     return result

@@ -60,7 +60,7 @@ class Projection(nn.Module):
   What nn.DenseGeneral computes, with the same parameter ('kernel') and the same initial
   values, but DenseGeneral draws a multi-dimensional kernel flat and reshapes it, and
   flax reruns that initializer at every apply to check shapes: under a mesh and axis
-  rules (transformer/run/sharding.py) the flat draw meets the kernel's 3-axis
+  rules (transformer/inference/sharding.py) the flat draw meets the kernel's 3-axis
   sharding and fails. This kernel is drawn in its final shape.
   """
 

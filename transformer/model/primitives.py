@@ -151,7 +151,7 @@ def split_spec(
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
   """x, its sharding fixed by logical axis names, so meshes split it by design rather
   than by XLA's propagation. Applies only while flax's axis rules and a mesh are in
-  context (transformer/run/sharding.py: `activation_sharding`); without them, as
+  context (transformer/inference/sharding.py: `activation_sharding`); without them, as
   when tests call the model directly, a no-op.
   """
   return nn.with_logical_constraint(x, axes)

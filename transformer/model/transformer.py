@@ -250,7 +250,7 @@ class Decoder(nn.Module):
     if features_only:
       # The final hidden states and the pre-softmax weight, both in the compute dtype
       # (the matmul's inputs), for a loss that fuses the projection
-      # (transformer/run/scoring.py: fused_cross_entropy_sums).
+      # (transformer/inference/scoring.py: fused_cross_entropy_sums).
       y_BxTxD = y_BxTxD.astype(cfg.dtype)
       if cfg.tie_embeddings:
         return y_BxTxD, self.embed.output_table(), True

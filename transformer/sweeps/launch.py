@@ -23,8 +23,8 @@ from typing import Any
 from absl import flags
 
 from transformer import config as config_lib
+from transformer.inference import distributed
 from transformer.sweeps import spec
-from transformer.training import distributed
 
 FLAGS = flags.FLAGS
 

@@ -66,7 +66,7 @@ def validation_history(workdir: str) -> list[dict]:
 def epochs_trained(workdir: str, step: int, train_pairs: int) -> float:
   """Epochs of the training split that `step` steps read, from the data iterator's state
   saved with checkpoint `step` (whole epochs done, and the pairs of the current one)."""
-  from transformer.run.checkpoints import CheckpointReader
+  from transformer.inference.checkpoints import CheckpointReader
 
   reader = CheckpointReader(workdir, timeout_s=600.0)
   state = reader.saved_iterator_state(step)

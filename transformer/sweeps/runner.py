@@ -21,8 +21,8 @@ from typing import Any
 
 from transformer import config as config_lib
 from transformer import storage, versions
+from transformer.inference.checkpoints import steps_on_disk
 from transformer.messages import format_duration
-from transformer.run.checkpoints import steps_on_disk
 from transformer.sweeps import records
 from transformer.sweeps.spec import (
   Row,

@@ -6,19 +6,17 @@ r"""Write the mean of a run's last k checkpoints as a new run directory.
 The paper evaluates base models on the average of the last 5 checkpoints (written every
 10 minutes) and big models on the last 20. The output holds one checkpoint, at the
 newest averaged step, whose parameters are the element-wise mean (read one checkpoint
-at a time, parameters only: `transformer.run.restore`) and whose data-iterator state is
-the newest checkpoint's, plus the run's config.json and vocab.model, so
+at a time, parameters only: `transformer.inference.restore`) and whose data-iterator
+state is the newest checkpoint's (written by `inference.checkpoints.write_served`), plus the run's config.json and vocab.model, so
 `eval.py --workdir RUN-avg5`, generate.py and the export work on it unchanged. It holds
 no optimizer state: it is a run to serve, not one to resume training from.
 """
 
-import numpy as np
 from absl import flags
 
-from transformer import cli, run, storage
+from transformer import cli, inference, storage
 from transformer.config import ConfigError
-from transformer.run import checkpoints as run_checkpoints
-from transformer.training import checkpoints
+from transformer.inference import checkpoints
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program
 _WORKDIR = flags.DEFINE_string(
@@ -45,10 +43,10 @@ def average_into(
     )
   if checkpoints.steps_on_disk(output_workdir):  # an empty one, from a failed try, is reused
     raise ConfigError(f"{output_workdir} already holds checkpoints")
-  restored = run.restore(workdir, step, average_last)
+  restored = inference.restore(workdir, step, average_last)
   config, newest = restored.config, restored.step
   timeout_s = config.storage_timeout_s  # each read and the save, as in the run
-  source = run_checkpoints.CheckpointReader(workdir, timeout_s)
+  source = checkpoints.CheckpointReader(workdir, timeout_s)
   try:
     iterator_state = source.saved_iterator_state(newest)
   finally:
@@ -57,10 +55,9 @@ def average_into(
   storage.makedirs(output_workdir)
   for name in ("config.json", "vocab.model"):
     storage.copy(storage.join(workdir, name), storage.join(output_workdir, name))
-  target = checkpoints.Checkpointer(output_workdir, keep=1, async_save=False, timeout_s=timeout_s)
-  served = {"step": np.asarray(newest, np.int32), "params": restored.params}
-  target.save(newest, served, iterator_state, config)
-  target.close()
+  checkpoints.write_served(
+    output_workdir, newest, restored.params, iterator_state, config, timeout_s
+  )
   return newest
 
 

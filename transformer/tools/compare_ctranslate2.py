@@ -40,8 +40,8 @@ from transformer import cli, data, host_memory, storage, versions
 from transformer.config import BOS_ID, EOS_ID, PAD_ID, ConfigError
 from transformer.data import batching
 from transformer.evaluation import bleu, translate
+from transformer.inference import checkpoints, sharding
 from transformer.model import decoding
-from transformer.run import checkpoints, sharding
 from transformer.tools import export
 
 # Its docs/results records' version: bump when what it computes changes, not on a reformat.
@@ -57,7 +57,7 @@ class Ours:
   def __init__(self, workdir: str):
     config = checkpoints.load_run_config(workdir)
     self.translator = translate.Translator(config, workdir)
-    self.config = config
+    self.config, self.workdir = config, workdir
 
   def search(self, kind: str) -> decoding.Search:
     return translate.SearchSettings(kind).build(self.config)
@@ -190,6 +190,28 @@ def _greedy_differences(
   return differing
 
 
+def _run_every_system(
+  ours: Ours,
+  tokens: list[str],
+  ids: list[np.ndarray],
+  threads: int,
+  batch1_sentences: int,
+  batch_size: int,
+  rounds: int,
+) -> tuple[dict, dict]:
+  """(speed, outputs) of `_interleaved` over ours and the engine on the run's export,
+  float32 and int8 (exported to a scratch directory, gone after)."""
+  with tempfile.TemporaryDirectory(prefix="ct2-compare-") as scratch:
+    engines = {}
+    for quantization in ("float32", "int8"):
+      out = os.path.join(scratch, quantization)
+      export.export_run(ours.workdir, out, quantization=quantization)
+      engines[quantization] = Engine(out, tokens, ours.config, threads)
+    runners: dict[str, Any] = {"ours": ours, **engines}
+    _compile_every_shape(ours, ids, batch_size)
+    return _interleaved(runners, ids, batch1_sentences, batch_size, rounds)
+
+
 def compare(
   workdir: str,
   *,
@@ -214,17 +236,9 @@ def compare(
   pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
   tokens = export.vocabulary(pieces, config.vocab_size)
 
-  with tempfile.TemporaryDirectory(prefix="ct2-compare-") as scratch:
-    engines = {}
-    for quantization in ("float32", "int8"):
-      out = os.path.join(scratch, quantization)
-      export.export_run(workdir, out, quantization=quantization)
-      engines[quantization] = Engine(out, tokens, config, threads)
-
-    runners: dict[str, Any] = {"ours": ours, **engines}
-    _compile_every_shape(ours, ids, batch_size)
-    speed, outputs = _interleaved(runners, ids, batch1_sentences, batch_size, rounds)
-
+  speed, outputs = _run_every_system(
+    ours, tokens, ids, threads, batch1_sentences, batch_size, rounds
+  )
   differing = _greedy_differences(
     ours, ids, outputs[("ours", "greedy")], outputs[("float32", "greedy")]
   )

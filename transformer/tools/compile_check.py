@@ -90,8 +90,8 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
+from transformer.inference import sharding
 from transformer.model import ModelConfig
-from transformer.run import sharding
 from transformer.tools import memory, op_profile
 from transformer.training import flops
 

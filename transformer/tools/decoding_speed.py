@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from transformer import config as config_lib
 from transformer import host_memory
 from transformer.config import EOS_ID
+from transformer.inference import model_setup
 from transformer.model import decoding, incremental
 from transformer.model.primitives import Array
-from transformer.run import model_setup
 
 
 class RecomputedState(NamedTuple):

@@ -38,17 +38,18 @@ from typing import Any
 import ctranslate2
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import flags
 from ctranslate2.specs import common_spec, transformer_spec
 
-from transformer import cli, run, storage
+from transformer import cli, inference, storage
 from transformer import config as config_lib
 from transformer.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ConfigError
+from transformer.inference import checkpoints
 from transformer.model import ModelConfig
 from transformer.model.primitives import sinusoidal_encoding
 from transformer.model.transformer import unstack_layer_params
-from transformer.run import checkpoints
 
 # Weight storage in the exported model.bin; float32 keeps the trained weights exactly.
 QUANTIZATIONS = ("float32", "int8", "float16", "bfloat16", "int8_float16", "int8_bfloat16")
@@ -338,22 +339,10 @@ def export_run(
 ) -> Exported:
   """Writes the run's checkpoint `step` (default: newest), or the mean of the last
   `average_last`, as a CTranslate2 model directory `out` (local or gs://)."""
-  if quantization not in QUANTIZATIONS:
-    raise ConfigError(f"--quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
-  if average_last < 1:
-    raise ConfigError(f"--average_last: must be at least 1, got {average_last}")
-  if not storage.is_dir(workdir):
-    raise ConfigError(f"--workdir {workdir} does not exist")
-  config = checkpoints.load_run_config(workdir)
-  config_lib.validate(config)
-  check_exportable(config)
-  if storage.exists(storage.join(out, "model.bin")) and not force:
-    raise ConfigError(f"--out {out} already holds a model.bin; pass --force to replace it")
-  if not checkpoints.steps_on_disk(workdir):
-    raise ConfigError(f"{checkpoints.checkpoint_dir(workdir)} holds no checkpoint")
+  config = _exportable_config(workdir, out, average_last, quantization, force)
   # One row per process is all the restore needs: the export reads whole arrays.
   config.eval_batch_size = jax.device_count()
-  restored = run.restore(workdir, step, average_last, config=config)
+  restored = inference.restore(workdir, step, average_last, config=config)
   tokenizer, newest = restored.tokenizer, restored.step
   params = jax.device_get(restored.params)
   cfg = ModelConfig.from_config(config)
@@ -373,23 +362,49 @@ def export_run(
     for name in sorted(os.listdir(local)):
       storage.copy(os.path.join(local, name), storage.join(out, name))
   storage.write_json(
-    storage.join(out, EXPORT_RECORD_NAME),
-    {
-      "workdir": storage.join(workdir),
-      "step": newest,
-      "average_last": average_last,
-      "quantization": quantization,
-      "ctranslate2": ctranslate2.__version__,
-      "decoder_only": bool(cfg.decoder_only),
-      # What the run's own search uses (config/schema.py); the README passes them to the engine.
-      "never_generated": [tokens[i] for i in NEVER_GENERATED],
-      "max_len": config.max_len,
-      "max_decode_extra_len": config.max_decode_extra_len,
-      "beam_size": config.beam_size,
-      "length_penalty_alpha": config.length_penalty_alpha,
-    },
+    storage.join(out, EXPORT_RECORD_NAME), _export_record(config, workdir, exported, tokens)
   )
   return exported
+
+
+def _exportable_config(
+  workdir: str, out: str, average_last: int, quantization: str, force: bool
+) -> ml_collections.ConfigDict:
+  """The run's config, once everything that would stop the export is checked (one line)."""
+  if quantization not in QUANTIZATIONS:
+    raise ConfigError(f"--quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+  if average_last < 1:
+    raise ConfigError(f"--average_last: must be at least 1, got {average_last}")
+  if not storage.is_dir(workdir):
+    raise ConfigError(f"--workdir {workdir} does not exist")
+  config = checkpoints.load_run_config(workdir)
+  config_lib.validate(config)
+  check_exportable(config)
+  if storage.exists(storage.join(out, "model.bin")) and not force:
+    raise ConfigError(f"--out {out} already holds a model.bin; pass --force to replace it")
+  if not checkpoints.steps_on_disk(workdir):
+    raise ConfigError(f"{checkpoints.checkpoint_dir(workdir)} holds no checkpoint")
+  return config
+
+
+def _export_record(
+  config: ml_collections.ConfigDict, workdir: str, exported: Exported, tokens: list[str]
+) -> dict[str, Any]:
+  """EXPORT_RECORD_NAME's contents: where the model came from and how it should be run."""
+  return {
+    "workdir": storage.join(workdir),
+    "step": exported.step,
+    "average_last": exported.average_last,
+    "quantization": exported.quantization,
+    "ctranslate2": ctranslate2.__version__,
+    "decoder_only": exported.decoder_only,
+    # What the run's own search uses (config/schema.py); the README passes them to the engine.
+    "never_generated": [tokens[i] for i in NEVER_GENERATED],
+    "max_len": config.max_len,
+    "max_decode_extra_len": config.max_decode_extra_len,
+    "beam_size": config.beam_size,
+    "length_penalty_alpha": config.length_penalty_alpha,
+  }
 
 
 _FLAG_VALUES = cli.program_flags(__name__)  # absl's only when run as a program

@@ -49,7 +49,7 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
-from transformer.run import sharding
+from transformer.inference import sharding
 from transformer.training import state, steps
 
 # Its docs/results records' version: bump when what it computes changes, not on a reformat.

@@ -9,7 +9,7 @@ deleted after), timing each save (`save_s`: the whole state written, which a pre
 notice's margin must hold, docs/clusters.md), then restores the mean of their parameters
 in a fresh process per way, the ways taking turns for `--rounds`:
 
-  params_only  what every command does (`transformer.run.checkpoints.restore_params`):
+  params_only  what every command does (`transformer.inference.checkpoints.restore_params`):
                a partial restore of each checkpoint's parameters, part by part (the
                embedding, the encoder, the decoder), summed into one float32 sum;
   full_state   what they did before: each checkpoint's whole train state restored
@@ -131,14 +131,16 @@ def _full_state_mean(config, workdir: str, average_last: int) -> Any:
 
 def measure(way: str, config, workdir: str, average_last: int) -> dict[str, Any]:
   """Restores the mean of the newest `average_last` checkpoints `way` in this process."""
-  from transformer import run
-  from transformer.run import checkpoints as run_checkpoints
+  from transformer import inference
+  from transformer.inference import checkpoints as inference_checkpoints
 
-  model_setup = run.setup(config)  # abstract: nothing allocated yet
+  model_setup = inference.setup(config)  # abstract: nothing allocated yet
   before_kib = _status_kib("VmRSS")
   started = time.perf_counter()
   if way == "params_only":
-    params, _ = run_checkpoints.restore_params(workdir, model_setup, average_last=average_last)
+    params, _ = inference_checkpoints.restore_params(
+      workdir, model_setup, average_last=average_last
+    )
   else:
     params = _full_state_mean(config, workdir, average_last)
   jax.block_until_ready(params)

@@ -1,13 +1,12 @@
-"""Training: the train state, steps, loop, checkpoints and everything distributed.
+"""Training: the train state, steps, loop and checkpoints, over transformer.inference (the
+model set-up, mesh, eval step and process start-up it shares with serving).
 
 state.py        TrainState; setup(config): model, optimizer, mesh, state shardings
 optimizer.py    the paper's learning-rate schedule and Adam
-steps.py        loss, train_step and eval_step, jit-compiled over the mesh
-metrics.py      summed step metrics -> per-token loss, perplexity, accuracy
+steps.py        loss and train_step, jit-compiled over the mesh
 loop.py         train_and_evaluate: restore, loop, logging, evaluation, preemption
-checkpoints.py  Orbax checkpoints of state, data iterator and config; averaging
-sharding.py     device mesh, logical axis rules, global batches
-distributed.py  jax.distributed start-up; one-line errors across processes
+checkpoints.py  Orbax checkpoints of state, data iterator and config: the writer, on
+                the read side below (transformer/inference/checkpoints.py)
 prefetch.py     global batches built on a thread ahead of the step
 reporting.py    progress line, metrics.jsonl, TensorBoard
 goodput.py      where a workdir's wall time went, over its restarts

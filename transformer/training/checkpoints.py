@@ -1,6 +1,7 @@
 """Orbax checkpoints: writing the train state, the data iterator's position and the config,
-and restoring all of it to resume a run. Serving reads parameters alone, through the read
-side below training (transformer/run/checkpoints.py), whose names this module shares.
+and restoring all of it to resume a run. `Checkpointer` is the read side below training
+(transformer/inference/checkpoints.py: `CheckpointReader`, through which serving reads
+parameters alone) plus the saves; this module shares that module's names.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}. Orbax writes each
 checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete
@@ -17,7 +18,6 @@ gets as long, and is a `CheckpointTimeout` naming the checkpoint too.
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -30,19 +30,22 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from transformer import storage
-from transformer.messages import first_line
-from transformer.run.checkpoints import (
+from transformer.inference.checkpoints import (
   ITEMS,
   CheckpointError,
+  CheckpointReader,
   CheckpointTimeout,
   check_compatible,
   checkpoint_dir,
   load_run_config,
+  save_args,
   steps_on_disk,
 )
+from transformer.messages import first_line
 
 __all__ = [  # the read side's names, used with the writer's
   "CheckpointError",
+  "CheckpointReader",
   "CheckpointTimeout",
   "Checkpointer",
   "check_compatible",
@@ -86,8 +89,10 @@ class _Manager(ocp.CheckpointManager):
     return False
 
 
-class Checkpointer:
-  """Asynchronous saves every so often, keeping the newest `keep` checkpoints."""
+class Checkpointer(CheckpointReader):
+  """Asynchronous saves every so often, keeping the newest `keep` checkpoints; the
+  reader's reads (steps, config, data state, parameters) and the full restore of a
+  resumed run."""
 
   def __init__(
     self,
@@ -103,36 +108,28 @@ class Checkpointer:
     timeout_s: how long a save may take, from its start to its commit (config.storage_timeout_s);
     Orbax's own background thread gives up after it too. Each read of a checkpoint (its
     config, data state or arrays) gets as long."""
-    options = ocp.CheckpointManagerOptions(
+    self._options = ocp.CheckpointManagerOptions(
       max_to_keep=keep,
       create=True,
       enable_async_checkpointing=async_save,
       cleanup_tmp_directories=clean_torn,
       async_options=ocp.AsyncOptions(timeout_secs=max(1, math.ceil(timeout_s))),
     )
-    self.timeout_s = timeout_s
     self._started = 0.0  # time.monotonic() at the start of the last save
-    self.workdir = workdir
-    self.directory = checkpoint_dir(workdir)
+    self._writing: int | None = None  # the step of a save that may still be running
+    self._reported: CheckpointError | None = None
+    super().__init__(workdir, timeout_s)
+
+  def _open_manager(self) -> ocp.CheckpointManager:
+    """A manager that saves, over a directory created now: a path that cannot hold
+    checkpoints fails here, not at the first save (Orbax creates it lazily)."""
     try:
-      # Created here, so that a path that cannot hold checkpoints fails now, not at the
-      # first save (Orbax creates it lazily).
       storage.makedirs(self.directory)
-      # Orbax's manager reads every checkpoint's metadata as it starts, and waits for
-      # the other processes: bounded like any read, or a stalled bucket holds every host.
-      self._manager = storage.read_within(
-        timeout_s,
-        f"the checkpoints in {self.directory}",
-        lambda: _Manager(storage.as_path(self.directory), options=options, item_names=ITEMS),
-      )
-    except storage.StorageTimeout as e:
-      raise CheckpointTimeout(str(e)) from None
+      return _Manager(storage.as_path(self.directory), options=self._options, item_names=ITEMS)
     except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
       raise CheckpointError(
         f"cannot use {self.directory} for checkpoints: {storage.error_text(e)}"
       ) from None
-    self._writing: int | None = None  # the step of a save that may still be running
-    self._reported: CheckpointError | None = None
 
   def steps_on_disk(self) -> list[int]:
     return steps_on_disk(self.workdir)
@@ -182,9 +179,6 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    return sorted(self._manager.all_steps())
-
   def save(
     self, step: int, state: Any, iterator_state: dict, config: ml_collections.ConfigDict
   ) -> None:
@@ -197,64 +191,20 @@ class Checkpointer:
     self._started, self._writing = time.monotonic(), step
     try:
       self._within_time_left(
-        lambda: self._manager.save(
-          step,
-          args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data_iterator=ocp.args.JsonSave(iterator_state),
-            config=ocp.args.JsonSave(json.loads(config.to_json())),
-          ),
-          force=True,
-        )
+        lambda: self._manager.save(step, args=save_args(state, iterator_state, config), force=True)
       )
     except CheckpointTimeout:
       raise
     except Exception as e:  # this save's synchronous part failed
       raise self._failed(e) from e
 
-  def _read(self, step: int, call: Callable[[], Any]) -> Any:
-    """`call()`, a read of checkpoint `step`, within timeout_s; else CheckpointTimeout
-    naming it (a stalled bucket would hold every host for as long as its client retries)."""
-    try:
-      return storage.read_within(self.timeout_s, f"checkpoint {step} in {self.directory}", call)
-    except storage.StorageTimeout as e:
-      raise CheckpointTimeout(str(e)) from None
-
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """(state placed as `abstract_state`'s shardings say, iterator state)."""
-    try:
-      restored = self._read(
-        step,
-        lambda: self._manager.restore(
-          step,
-          args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data_iterator=ocp.args.JsonRestore()
-          ),
-        ),
-      )
-    except (ValueError, KeyError, TypeError, OSError) as e:
-      # A tree or shape that does not fit this config's model, or damaged files.
-      raise CheckpointError(
-        f"checkpoint {step} in {self.directory} cannot be loaded (a "
-        f"model other than this config's, or damaged files): "
-        f"{first_line(e, with_type=True)}"
-      ) from e
+    items = ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state), data_iterator=ocp.args.JsonRestore()
+    )
+    restored = self.read_arrays(step, lambda m: m.restore(step, args=items))
     return restored["state"], restored["data_iterator"]
-
-  def saved_iterator_state(self, step: int) -> dict:
-    """The data iterator's state of checkpoint `step`, read without the arrays."""
-    return self._read(
-      step,
-      lambda: self._manager.restore(
-        step, args=ocp.args.Composite(data_iterator=ocp.args.JsonRestore())
-      ),
-    )["data_iterator"]
-
-  def saved_config(self, step: int) -> dict:
-    return self._read(
-      step,
-      lambda: self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())),
-    )["config"]
 
   def reached_preemption(self, steps_since_start: int) -> bool:
     """True on every host at the same count after any host got a preemption notice

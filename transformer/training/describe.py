@@ -6,8 +6,8 @@ import jax
 import ml_collections
 
 from transformer.config import MESH_AXES
+from transformer.inference import model_setup, sharding
 from transformer.model import ModelConfig
-from transformer.run import model_setup, sharding
 from transformer.training import flops
 
 

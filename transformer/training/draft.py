@@ -14,10 +14,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer import data, run
+from transformer import data, inference
 from transformer.config import EOS_ID, ConfigError
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.run import checkpoints
+from transformer.inference import checkpoints
 
 # Model keys that only training reads: a draft may set them apart from its target.
 _TRAINING_ONLY_MODEL_KEYS = ("dropout_rate", "attention_dropout_rate", "remat")
@@ -80,8 +80,8 @@ def init_from_target(setup, fresh_state):
   config = setup.config
   if not config.draft.num_layers:
     return fresh_state
-  # The target's parameters only (run.restore), on the draft's mesh.
-  target_params = run.restore(config.draft.target_workdir, mesh=setup.mesh).params
+  # The target's parameters only (inference.restore), on the draft's mesh.
+  target_params = inference.restore(config.draft.target_workdir, mesh=setup.mesh).params
   params = dict(fresh_state.params)
   for part in FROZEN_PARTS:
     params[part] = jax.tree.map(

@@ -25,8 +25,9 @@ from absl import logging
 
 from transformer import config as config_lib
 from transformer import data, storage, versions
+from transformer.inference import metrics, sharding
+from transformer.inference.metrics import ValidationLoss
 from transformer.model import ModelConfig
-from transformer.run import metrics, scoring, sharding
 from transformer.training import (
   checkpoints,
   draft,
@@ -225,28 +226,6 @@ class Progress:
     return out
 
 
-class ValidationLoss:
-  """Loss and perplexity on the validation split, or on num_eval_batches of its batches
-  spread over all sentence lengths (the same ones at every evaluation).
-
-  The loop builds it as `ValidationLoss(config, setup, tokenizer)` and calls it with the
-  parameters every eval_every_steps; evaluation.validation.ValidationWithBleu adds the
-  BLEU of a beam-searched subset (what train.py runs).
-  """
-
-  def __init__(self, config, run_setup: state.Setup, tokenizer):
-    self.config, self.setup, self.tokenizer = config, run_setup, tokenizer
-    self._eval_step = scoring.jit_eval_step(run_setup.model_setup)
-    self._batches = data.make_eval_batches(
-      config, tokenizer, "validation", max_batches=config.num_eval_batches
-    )
-
-  def __call__(self, params) -> dict[str, Any]:
-    return metrics.evaluate_loss(
-      self._eval_step, params, self._batches, self.setup.mesh, self.setup.rules
-    )
-
-
 def train_and_evaluate(
   config: ml_collections.ConfigDict, workdir: str, validation=ValidationLoss
 ) -> dict[str, Any]:
@@ -364,7 +343,9 @@ class TrainingRun:
     self.total_steps = config_lib.final_step(config)  # batches, grad_accum_steps an update
     self.progress = _progress(config, self.total_steps, self.setup.model.config)
     self.validate = (
-      validation(config, self.setup, self.tokenizer) if (config.eval_every_steps) else None
+      validation(config, self.setup.model_setup, self.tokenizer)
+      if (config.eval_every_steps)
+      else None
     )
     # This workdir's earlier starts (process 0 reports goodput): their last goodput
     # records, and the highest global step they logged, up to which steps are recomputed.

@@ -1,7 +1,7 @@
 """The train state, and `setup`: the model, optimizer and sharded state shapes of a config.
 
 Training starts with `setup(config)`: the model set-up every user of a model has
-(`transformer.run.setup`: model, mesh, rules, parameter shapes), plus the optimizer and
+(`transformer.inference.setup`: model, mesh, rules, parameter shapes), plus the optimizer and
 its state's shapes and shardings. Nothing is allocated until `init_state` or a restore.
 """
 
@@ -18,9 +18,9 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from transformer import run
-from transformer.run import sharding
-from transformer.run.model_setup import Model, init_boxed_params
+from transformer import inference
+from transformer.inference import sharding
+from transformer.inference.model_setup import Model, init_boxed_params
 from transformer.training.optimizer import make_optimizer
 
 Array = jax.Array
@@ -41,10 +41,10 @@ def init_boxed_state(model: Model, optimizer, config, rng: Array) -> TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """A config's model set-up (`run.ModelSetup`) plus its optimizer, and the train state's
+  """A config's model set-up (`inference.ModelSetup`) plus its optimizer, and the train state's
   shapes and shardings."""
 
-  model_setup: run.ModelSetup
+  model_setup: inference.ModelSetup
   optimizer: optax.GradientTransformation
   abstract_state: TrainState  # ShapeDtypeStructs, unboxed
   state_shardings: TrainState  # NamedShardings, same tree
@@ -78,7 +78,7 @@ class Setup:
     return jax.jit(init, out_shardings=self.state_shardings)(rng)
 
   def params_target(self) -> Any:
-    """The parameters' restore target alone (run.ModelSetup's)."""
+    """The parameters' restore target alone (inference.ModelSetup's)."""
     return self.model_setup.params_target()
 
   def restore_target(self) -> TrainState:
@@ -92,7 +92,7 @@ class Setup:
 
 def setup(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> Setup:
   """Builds everything but the arrays; `mesh` defaults to the config's over all devices."""
-  model_setup = run.setup(config, mesh)
+  model_setup = inference.setup(config, mesh)
   optimizer = make_optimizer(config)
   boxed = jax.eval_shape(
     lambda rng: init_boxed_state(model_setup.model, optimizer, config, rng), jax.random.key(0)

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from transformer.inference import sharding
+from transformer.inference.model_setup import Model
 from transformer.model import model_inputs
-from transformer.run import sharding
-from transformer.run.model_setup import Model
-from transformer.run.scoring import cross_entropy_sums, fused_cross_entropy_sums
+from transformer.model.loss import cross_entropy_sums, fused_cross_entropy_sums
 from transformer.training import flops
 from transformer.training.optimizer import learning_rate_schedule
 from transformer.training.state import Setup, TrainState
@@ -36,7 +36,7 @@ def loss_fn(
   loss_chunk_len: int = 0,
 ):
   """(per-token loss, sums) of a batch; with loss_chunk_len > 0 the pre-softmax
-  projection and the loss are fused (run/scoring.py: fused_cross_entropy_sums)."""
+  projection and the loss are fused (model/loss.py: fused_cross_entropy_sums)."""
   inputs = dict(model_inputs(batch), deterministic=False, rngs={"dropout": dropout_rng})
   # The names reach the compiled program's op metadata, where compile_check's per-op
   # profile (transformer/tools/op_profile.py) reads which model part an op belongs to.

@@ -7,6 +7,8 @@ and every kind of model.
   beam.py         BeamSearch, GNMT's length penalty (the paper's decoding)
   sampling.py     Greedy, Sampling (temperature, top-k, top-p)
   speculative.py  Speculative: a draft model's proposals checked by the target
+  offered.py      the searches the commands offer (--search): each decoding class above
+                  declares its name and options, and registers itself
 
     prompts = decoding.translation_prompts(source_BxS, max_decode_extra_len, decoder_only)
     out = decoding.decode(model, params, prompts, decoding.BeamSearch(beam_size=4, alpha=0.6))

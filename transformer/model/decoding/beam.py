@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from transformer.config import BOS_ID, EOS_ID
+from transformer.model.decoding import offered
 from transformer.model.decoding import search as search_lib
 from transformer.model.incremental import IncrementalModel
 from transformer.model.primitives import Array
@@ -184,16 +185,41 @@ def beam_step(
   return new_state, parent_beam_BxW
 
 
+@offered.register
 @struct.dataclass
-class BeamSearch:
+class BeamSearch(offered.Offered):
   """W = beam_size hypotheses per sentence; alpha: the length penalty's exponent (0
   ranks by log-probability alone); early_stop=False runs every sentence to its budget
   (for timing). Returns each sentence's best-scoring hypothesis among those that ended
   with EOS (included) and those that reached the budget without one."""
 
+  name = "beam"
+  help = "beam search (the paper's)"
+  continues_text = False
+  options = (
+    offered.Option(
+      "beam_size", int, None, "Beam size (default: the config's).", lambda n: n >= 1, "must be >= 1"
+    ),
+    offered.Option("alpha", float, None, "Length penalty alpha (default: the config's)."),
+  )
+
   beam_size: int = struct.field(pytree_node=False, default=4)
   alpha: float = struct.field(pytree_node=False, default=0.6)
   early_stop: bool = struct.field(pytree_node=False, default=True)
+
+  @classmethod
+  def from_options(cls, config, values) -> BeamSearch:
+    """--beam_size and --alpha, each the config's where not given."""
+    size, alpha = values.get("beam_size"), values.get("alpha")
+    return cls(
+      config.beam_size if size is None else size,
+      config.length_penalty_alpha if alpha is None else alpha,
+    )
+
+  @classmethod
+  def record(cls, config, values) -> dict:
+    search = cls.from_options(config, values)
+    return {"beam_size": search.beam_size, "alpha": search.alpha}
 
   @property
   def width(self) -> int:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from transformer.config import EOS_ID, PAD_ID
+from transformer.model.decoding import offered
 from transformer.model.decoding import search as search_lib
 from transformer.model.incremental import IncrementalModel
 from transformer.model.primitives import Array
@@ -46,11 +47,19 @@ class _State(NamedTuple):
   budget_B: Array
 
 
+@offered.register
 @struct.dataclass
-class Greedy:
+class Greedy(offered.Offered):
   """The most likely token at every step."""
 
+  name = "greedy"
+  help = "the most likely token at every step"
+  drafts = True
   width = 1
+
+  @classmethod
+  def from_options(cls, config, values) -> Greedy:
+    return cls()
 
   def choose(self, logits_BxV: Array, step: Array, rng: Array | None) -> Array:
     return jnp.argmax(search_lib.forbid_special(logits_BxV), axis=-1).astype(jnp.int32)
@@ -83,13 +92,46 @@ class Greedy:
     return search_lib.run_steps(_OneHypothesis(self, rng), model, params, prompts, rng)
 
 
+@offered.register
 @struct.dataclass
 class Sampling(Greedy):
   """Ancestral sampling from the filtered distribution; top_k=1 is greedy decoding."""
 
+  name = "sample"
+  help = "sampling from the filtered distribution"
+  options = (
+    offered.Option(
+      "temperature", float, 1.0, "Sampling temperature (> 0).", lambda t: t > 0, "must be > 0"
+    ),
+    offered.Option(
+      "top_k",
+      int,
+      0,
+      "Sample from the K most likely tokens (0 = all).",
+      lambda k: k >= 0,
+      "must be >= 0 (0 = all)",
+    ),
+    offered.Option(
+      "top_p",
+      float,
+      1.0,
+      "Sample from the smallest set of tokens reaching this mass.",
+      lambda p: 0 < p <= 1,
+      "must be in (0, 1]",
+    ),
+  )
+
   temperature: float = struct.field(pytree_node=False, default=1.0)
   top_k: int = struct.field(pytree_node=False, default=0)
   top_p: float = struct.field(pytree_node=False, default=1.0)
+
+  @classmethod
+  def from_options(cls, config, values) -> Sampling:
+    return cls(values["temperature"], values["top_k"], values["top_p"])
+
+  @classmethod
+  def record(cls, config, values) -> dict:
+    return {name: values[name] for name in ("seed", "temperature", "top_k", "top_p")}
 
   def filtered_logprobs(self, logits_xV: Array) -> Array:
     """log of the distribution tokens are drawn from: specials forbidden, filtered."""

@@ -48,7 +48,7 @@ from ml_collections import config_flags
 
 from transformer import cli, versions
 from transformer import config as config_lib
-from transformer.run import sharding
+from transformer.inference import sharding
 from transformer.tools import bench
 from transformer.tools.bench import (
   beam_search,

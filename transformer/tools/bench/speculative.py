@@ -27,9 +27,9 @@ import numpy as np
 
 from transformer import config as config_lib
 from transformer.config import BOS_ID
+from transformer.inference import sharding
 from transformer.model import decoding, incremental
 from transformer.model.decoding import speculative as speculative_lib
-from transformer.run import sharding
 
 
 def _count(params) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from transformer.run import sharding
+from transformer.inference import sharding
 from transformer.training import flops, reporting, steps
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from transformer.config import BOS_ID, EOS_ID
-from transformer.run import sharding
+from transformer.inference import sharding
 from transformer.training import flops, state, steps
 
 

@@ -63,7 +63,7 @@ def on_cloud_tpu_vm() -> bool:
   """JAX's own answer, made as `import jax` ran: TPU chips on this machine's PCI bus and
   libtpu installed (or JAX_FORCE_TPU_INIT set). JAX's TPU cluster detection (GCE and GKE)
   asks exactly this flag first, so reading it here agrees with JAX by construction; it
-  lives in a private module, and tests/test_training_distributed.py fails if a JAX
+  lives in a private module, and tests/test_inference_distributed.py fails if a JAX
   upgrade moves it."""
   from jax._src import cloud_tpu_init
 
@@ -137,6 +137,8 @@ def slurm_local_device_ids(environ) -> list[int] | None:
 
 
 def initialize_from_flags() -> None:
+  """Starts jax.distributed as --distributed and the cluster say (`how_to_start`), or
+  leaves this process alone; a start that fails is one line on stderr and exit 1."""
   start = how_to_start(
     FLAGS.distributed,
     FLAGS.coordinator_address is not None,
@@ -182,6 +184,11 @@ def initialize_from_flags() -> None:
       f"cannot start jax.distributed ({given if start == FLAGS_START else start}): {first_line(e)}",
       force=True,
     )
+  _report_started(start)
+
+
+def _report_started(start: str) -> None:
+  """What a started process settles and says once it is connected."""
   if jax.process_count() > 1 and jax.default_backend() == "cpu":
     # JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) handed CPU processes
     # the executables another process had written, and their first gloo collective then

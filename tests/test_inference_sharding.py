@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from transformer import config as config_lib
 from transformer.config import ConfigError
-from transformer.run import sharding
+from transformer.inference import sharding
 
 
 def mesh_config(data=-1, fsdp=1, tensor=1, **dcn):

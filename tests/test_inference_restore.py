@@ -1,4 +1,4 @@
-"""The layer below training (transformer/run): a trained run's parameters restored alone,
+"""The layer below training (transformer/inference): a trained run's parameters restored alone,
 from checkpoints as training writes them today, averaged one checkpoint at a time; and
 the tool that measures what that saves (tools/restore_memory.py)."""
 
@@ -14,9 +14,9 @@ import pytest
 
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO, TRAINED_RUN_STEPS
-from transformer import run
+from transformer import inference
 from transformer.config import ConfigError
-from transformer.run import checkpoints as run_checkpoints
+from transformer.inference import checkpoints as inference_checkpoints
 from transformer.training import checkpoints, state
 
 
@@ -34,7 +34,7 @@ def test_restore_reads_the_parameters_training_wrote_and_nothing_else(trained_ru
   config given must match the checkpoint's architecture."""
   config, workdir = trained_run
   first, last = TRAINED_RUN_STEPS
-  restored = run.restore(workdir)
+  restored = inference.restore(workdir)
   assert restored.step == last
   assert restored.tokenizer.vocab_size == config.vocab_size
   assert restored.setup.num_params == sum(x.size for x in jax.tree.leaves(restored.params))
@@ -48,7 +48,7 @@ def test_restore_reads_the_parameters_training_wrote_and_nothing_else(trained_ru
   other = config.copy_and_resolve_references()
   other.model.d_ff = 2 * config.model.d_ff
   with pytest.raises(ConfigError, match=r"^config.model.d_ff: the checkpoint was trained with"):
-    run.restore(workdir, config=other)
+    inference.restore(workdir, config=other)
 
 
 def test_averaging_reads_parameters_alone_one_part_of_one_checkpoint_at_a_time(
@@ -61,7 +61,7 @@ def test_averaging_reads_parameters_alone_one_part_of_one_checkpoint_at_a_time(
   first, last = TRAINED_RUN_STEPS
   parts = set(state.setup(config).abstract_state.params)
   reads, first_reads = [], []
-  original = run_checkpoints.CheckpointReader.params
+  original = inference_checkpoints.CheckpointReader.params
 
   def params(self, step, target):
     (part,) = target  # one part of the parameters at a time: nothing else
@@ -71,8 +71,8 @@ def test_averaging_reads_parameters_alone_one_part_of_one_checkpoint_at_a_time(
       first_reads.append(out)
     return out
 
-  monkeypatch.setattr(run_checkpoints.CheckpointReader, "params", params)
-  averaged = jax.device_get(run.restore(workdir, average_last=2).params)
+  monkeypatch.setattr(inference_checkpoints.CheckpointReader, "params", params)
+  averaged = jax.device_get(inference.restore(workdir, average_last=2).params)
   assert {part for part, _ in reads} == parts and len(reads) == 2 * len(parts)
   assert all(
     reads[i][1] == first and reads[i + 1] == (reads[i][0], last) for i in range(0, len(reads), 2)

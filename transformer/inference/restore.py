@@ -14,8 +14,8 @@ from jax.sharding import Mesh
 
 from transformer import config as config_lib
 from transformer import data
-from transformer.run import checkpoints
-from transformer.run.model_setup import ModelSetup, setup
+from transformer.inference import checkpoints
+from transformer.inference.model_setup import ModelSetup, setup
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,23 +1,19 @@
-"""The loss of a batch under a model's parameters: the cross-entropy with label smoothing
-(which training differentiates, transformer/training/steps.py) and the sharded eval step
-(validation during training, perplexity in eval.py), over a model set-up alone.
+"""The cross-entropy with label smoothing of a batch's logits: the plain form (the eval step's,
+transformer/inference/scoring.py, and the unfused train step's) and the fused projection
+and loss that training differentiates (transformer/training/steps.py), each with its
+gradient in closed form.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import cast
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from transformer.config import PAD_ID
-from transformer.model import model_inputs
 from transformer.model.primitives import BLV, constrain
-from transformer.run import sharding
-from transformer.run.model_setup import Model, ModelSetup
 
 Array = jax.Array
 
@@ -134,7 +130,7 @@ def fused_cross_entropy_sums(
 
   Only `loss_sum` is differentiated: `ce_sum`, `correct_sum` and `num_tokens` are metrics,
   and their cotangents are dropped. Equal to cross_entropy_sums of the unfused logits,
-  with gradients, to float32 rounding (tests/test_run_fused_loss.py).
+  with gradients, to float32 rounding (tests/test_model_loss.py).
   """
   _, length, _ = hidden_BxTxD.shape
   chunk_len = min(chunk_len, length)
@@ -165,7 +161,6 @@ def _chunk_sums(hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothin
   batch, length, d_model = hidden_BxCxD.shape
   weight_VxD = weight if weight_is_VxD else weight.T
   vocab = weight_VxD.shape[0]
-  low, on_target = _smoothing(label_smoothing, vocab)
   # Written out once: left to fuse, XLA recomputed the final LayerNorm inside the logits'
   # matmul and the weight gradient's, tile by tile of the vocabulary (on a v5e-8 the
   # per-op profile puts base's step 0.15 ms faster this way).
@@ -199,11 +194,25 @@ def _chunk_sums(hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothin
       jnp.sum(weights_BxC),
     ]
   )
-  # d loss_sum / d logits in closed form (as _token_losses_backward) is
-  # weight x (p - low - on_target x onehot(target)), p = numerators / normalizer; through
-  # the matrix, the hidden states' gradient is that times w_v summed over v:
-  # weight x (weighted_rows / normalizer - low x sum_v w_v - on_target x w_target).
   inverse_BxC = weights_BxC / normalizer_BxC
+  grad_hidden_BxCxD = _hidden_gradient(
+    weighted_rows_BxCxD, inverse_BxC, weights_BxC, targets_BxC, weight_VxD, label_smoothing
+  )
+  parts = (hidden_BxCxD, targets_BxC, logits_BxCxV, max_BxC, inverse_BxC, weights_BxC)
+  return sums_4, grad_hidden_BxCxD.astype(hidden_BxCxD.dtype), parts
+
+
+def _hidden_gradient(
+  weighted_rows_BxCxD, inverse_BxC, weights_BxC, targets_BxC, weight_VxD, label_smoothing
+):
+  """d loss_sum / d hidden [B, c, D] (f32) of one chunk, from _chunk_sums's matmul.
+
+  d loss_sum / d logits in closed form (as _token_losses_backward) is
+  weight x (p - low - on_target x onehot(target)), p = numerators / normalizer; through
+  the matrix, the hidden states' gradient is that times w_v summed over v:
+  weight x (weighted_rows / normalizer - low x sum_v w_v - on_target x w_target)."""
+  vocab = weight_VxD.shape[0]
+  low, on_target = _smoothing(label_smoothing, vocab)
   grad_hidden_BxCxD = inverse_BxC[..., None] * weighted_rows_BxCxD - weights_BxC[..., None] * (
     on_target * jnp.take(weight_VxD, targets_BxC, axis=0).astype(jnp.float32)
   )
@@ -213,8 +222,7 @@ def _chunk_sums(hidden_BxCxD, targets_BxC, weight, weight_is_VxD, label_smoothin
       "kv,vd->kd", ones_8xV, weight_VxD, preferred_element_type=jnp.float32
     )[0]
     grad_hidden_BxCxD -= weights_BxC[..., None] * low * weight_sum_D
-  parts = (hidden_BxCxD, targets_BxC, logits_BxCxV, max_BxC, inverse_BxC, weights_BxC)
-  return sums_4, grad_hidden_BxCxD.astype(hidden_BxCxD.dtype), parts
+  return grad_hidden_BxCxD
 
 
 def _smoothing(label_smoothing: float, vocab: int) -> tuple[float, float]:
@@ -312,26 +320,3 @@ def _fused_sums_backward(label_smoothing, chunk_len, weight_is_VxD, residuals, g
 
 
 _fused_sums.defvjp(_fused_sums_forward, _fused_sums_backward)
-
-
-def eval_step(
-  params, batch: dict[str, Array], *, model: Model, config: ml_collections.ConfigDict
-) -> dict[str, Array]:
-  logits_BxTxV = cast(  # the output alone: no mutable=
-    Array, model.apply({"params": params}, **model_inputs(batch), deterministic=True)
-  )
-  return cross_entropy_sums(logits_BxTxV, batch["target"], config.label_smoothing)
-
-
-def jit_eval_step(setup: ModelSetup):
-  """eval_step over the mesh; batches hold only [B, L] arrays (drop 'index' first).
-  `setup`: a model set-up (run.ModelSetup), or training's (its `model_setup`)."""
-  step = sharding.with_activation_sharding(
-    functools.partial(eval_step, model=setup.model, config=setup.config), setup.mesh, setup.rules
-  )
-  batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
-  return jax.jit(
-    step,
-    in_shardings=(setup.param_shardings, batch_sharding),
-    out_shardings=sharding.replicated(setup.mesh),
-  )

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import jax_clusters, tiny_run
 from tests.helpers.processes import subprocess_env
-from transformer.training import distributed
+from transformer.inference import distributed
 
 REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -62,7 +62,7 @@ def test_one_task_for_a_node_of_gpus_is_refused_in_one_line():
 _START = """
 import json, jax
 from absl import flags
-from transformer.training import distributed
+from transformer.inference import distributed
 distributed.define_flags()
 flags.FLAGS(["start"])
 distributed.initialize_from_flags()
@@ -162,7 +162,7 @@ _TPU_VM_START = """
 import os, sys, json, jax
 os.environ.pop("TPU_SKIP_MDS_QUERY", None)
 from absl import flags, logging
-from transformer.training import distributed
+from transformer.inference import distributed
 distributed.define_flags()
 flags.FLAGS(["start"] + sys.argv[1:])
 logging.use_absl_handler()

@@ -1,8 +1,9 @@
 """The read side of a run's Orbax checkpoints: what serving a trained run needs.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}, written by training
-(transformer/training/checkpoints.py, which adds the writer and the full restore of a
-resumed run). The `state` item is the whole train state, {step, params, opt_state};
+(transformer/training/checkpoints.py: `Checkpointer`, this module's `CheckpointReader` plus
+the asynchronous saves and the full restore of a resumed run), or once by `write_served`
+(an averaged run, which has no optimizer state). The `state` item is the whole train state, {step, params, opt_state};
 `restore_params` reads its `params` alone (a partial restore), sharded straight onto the
 mesh, so that serving a run never reads, or holds, the optimizer's moments: with Adam they
 are two thirds of the bytes. Every read is bounded by `timeout_s` (config.storage_timeout_s)
@@ -19,13 +20,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 
 from transformer import config as config_lib
 from transformer import storage
 from transformer.config import ConfigError
+from transformer.inference.model_setup import ModelSetup
 from transformer.messages import first_line
-from transformer.run.model_setup import ModelSetup
 
 ITEMS = ("state", "data_iterator", "config")  # a checkpoint's items, as training saves them
 
@@ -110,30 +112,44 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   return config
 
 
+def save_args(state: Any, iterator_state: dict, config: ml_collections.ConfigDict):
+  """A checkpoint's items (ITEMS) as Orbax saves them: the state's arrays, the data
+  iterator's position and the config, as JSON."""
+  return ocp.args.Composite(
+    state=ocp.args.StandardSave(state),
+    data_iterator=ocp.args.JsonSave(iterator_state),
+    config=ocp.args.JsonSave(json.loads(config.to_json())),
+  )
+
+
 class CheckpointReader:
-  """A run's checkpoints, read only: their steps, configs and parameters."""
+  """A run's checkpoints, read only: their steps, configs and parameters. Training's
+  writer (transformer/training/checkpoints.py) is this reader plus the saves."""
 
   def __init__(self, workdir: str, timeout_s: float):
     self.workdir, self.timeout_s = workdir, timeout_s
     self.directory = checkpoint_dir(workdir)
+    try:
+      # Orbax's manager reads every checkpoint's metadata as it starts, and waits for
+      # the other processes: bounded like any read, or a stalled bucket holds every host.
+      self._manager = storage.read_within(
+        timeout_s, f"the checkpoints in {self.directory}", self._open_manager
+      )
+    except storage.StorageTimeout as e:
+      raise CheckpointTimeout(str(e)) from None
+    except (ConfigError, CheckpointError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
+      raise CheckpointError(f"cannot read {self.directory}: {storage.error_text(e)}") from None
+
+  def _open_manager(self) -> ocp.CheckpointManager:
+    """The Orbax manager over `directory`, which must hold checkpoints already."""
     if not storage.is_dir(self.directory):
       raise ConfigError(f"{self.directory} holds no checkpoint")
     # Not Orbax's read_only option, which logs two warnings at every start: this manager
     # is never asked to save, and deletes nothing (no max_to_keep, no tmp clean-up).
     options = ocp.CheckpointManagerOptions(create=False)
-    try:
-      # Orbax's manager reads every checkpoint's metadata as it starts: bounded too.
-      self._manager = storage.read_within(
-        timeout_s,
-        f"the checkpoints in {self.directory}",
-        lambda: ocp.CheckpointManager(
-          storage.as_path(self.directory), options=options, item_names=ITEMS
-        ),
-      )
-    except storage.StorageTimeout as e:
-      raise CheckpointTimeout(str(e)) from None
-    except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
-      raise CheckpointError(f"cannot read {self.directory}: {storage.error_text(e)}") from None
+    return ocp.CheckpointManager(storage.as_path(self.directory), options=options, item_names=ITEMS)
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -148,6 +164,18 @@ class CheckpointReader:
       )
     except storage.StorageTimeout as e:
       raise CheckpointTimeout(str(e)) from None
+
+  def read_arrays(self, step: int, call: Callable[[ocp.CheckpointManager], Any]) -> Any:
+    """`read`, for a read of arrays: a tree or shape that does not fit this config's
+    model, or damaged files, is a one-line CheckpointError naming the checkpoint."""
+    try:
+      return self.read(step, call)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+      raise CheckpointError(
+        f"checkpoint {step} in {self.directory} cannot be loaded (a "
+        f"model other than this config's, or damaged files): "
+        f"{first_line(e, with_type=True)}"
+      ) from e
 
   def saved_config(self, step: int) -> dict:
     return self.read(
@@ -171,19 +199,50 @@ class CheckpointReader:
       restore_args=ocp.checkpoint_utils.construct_restore_args(item),
       partial_restore=True,
     )
-    try:
-      restored = self.read(step, lambda m: m.restore(step, args=ocp.args.Composite(state=restore)))
-    except (ValueError, KeyError, TypeError, OSError) as e:
-      # A tree or shape that does not fit this config's model, or damaged files.
-      raise CheckpointError(
-        f"checkpoint {step} in {self.directory} cannot be loaded (a "
-        f"model other than this config's, or damaged files): "
-        f"{first_line(e, with_type=True)}"
-      ) from e
+    restored = self.read_arrays(
+      step, lambda m: m.restore(step, args=ocp.args.Composite(state=restore))
+    )
     return restored["state"]["params"]
 
   def close(self) -> None:
     self._manager.close()
+
+
+def write_served(
+  workdir: str,
+  step: int,
+  params: Any,
+  iterator_state: dict,
+  config: ml_collections.ConfigDict,
+  timeout_s: float,
+) -> None:
+  """Writes checkpoint `step` of a run to serve, at once: its state is {step, params}, no
+  optimizer state (tools/average_checkpoints.py makes one), in the layout training
+  writes, so that every reader takes it as a run's. A one-line CheckpointError naming it
+  if it cannot be written; CheckpointTimeout if it has not been after `timeout_s`."""
+  directory = checkpoint_dir(workdir)
+  state = {"step": np.asarray(step, np.int32), "params": params}
+
+  def write() -> None:
+    storage.makedirs(directory)
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    manager = ocp.CheckpointManager(storage.as_path(directory), options=options, item_names=ITEMS)
+    try:
+      manager.save(step, args=save_args(state, iterator_state, config), force=True)
+      manager.wait_until_finished()
+    finally:
+      manager.close()
+
+  try:
+    done, _ = storage.call_within(timeout_s, write, name="checkpoint-write")
+  except Exception as e:  # pylint: disable=broad-except  (tf.errors.* are not OSError)
+    raise CheckpointError(
+      f"checkpoint {step} could not be written to {directory}: {first_line(e, with_type=True)}"
+    ) from None
+  if not done:
+    raise CheckpointTimeout(
+      storage.timeout_message(f"the checkpoint {storage.join(directory, str(step))}", timeout_s)
+    )
 
 
 # The running sum's steps, each compiled once per leaf shape; the sum's buffer is donated,

@@ -1,12 +1,13 @@
-"""The registry of searches (transformer/evaluation/searches.py): a search registered in
-one class reaches the commands' flags, their one-line checks and decoding, with no other
-file changed."""
+"""The searches the commands offer (transformer/model/decoding/offered.py): a search that is
+one class, declaring its options beside how it decodes, reaches the commands' flags, their
+one-line checks and decoding, with no other file changed."""
 
 import dataclasses
 import subprocess
 import sys
 
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -14,25 +15,27 @@ from tests.helpers.model_helpers import SOURCE, make_model
 from tests.helpers.processes import subprocess_env
 from tests.helpers.tiny_run import REPO
 from transformer.config import EOS_ID, PAD_ID, ConfigError
-from transformer.evaluation import searches, translate
+from transformer.evaluation import translate
 from transformer.model import decoding
+from transformer.model.decoding import offered
 
 
 @dataclasses.dataclass(frozen=True)
-class Repeat(searches.SearchKind):
+class Repeat(offered.Offered):
   """A toy search: the most likely first token, `repeats` times, then EOS."""
 
   name = "repeat"
   help = "the first token over and over"
   options = (
-    searches.Option(
+    offered.Option(
       "repeats", int, 2, "How often the first token comes.", lambda n: n >= 1, "must be >= 1"
     ),
   )
   repeats: int = 2
 
-  def build(self, config, values):
-    return Repeat(values["repeats"])
+  @classmethod
+  def from_options(cls, config, values):
+    return cls(values["repeats"])
 
   def run(self, model, params, prompts, rng):
     prompt_BxP = prompts.prompt_BxP
@@ -52,12 +55,12 @@ class Repeat(searches.SearchKind):
 
 
 def register_repeat():
-  searches.register(Repeat)
+  offered.register(Repeat)
 
 
 @pytest.fixture
 def with_repeat(monkeypatch):
-  monkeypatch.setattr(searches, "SEARCHES", dict(searches.SEARCHES))  # restored after
+  monkeypatch.setattr(offered, "SEARCHES", dict(offered.SEARCHES))  # restored after
   register_repeat()
 
 
@@ -65,7 +68,7 @@ def test_a_registered_search_is_offered_by_generate_py():
   """`generate.py translate --help` in a process that registered the toy search first."""
   program = (
     "import runpy, sys\n"
-    "from tests.test_evaluation_searches import register_repeat\n"
+    "from tests.test_model_decoding_offered import register_repeat\n"
     "register_repeat()\n"
     "sys.argv = ['generate.py', 'translate', '--help']\n"
     "runpy.run_path('generate.py', run_name='__main__')\n"
@@ -111,12 +114,12 @@ def test_an_option_declared_two_ways_or_a_name_taken_twice_is_refused(with_repea
   @dataclasses.dataclass(frozen=True)
   class Other(Repeat):
     name = "other"
-    options = (searches.Option("repeats", int, 5, "Another default."),)
+    options = (offered.Option("repeats", int, 5, "Another default."),)
 
   with pytest.raises(ValueError, match="--repeats of search 'other' differs"):
-    searches.register(Other)
+    offered.register(Other)
   with pytest.raises(ValueError, match="a search named 'repeat' is already registered"):
-    searches.register(Repeat)
+    offered.register(Repeat)
 
 
 def test_every_search_option_and_no_other_reaches_the_settings():
@@ -132,3 +135,20 @@ def test_every_search_option_and_no_other_reaches_the_settings():
     r"sample$",
   ):
     translate.SearchSettings("nucleus").check()
+
+
+def test_each_offered_search_is_its_decoding_class():
+  """One class per search: what --search names is the class that decodes, built from its
+  options (the config's beam size and alpha where none is given)."""
+  assert {
+    "beam": decoding.BeamSearch,
+    "greedy": decoding.Greedy,
+    "sample": decoding.Sampling,
+  } == offered.SEARCHES
+  config = ml_collections.ConfigDict({"beam_size": 6, "length_penalty_alpha": 0.3})
+  beam = translate.SearchSettings("beam", alpha=0.8)
+  assert beam.build(config) == decoding.BeamSearch(6, 0.8)
+  assert beam.record(config) == {"beam_size": 6, "alpha": 0.8}
+  sample = translate.SearchSettings("sample", temperature=0.5, top_p=0.9)
+  assert sample.build(config) == decoding.Sampling(0.5, 0, 0.9)
+  assert offered.continuing() == ["greedy", "sample"] and offered.drafting() == ["greedy", "sample"]

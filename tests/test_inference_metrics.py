@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from transformer import config as config_lib
-from transformer.run import metrics, scoring, sharding
+from transformer.inference import metrics, scoring, sharding
 from transformer.training import state
 
 VOCAB, ROWS, LENGTH = 24, 4, 6

@@ -1,8 +1,10 @@
 """Step metrics -> the numbers people read: summed on the host, averaged per token.
 
-Steps return sums over real (non-padding) target tokens (scoring.cross_entropy_sums), so
+Steps return sums over real (non-padding) target tokens (model/loss.py: cross_entropy_sums), so
 metrics of many batches, or of several microbatches, combine exactly by adding them
-before dividing by the total token count.
+before dividing by the total token count. `ValidationLoss` is the loss and perplexity
+of a model's parameters on the validation split: what training runs every
+eval_every_steps, below training so that evaluation can add to it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer.run import sharding
+from transformer import data
+from transformer.inference import scoring, sharding
+from transformer.inference.model_setup import ModelSetup
 
 
 def sum_metrics(pending: list[dict]) -> dict[str, float]:
@@ -52,3 +56,23 @@ def evaluate_loss(
     batch = {k: v for k, v in batch.items() if k != "index"}
     pending.append(p_eval_step(params, sharding.global_batch_from_whole(batch, mesh, rules)))
   return token_averages(sum_metrics(pending))
+
+
+class ValidationLoss:
+  """Loss and perplexity on the validation split, or on num_eval_batches of its batches
+  spread over all sentence lengths (the same ones at every evaluation).
+
+  Training's loop builds it as `ValidationLoss(config, model_setup, tokenizer)` and calls
+  it with the parameters every eval_every_steps; evaluation.validation.ValidationWithBleu
+  adds the BLEU of a beam-searched subset (what train.py runs).
+  """
+
+  def __init__(self, config, setup: ModelSetup, tokenizer):
+    self.config, self.setup, self.tokenizer = config, setup, tokenizer
+    self._eval_step = scoring.jit_eval_step(setup)
+    self._batches = data.make_eval_batches(
+      config, tokenizer, "validation", max_batches=config.num_eval_batches
+    )
+
+  def __call__(self, params) -> dict[str, Any]:
+    return evaluate_loss(self._eval_step, params, self._batches, self.setup.mesh, self.setup.rules)

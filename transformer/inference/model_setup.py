@@ -1,7 +1,7 @@
 """`setup(config)`: a config's model on its mesh, and its parameters' shapes and shardings.
 
 What every user of a model starts from, serving and training alike: nothing is allocated
-until parameters are initialized (training) or restored (`transformer.run.restore`).
+until parameters are initialized (training) or restored (`transformer.inference.restore`).
 Training's set-up (transformer/training/state.py) adds the optimizer and its state.
 """
 
@@ -17,9 +17,9 @@ import ml_collections
 from jax.sharding import Mesh
 
 from transformer.config import ConfigError
+from transformer.inference import sharding
 from transformer.model import ModelConfig, Transformer
 from transformer.model.draft import ShallowDraft, draft_decoder_config
-from transformer.run import sharding
 
 # What a run trains: the Transformer, or a shallow draft on a trained one's encoder.
 Model = Transformer | ShallowDraft

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tests.helpers.train_steps import assert_trees_close, run_steps, synthetic_batch, tiny_config
-from transformer.run import scoring, sharding
+from transformer.inference import sharding
+from transformer.model import loss
 from transformer.training import state, steps
 
 
@@ -27,7 +28,7 @@ def _inputs(weight_is_VxD, seed=0, batch=3, length=7, d_model=16, vocab=50):
 def _unfused(hidden, weight, weight_is_VxD, targets, eps):
   spec = "btd,vd->btv" if weight_is_VxD else "btd,dv->btv"
   logits = jnp.einsum(spec, hidden, weight, preferred_element_type=jnp.float32)
-  return scoring.cross_entropy_sums(logits, targets, eps)
+  return loss.cross_entropy_sums(logits, targets, eps)
 
 
 @pytest.mark.parametrize("weight_is_VxD", [True, False], ids=["tied", "untied"])
@@ -37,7 +38,7 @@ def _unfused(hidden, weight, weight_is_VxD, targets, eps):
 def test_fused_sums_and_gradients_equal_the_unfused(weight_is_VxD, eps, chunk_len):
   hidden, weight, targets = _inputs(weight_is_VxD)
   fused = functools.partial(
-    scoring.fused_cross_entropy_sums,
+    loss.fused_cross_entropy_sums,
     weight_is_VxD=weight_is_VxD,
     targets_BxT=targets,
     label_smoothing=eps,
@@ -67,7 +68,7 @@ def test_a_metric_is_not_differentiated_through_the_fused_loss():
   hidden, weight, targets = _inputs(True)
 
   def objective(h, scale):
-    sums = scoring.fused_cross_entropy_sums(h, weight, True, targets, 0.1, 3)
+    sums = loss.fused_cross_entropy_sums(h, weight, True, targets, 0.1, 3)
     return scale * sums["loss_sum"] + sums["ce_sum"] + sums["correct_sum"]
 
   one = jax.grad(objective)(hidden, 1.0)
