@@ -378,43 +378,31 @@ def _problems(relative: str, text: str) -> list[str]:
         slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
         if anchor not in slugs:
           problems.append(f"link {target}: no such heading")
-  # Modules and names in them.
-  for span in code:
-    for dotted in _DOTTED.findall(span):
-      if (
-        _PLACEHOLDER.search(dotted)
-        or dotted.split(".")[-1] in FILE_SUFFIXES
-        or dotted.endswith(tuple("." + s for s in FILE_SUFFIXES))
-      ):
-        continue
-      first = dotted.split(".")[0]
-      if dotted.startswith(CONFIG_PREFIXES) or first == "config":
-        key = dotted[len("config.") :] if first == "config" else dotted
-        if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
-          problems.append(f"config key {key}")
-      elif dotted.startswith(PYTHON_MODULES):
-        if not _resolves(dotted):
-          problems.append(f"module or name {dotted}")
-      elif first in _modules_by_basename() and not any(
-        _resolves(m + dotted[len(first) :]) for m in _modules_by_basename()[first]
-      ):
+  # Modules and names in them, in code; in the prose of docstrings and comments,
+  # `module.name` (a module of the package) or a config key is a reference when the name
+  # looks like code, with an underscore or a capital: decoding.set_positions and
+  # config.vocab_from are, tatoeba.org is not.
+  prose = [] if is_markdown else _DOTTED.findall(text)
+  prose = [d for d in prose if re.search(r"[_A-Z]", d.partition(".")[2])]
+  for dotted in [d for span in code for d in _DOTTED.findall(span)] + prose:
+    first, _, rest = dotted.partition(".")
+    if (
+      _PLACEHOLDER.search(dotted)
+      or dotted.split(".")[-1] in FILE_SUFFIXES
+      or dotted.endswith(tuple("." + s for s in FILE_SUFFIXES))
+    ):
+      continue
+    if dotted.startswith(CONFIG_PREFIXES) or first == "config":
+      key = rest if first == "config" else dotted
+      if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
+        problems.append(f"config key {key}")
+    elif dotted.startswith(PYTHON_MODULES):
+      if not _resolves(dotted):
         problems.append(f"module or name {dotted}")
-  # In the prose of docstrings and comments, `module.name` (a module of the package) or a
-  # config key is a reference when the name looks like code, with an underscore or a
-  # capital: decoding.set_positions and config.vocab_from are, tatoeba.org is not.
-  if not is_markdown:
-    for dotted in _DOTTED.findall(text):
-      first, _, rest = dotted.partition(".")
-      if not re.search(r"[_A-Z]", rest) or _PLACEHOLDER.search(rest):
-        continue
-      if dotted.startswith(CONFIG_PREFIXES) or first == "config":
-        key = rest if first == "config" else dotted
-        if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
-          problems.append(f"config key {key}")
-      elif first in _modules_by_basename() and not any(
-        _resolves(m + "." + rest) for m in _modules_by_basename()[first]
-      ):
-        problems.append(f"module or name {dotted}")
+    elif first in _modules_by_basename() and not any(
+      _resolves(m + "." + rest) for m in _modules_by_basename()[first]
+    ):
+      problems.append(f"module or name {dotted}")
   # Flags: checked against the command they follow, else against every command's flags.
   for span in code:
     words = span.split()
