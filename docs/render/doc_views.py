@@ -255,9 +255,7 @@ def _by_label(name: str, kind: str) -> dict[str, Record]:
   return {r["label"]: r for r in latest(records, key=lambda r: r["label"])}
 
 
-# bench/cpu.sh's labels: what each row is. Until cpu.sh ran with configs/wmt14.py
-# scanning its layers, the option rows were measured on the unscanned base
-# ("base-unscanned-X"); a record of today's label ("base-X") replaces them.
+# bench/cpu.sh's labels: what each row is (records of other labels are not shown).
 _CPU_STEP_ROWS = {
   "base": "wmt14 base (`configs/wmt14.py`, scanned layers)",
   "base-glibc_default": "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`",
@@ -265,9 +263,6 @@ _CPU_STEP_ROWS = {
   "base-unsafe_rbg": "wmt14 base, `dropout_rng_impl=unsafe_rbg`",
   "base-attention_xla": "wmt14 base, `model.attention_kernel=xla`",
   "base-remat_full": "wmt14 base, `model.remat=full`",
-  "base-unscanned-unsafe_rbg": "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
-  "base-unscanned-attention_xla": "wmt14 base, unscanned, `model.attention_kernel=xla`",
-  "base-unscanned-remat_full": "wmt14 base, unscanned, `model.remat=full`",
   "big": "wmt14 big, 4 x 64 tokens",
   "default": "default (Tatoeba), 16 x 64 tokens",
   "default-train-shape": "default, 17 x 64 tokens: the step `make train` runs",
@@ -283,10 +278,7 @@ def _median_of(record: Record, key: str) -> float | None:
 @view
 def cpu_train_step() -> str:
   by_label = _by_label("cpu", "train_step")
-  # An unscanned option row gives way to the scanned base's ("base-unscanned-X" to "base-X").
-  replaced = lambda label: label.replace("base-unscanned-", "base-") in set(by_label) - {label}
   shown = [by_label[label] for label in _CPU_STEP_ROWS if label in by_label]
-  shown = [r for r in shown if not replaced(r["label"])]
   cells = {
     "run": lambda r: _CPU_STEP_ROWS[r["label"]],
     "measured": lambda r: f"{r['date']}, {r['commit']}",
@@ -302,11 +294,11 @@ def cpu_train_step() -> str:
   return columns(shown, cells) + "\n\n" + source("cpu", shown)
 
 
-def _beam_search(b: Record, on: str, ms_digits: int, per_sec: str) -> str:
+def _beam_search(b: Record, on: str, ms_digits: int, per_sec: str, note: str = "") -> str:
   """A bench beam_search record in one sentence; per_sec formats its sentences/s."""
   return (
     f"Beam search on {on} (beam {b['beam_size']}, {b['sentences']} sentences, {b['steps']} "
-    f"output tokens each, with the cache{', untrained parameters' if on == b['label'] else ''}"
+    f"output tokens each, with the cache{note}"
     f"): {_ms(b['step_time_s'], ms_digits)} per step, {_thousands(b['tokens_per_sec'])} "
     f"output tokens/s, {format(b['sentences_per_sec'], per_sec)} sentences/s."
   )
@@ -527,7 +519,9 @@ def gpu_train_step() -> str:
     "peak GPU memory": lambda r: f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
     "compile": lambda r: f"{r['compile_s']:.0f} s",
   }
-  beam_lines = "".join(_beam_search(b, b["label"], 1, ".0f") + "\n\n" for b in beams)
+  beam_lines = "".join(
+    _beam_search(b, b["label"], 1, ".0f", ", untrained parameters") + "\n\n" for b in beams
+  )
   profiles = _v5e8_profiles()
   predicted = "; ".join(
     f"{_model(p)} {_thousands(p['rows'] * p['seq_len'] / p['profile']['step_s'] / p['chips'])}"
