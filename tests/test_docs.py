@@ -39,50 +39,31 @@ def _read(relative: str) -> str:
     return f.read()
 
 
+def _glob(*patterns: str) -> list[str]:
+  """The files of each pattern (relative to the root), sorted pattern by pattern."""
+  found = (sorted(glob.glob(os.path.join(ROOT, p), recursive=True)) for p in patterns)
+  return [os.path.relpath(path, ROOT) for paths in found for path in paths]
+
+
 def _markdown_files() -> list[str]:
-  return ["README.md"] + sorted(
-    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
-  )
+  return ["README.md", *_glob("docs/*.md")]
 
 
 def _python_files() -> list[str]:
-  found = list(ENTRY_POINTS)
-  for pattern in ("configs/**/*.py", "transformer/**/*.py", "docs/render/*.py"):
-    found += sorted(
-      os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
-    )
-  return found
+  return [*ENTRY_POINTS, *_glob("configs/**/*.py", "transformer/**/*.py", "docs/render/*.py")]
 
 
 def _docstrings(relative: str) -> str:
-  tree = ast.parse(_read(relative))
-  texts = []
-  for node in ast.walk(tree):
-    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-      text = ast.get_docstring(node, clean=False)
-      if text:
-        texts.append(text)
-  return "\n".join(texts)
+  kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+  nodes = [n for n in ast.walk(ast.parse(_read(relative))) if isinstance(n, kinds)]
+  return "\n".join(filter(None, (ast.get_docstring(n, clean=False) for n in nodes)))
 
 
 def _comments(relative: str) -> str:
-  """The comments of a Python file (its tokens) or of a TOML file (after a # outside quotes)."""
-  text = _read(relative)
-  if relative.endswith(".py"):
-    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
-    return "\n".join(t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT)
-  comments = []
-  for line in text.splitlines():
-    quote = None
-    for i, char in enumerate(line):
-      if quote:
-        quote = None if char == quote else quote
-      elif char in "\"'":
-        quote = char
-      elif char == "#":
-        comments.append(line[i + 1 :].strip())
-        break
-  return "\n".join(comments)
+  """The comments of a Python file, or of pyproject.toml (whose lines Python's tokenizer
+  reads as well: a # in a string is no comment)."""
+  tokens = tokenize.generate_tokens(io.StringIO(_read(relative)).readline)
+  return "\n".join(t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT)
 
 
 def _named_text(relative: str) -> str:
@@ -161,15 +142,9 @@ def _resolves(dotted: str) -> bool:
       return False
     node = names[rest[0]]
     if len(rest) > 1 and isinstance(node, ast.ClassDef):
-      members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-      members |= {
-        t.id
-        for n in node.body
-        if isinstance(n, ast.AnnAssign)
-        for t in [n.target]
-        if isinstance(t, ast.Name)
-      }
-      return rest[1] in members
+      members = {getattr(n, "name", None) for n in node.body}  # methods, nested classes
+      fields = [n.target for n in node.body if isinstance(n, ast.AnnAssign)]
+      return rest[1] in members | {t.id for t in fields if isinstance(t, ast.Name)}
     return True
   return False
 
@@ -207,15 +182,9 @@ def _flags_of(entry: str) -> frozenset:
     names |= set(_DEFINE.findall(text)) | set(_ARGPARSE.findall(text))
     names |= set(_SEARCH_OPTION.findall(text))
     for package, imported, module in _IMPORT.findall(text):
-      candidates = (
-        [module]
-        if module
-        else [package] + [f"{package}.{name.strip()}" for name in imported.split(",")]
-      )
-      for candidate in candidates:
-        found = _module_path(candidate)
-        if found:
-          pending.append(found)
+      names_imported = [f"{package}.{name.strip()}" for name in imported.split(",")]
+      candidates = [module] if module else [package, *names_imported]
+      pending += filter(None, map(_module_path, candidates))
   return frozenset(names)
 
 
@@ -305,26 +274,18 @@ def _code(text: str, is_markdown: bool) -> list[str]:
 
 
 def _file_exists(path: str, relative: str) -> bool:
-  """A repository path, or one relative to the package or to the naming file's folder."""
-  return any(
-    os.path.exists(os.path.join(base, path))
-    for base in (
-      ROOT,
-      os.path.join(ROOT, "transformer"),
-      os.path.join(ROOT, os.path.dirname(relative)),
-    )
-  )
+  """A repository path, or one relative to the package, docs/ or the naming file's folder."""
+  bases = ("", "transformer", "docs", os.path.dirname(relative))
+  return any(os.path.exists(os.path.join(ROOT, base, path)) for base in bases)
 
 
 @functools.cache
 def _repository_basenames() -> frozenset:
   """The names of the repository's files (not those the commands write)."""
-  names = set()
-  for top in ("transformer", "configs", "tests", "bench", "docs", "data"):
-    names |= {
-      os.path.basename(p) for p in glob.glob(os.path.join(ROOT, top, "**", "*"), recursive=True)
-    }
-  return frozenset(names | set(ENTRY_POINTS))
+  tops = ("transformer", "configs", "tests", "bench", "docs", "data")
+  return frozenset(map(os.path.basename, _glob(*(f"{top}/**/*" for top in tops)))) | set(
+    ENTRY_POINTS
+  )
 
 
 def _problems(relative: str, text: str) -> list[str]:
@@ -344,20 +305,11 @@ def _problems(relative: str, text: str) -> list[str]:
         or path.startswith(GENERATED)
       ):
         continue
-      if path.startswith(TOP_LEVEL) or path in (*ENTRY_POINTS, "README.md", "pyproject.toml"):
+      named = path.startswith(TOP_LEVEL) or path in (*ENTRY_POINTS, "pyproject.toml")
+      if named or "/" not in path and path.endswith(".md"):
         if not _file_exists(path, relative):
           problems.append(f"file {path}")
-      elif (
-        "/" not in path
-        and path.endswith(".py")
-        and path not in basenames
-        or "/" not in path
-        and path.endswith(".md")
-        and not any(
-          os.path.exists(os.path.join(ROOT, base, path))
-          for base in ("", "docs", os.path.dirname(relative))
-        )
-      ):
+      elif "/" not in path and path.endswith(".py") and path not in basenames:
         problems.append(f"file {path}")
   # Links.
   if is_markdown:
@@ -378,43 +330,31 @@ def _problems(relative: str, text: str) -> list[str]:
         slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
         if anchor not in slugs:
           problems.append(f"link {target}: no such heading")
-  # Modules and names in them.
-  for span in code:
-    for dotted in _DOTTED.findall(span):
-      if (
-        _PLACEHOLDER.search(dotted)
-        or dotted.split(".")[-1] in FILE_SUFFIXES
-        or dotted.endswith(tuple("." + s for s in FILE_SUFFIXES))
-      ):
-        continue
-      first = dotted.split(".")[0]
-      if dotted.startswith(CONFIG_PREFIXES) or first == "config":
-        key = dotted[len("config.") :] if first == "config" else dotted
-        if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
-          problems.append(f"config key {key}")
-      elif dotted.startswith(PYTHON_MODULES):
-        if not _resolves(dotted):
-          problems.append(f"module or name {dotted}")
-      elif first in _modules_by_basename() and not any(
-        _resolves(m + dotted[len(first) :]) for m in _modules_by_basename()[first]
-      ):
+  # Modules and names in them, in code; in the prose of docstrings and comments,
+  # `module.name` (a module of the package) or a config key is a reference when the name
+  # looks like code, with an underscore or a capital: decoding.set_positions and
+  # config.vocab_from are, tatoeba.org is not.
+  prose = [] if is_markdown else _DOTTED.findall(text)
+  prose = [d for d in prose if re.search(r"[_A-Z]", d.partition(".")[2])]
+  for dotted in [d for span in code for d in _DOTTED.findall(span)] + prose:
+    first, _, rest = dotted.partition(".")
+    if (
+      _PLACEHOLDER.search(dotted)
+      or dotted.split(".")[-1] in FILE_SUFFIXES
+      or dotted.endswith(tuple("." + s for s in FILE_SUFFIXES))
+    ):
+      continue
+    if dotted.startswith(CONFIG_PREFIXES) or first == "config":
+      key = rest if first == "config" else dotted
+      if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
+        problems.append(f"config key {key}")
+    elif dotted.startswith(PYTHON_MODULES):
+      if not _resolves(dotted):
         problems.append(f"module or name {dotted}")
-  # In the prose of docstrings and comments, `module.name` (a module of the package) or a
-  # config key is a reference when the name looks like code, with an underscore or a
-  # capital: decoding.set_positions and config.vocab_from are, tatoeba.org is not.
-  if not is_markdown:
-    for dotted in _DOTTED.findall(text):
-      first, _, rest = dotted.partition(".")
-      if not re.search(r"[_A-Z]", rest) or _PLACEHOLDER.search(rest):
-        continue
-      if dotted.startswith(CONFIG_PREFIXES) or first == "config":
-        key = rest if first == "config" else dotted
-        if not (_config_key_exists(key) or _resolves("transformer." + dotted)):
-          problems.append(f"config key {key}")
-      elif first in _modules_by_basename() and not any(
-        _resolves(m + "." + rest) for m in _modules_by_basename()[first]
-      ):
-        problems.append(f"module or name {dotted}")
+    elif first in _modules_by_basename() and not any(
+      _resolves(m + "." + rest) for m in _modules_by_basename()[first]
+    ):
+      problems.append(f"module or name {dotted}")
   # Flags: checked against the command they follow, else against every command's flags.
   for span in code:
     words = span.split()

@@ -30,20 +30,13 @@ def test_every_view_is_used_and_every_region_names_a_view():
   assert used == set(doc_views.views())
 
 
-def test_every_record_shown_as_current_is_of_its_producers_version():
-  assert record_sources.outdated() == [], "rerun these records' commands and append"
-
-
-def test_every_shown_record_has_its_provenance_and_a_version():
+def test_every_shown_record_has_its_provenance_and_version_and_current_ones_their_producers():
   for view in doc_views.views().values():
     for name, record, _ in doc_views.shown(view):
       assert all(record.get(k) for k in doc_views.PROVENANCE_KEYS), (name, record)
       assert isinstance(record.get("record_version"), int), (name, record)
-
-
-def test_every_producer_declares_its_version():
-  for name in record_sources.PRODUCERS:
-    assert record_sources.producer_version(name) >= 1
+  assert record_sources.outdated() == [], "rerun these records' commands and append"
+  assert all(record_sources.producer_version(name) >= 1 for name in record_sources.PRODUCERS)
 
 
 # What a producer computes, keyed by its RECORD_VERSION: a change to the output without a
@@ -172,13 +165,9 @@ def test_a_record_without_provenance_is_named_with_its_line(tmp_path):
 def test_record_appends_what_a_command_prints_with_its_version_and_provenance(tmp_path):
   out = tmp_path / "memory.jsonl"  # a record file of tools.memory's
   program = 'print(\'compiling...\'); print(\'{"name": "train_step", "step_time_s": 0.5}\')'
-  result = subprocess.run(
-    [sys.executable, "-m", "docs.render.render_docs", "--record", str(out)]
-    + ["--machine", "a test machine", "--", sys.executable, "-c", program],
-    capture_output=True,
-    text=True,
-    cwd=render_docs.REPO_ROOT,
-  )
+  argv = ["--record", str(out), "--machine", "a test machine", "--", sys.executable, "-c", program]
+  command = [sys.executable, "-m", "docs.render.render_docs", *argv]
+  result = subprocess.run(command, capture_output=True, text=True, cwd=render_docs.REPO_ROOT)
   assert result.returncode == 0, result.stderr
   (record,) = [json.loads(line) for line in out.read_text().splitlines()]
   assert record["name"] == "train_step" and record["step_time_s"] == 0.5

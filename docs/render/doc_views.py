@@ -3,7 +3,8 @@
 A view is a function decorated with @view, named in a region of README, docs/ or a
 config's docstring (`<!-- results:NAME -->`, see render_docs.py). It reads its records,
 keeps the newest record of each fact, and ends with where the figures came from
-(`source`): the record file, the machine, the date, the commit and the command.
+(`source`): the record file, the machine, the date, the commit and the command. The
+prose around a table lives in the page, outside the region; a view renders figures.
 """
 
 from __future__ import annotations
@@ -63,10 +64,7 @@ def read_records(name: str, results_dir: str | None = None) -> list[Record]:
 def latest(records: Iterable[Record], key: Callable[[Record], Any]) -> list[Record]:
   """The newest record of each fact (records with equal key(record)), in the order the
   facts first appear."""
-  by_key: dict[Any, Record] = {}
-  for record in records:
-    by_key[key(record)] = record  # a dict keeps the key's first position
-  return list(by_key.values())
+  return list({key(r): r for r in records}.values())  # a dict keeps a key's first position
 
 
 def one_sitting(records: list[Record]) -> list[Record]:
@@ -77,8 +75,8 @@ def one_sitting(records: list[Record]) -> list[Record]:
   return [r for r in records if commit(r) == commit(records[-1])]
 
 
-# (record file, record, shown as dated history) for each record the view being rendered
-# by shown() names; None outside shown().
+# (record file, record, shown as dated history) per record the view that shown() renders
+# names; None outside shown().
 _shown: list[tuple[str, Record, bool]] | None = None
 
 
@@ -104,20 +102,16 @@ def cite(name: str, records: Sequence[Record], history: bool = False) -> None:
 def source(name: str, records: Sequence[Record], history: bool = False) -> str:
   """One line: the record file, and each distinct machine, date, commit and command."""
   cite(name, records, history)
-
-  def distinct(key: str) -> list[str]:
-    return list(dict.fromkeys(str(r[key]) for r in records))
-
+  distinct = lambda key: list(dict.fromkeys(str(r[key]) for r in records))
+  commands = distinct("command")
   parts = [f"`docs/results/{name}.jsonl`", "; ".join(distinct("machine"))]
   parts += [", ".join(distinct("date")), "commit " + ", ".join(distinct("commit"))]
-  commands = distinct("command")
   parts.append(f"`{commands[0]}`" if len(commands) == 1 else "each row's command is in its record")
   quoted: dict[str, list[str]] = {}  # a page -> its commits ("PAGE at COMMIT (...)")
-  for r in records:
-    if "source" in r:
-      where, _, commit = r["source"].split(" (")[0].partition(" at ")
-      quoted.setdefault(where, [])
-      quoted[where] += [] if commit in quoted[where] else [commit]
+  for r in (r for r in records if "source" in r):
+    where, _, commit = r["source"].split(" (")[0].partition(" at ")
+    quoted.setdefault(where, [])
+    quoted[where] += [] if commit in quoted[where] else [commit]
   if quoted:
     pages = "; ".join(f"{where} at {', '.join(commits)}" for where, commits in quoted.items())
     parts.append("figures first quoted in " + pages)
@@ -157,8 +151,9 @@ def _minutes(seconds: float) -> str:
   return f"{int(seconds // 60)}m{int(round(seconds % 60)):02d}s"
 
 
-def _runs(values: Sequence[float], fmt: Callable[[float], str], unit: str = "") -> str:
-  """'median (run, run, run) unit'."""
+def _runs(values: Sequence[float], fmt: Callable[[float], str] | str, unit: str = "") -> str:
+  """'median (run, run, run) unit'; fmt a function or a format spec ('.2f')."""
+  fmt = fmt if callable(fmt) else (lambda v, spec=fmt: format(v, spec))
   runs = ", ".join(fmt(v) for v in values)
   return f"{fmt(statistics.median(values))} ({runs}){' ' + unit if unit else ''}"
 
@@ -169,8 +164,12 @@ def _scientific(value: float) -> str:
   return f"{mantissa}e{int(exponent)}"
 
 
-def _optional(value: float | None, fmt: Callable[[float], str]) -> str:
-  return "" if value is None else fmt(value)
+def _optional(value: float | None, fmt: Callable[[float], str] | str) -> str:
+  return "" if value is None else fmt(value) if callable(fmt) else format(value, fmt)
+
+
+def _median(records: Iterable[Record], key: str) -> float:
+  return statistics.median(r[key] for r in records)
 
 
 # README and configs/default.py: what `make train` and `make test` reach.
@@ -180,12 +179,13 @@ def _optional(value: float | None, fmt: Callable[[float], str]) -> str:
 def make_train() -> str:
   r = read_records("make_train")[-1]
   low, high = r["tokens_per_sec_windows"]
-  tokens_per_step = _thousands(round(r["tokens_per_sec"] / r["steps_per_sec"], -2))
+  per_step = _thousands(round(r["tokens_per_sec"] / r["steps_per_sec"], -2))
+  split = f"{r['split']} split"
   rows = [
     (
       "time (install done, vocabulary cached)",
       f"{_minutes(r['wall_time_s'])}, of which training {_minutes(r['train_time_s'])} "
-      f"({r['num_train_steps']:,} steps of about {tokens_per_step} real target tokens)",
+      f"({r['num_train_steps']:,} steps of about {per_step} real target tokens)",
     ),
     (
       "training throughput (median logged window)",
@@ -193,21 +193,19 @@ def make_train() -> str:
       f"{_thousands(high)}), MFU {_percent(r['mfu'])}, HFU {_percent(r['hfu'])}",
     ),
     (
-      f"{r['split']} split ({r['num_sentences']:,} sentences), beam {r['beam_size']}, "
-      f"alpha {r['alpha']}",
+      f"{split} ({r['num_sentences']:,} sentences), beam {r['beam_size']}, alpha {r['alpha']}",
       f"**sacreBLEU {r['bleu']:.2f}**, tokenized BLEU {r['bleu_tok']:.2f}, chrF {r['chrf']:.2f}",
     ),
-    (f"{r['split']} split perplexity (unsmoothed)", f"{r['ppl']:.2f}"),
+    (f"{split} perplexity (unsmoothed)", f"{r['ppl']:.2f}"),
   ]
   if "validation_ppl" in r:  # the run's last validation, in records made by --from_workdir
     rows.append(("validation perplexity, last step (unsmoothed)", f"{r['validation_ppl']:.2f}"))
   rows.append(
     ("test decoding speed (compiles included)", f"{r['sentences_per_sec']:.1f} sentences/s")
   )
-  last_line = f"sacreBLEU {r['bleu']:.2f}  {r['bleu_signature']}"
   return (
-    table(("`make train`", "result"), rows)
-    + f"\n\nIts last line: `{last_line}`\n\n"
+    table("`make train`|result", rows)
+    + f"\n\nIts last line: `sacreBLEU {r['bleu']:.2f}  {r['bleu_signature']}`\n\n"
     + source("make_train", [r])
   )
 
@@ -257,9 +255,7 @@ def _by_label(name: str, kind: str) -> dict[str, Record]:
   return {r["label"]: r for r in latest(records, key=lambda r: r["label"])}
 
 
-# bench/cpu.sh's labels: what each row is. Until cpu.sh ran with configs/wmt14.py
-# scanning its layers, the option rows were measured on the unscanned base
-# ("base-unscanned-X"); a record of today's label ("base-X") replaces them.
+# bench/cpu.sh's labels: what each row is (records of other labels are not shown).
 _CPU_STEP_ROWS = {
   "base": "wmt14 base (`configs/wmt14.py`, scanned layers)",
   "base-glibc_default": "... with `TRANSFORMER_RETAIN_FREED_MEMORY=0`",
@@ -267,9 +263,6 @@ _CPU_STEP_ROWS = {
   "base-unsafe_rbg": "wmt14 base, `dropout_rng_impl=unsafe_rbg`",
   "base-attention_xla": "wmt14 base, `model.attention_kernel=xla`",
   "base-remat_full": "wmt14 base, `model.remat=full`",
-  "base-unscanned-unsafe_rbg": "wmt14 base, unscanned, `dropout_rng_impl=unsafe_rbg`",
-  "base-unscanned-attention_xla": "wmt14 base, unscanned, `model.attention_kernel=xla`",
-  "base-unscanned-remat_full": "wmt14 base, unscanned, `model.remat=full`",
   "big": "wmt14 big, 4 x 64 tokens",
   "default": "default (Tatoeba), 16 x 64 tokens",
   "default-train-shape": "default, 17 x 64 tokens: the step `make train` runs",
@@ -278,43 +271,43 @@ _CPU_STEP_ROWS = {
 
 def _median_of(record: Record, key: str) -> float | None:
   """A record's figure, or the median of its runs (`KEY_runs`), or None."""
-  if record.get(key) is not None:
-    return record[key]
   runs = record.get(key + "_runs")
-  return statistics.median(runs) if runs else None
+  return record[key] if record.get(key) is not None else statistics.median(runs) if runs else None
 
 
 @view
 def cpu_train_step() -> str:
   by_label = _by_label("cpu", "train_step")
-  # An unscanned option row gives way to the scanned base's ("base-unscanned-X" to "base-X").
-  replaced = lambda label: label.replace("base-unscanned-", "base-") in set(by_label) - {label}
-  shown = [(w, by_label[label]) for label, w in _CPU_STEP_ROWS.items() if label in by_label]
-  shown = [(w, r) for w, r in shown if not replaced(r["label"])]
+  shown = [by_label[label] for label in _CPU_STEP_ROWS if label in by_label]
   cells = {
-    "run": lambda s: s[0],
-    "measured": lambda s: f"{s[1]['date']}, {s[1]['commit']}",
-    "compile": lambda s: _optional(s[1].get("compile_s"), lambda v: f"{v:.1f} s"),
-    "step (median)": lambda s: _optional(_median_of(s[1], "step_time_s"), lambda v: _ms(v, 0)),
-    "target tokens/s": lambda s: _optional(_median_of(s[1], "tokens_per_sec"), _thousands),
-    "MFU": lambda s: _optional(s[1].get("mfu"), _percent),
-    "peak in that run": lambda s: _optional(
-      s[1].get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"
+    "run": lambda r: _CPU_STEP_ROWS[r["label"]],
+    "measured": lambda r: f"{r['date']}, {r['commit']}",
+    "compile": lambda r: _optional(r.get("compile_s"), lambda v: f"{v:.1f} s"),
+    "step (median)": lambda r: _optional(_median_of(r, "step_time_s"), lambda v: _ms(v, 0)),
+    "target tokens/s": lambda r: _optional(_median_of(r, "tokens_per_sec"), _thousands),
+    "MFU": lambda r: _optional(r.get("mfu"), _percent),
+    "peak in that run": lambda r: _optional(
+      r.get("peak_flops_per_sec"), lambda v: f"{v / 1e9:.1f} GFLOP/s"
     ),
-    "freed host memory": lambda s: "kept" if s[1]["host_memory_retained"] else "returned",
+    "freed host memory": lambda r: "kept" if r["host_memory_retained"] else "returned",
   }
-  return columns(shown, cells) + "\n\n" + source("cpu", [r for _, r in shown])
+  return columns(shown, cells) + "\n\n" + source("cpu", shown)
+
+
+def _beam_search(b: Record, on: str, ms_digits: int, per_sec: str, note: str = "") -> str:
+  """A bench beam_search record in one sentence; per_sec formats its sentences/s."""
+  return (
+    f"Beam search on {on} (beam {b['beam_size']}, {b['sentences']} sentences, {b['steps']} "
+    f"output tokens each, with the cache{note}"
+    f"): {_ms(b['step_time_s'], ms_digits)} per step, {_thousands(b['tokens_per_sec'])} "
+    f"output tokens/s, {format(b['sentences_per_sec'], per_sec)} sentences/s."
+  )
 
 
 @view
 def cpu_default_beam_search() -> str:
   beam = _by_label("cpu", "beam_search")["default"]
-  return (
-    f"Beam search on the default model (beam {beam['beam_size']}, {beam['sentences']} "
-    f"sentences, {beam['steps']} output tokens each, with the cache): "
-    f"{_ms(beam['step_time_s'], 0)} per step, {_thousands(beam['tokens_per_sec'])} "
-    f"output tokens/s, {beam['sentences_per_sec']:.1f} sentences/s.\n\n" + source("cpu", [beam])
-  )
+  return _beam_search(beam, "the default model", 0, ".1f") + "\n\n" + source("cpu", [beam])
 
 
 @view
@@ -331,6 +324,10 @@ def compile_depth() -> str:
   )
 
 
+_KEPT = "kept (the default on CPU)"
+_RETURNED = "returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)"
+
+
 @view
 def host_memory() -> str:
   """The base step with freed memory kept and returned: every run of each label at the
@@ -341,33 +338,26 @@ def host_memory() -> str:
     for label in ("base", "base-glibc_default")
   )
 
-  def median(chosen: list[Record], key: str) -> float:
-    return statistics.median(r[key] for r in chosen)
-
   def row(what: str, chosen: list[Record]) -> tuple:
-    kernel_s = [f"{r['host_kernel_s_per_step']:.2f}" for r in chosen]
-    low, high = min(kernel_s, key=float), max(kernel_s, key=float)
+    kernel_s = sorted((f"{r['host_kernel_s_per_step']:.2f}" for r in chosen), key=float)
     return (
       what,
       _runs([r["step_time_s"] for r in chosen], lambda s: _thousands(1e3 * s), "ms"),
       _runs([r["tokens_per_sec"] for r in chosen], _thousands),
-      _thousands(median(chosen, "host_page_faults_per_step")),
-      f"{low} s" if low == high else f"{low} to {high} s",
-      f"{median(chosen, 'peak_rss_bytes') / 1e9:.2f} GB",
+      _thousands(_median(chosen, "host_page_faults_per_step")),
+      f"{kernel_s[0]} s" if kernel_s[0] == kernel_s[-1] else f"{kernel_s[0]} to {kernel_s[-1]} s",
+      f"{_median(chosen, 'peak_rss_bytes') / 1e9:.2f} GB",
     )
 
-  gain = 1 - median(kept, "step_time_s") / median(returned, "step_time_s")
-  memory = median(kept, "peak_rss_bytes") / median(returned, "peak_rss_bytes")
+  gain = 1 - _median(kept, "step_time_s") / _median(returned, "step_time_s")
+  memory = _median(kept, "peak_rss_bytes") / _median(returned, "peak_rss_bytes")
   headers = (
     "freed memory|step: median (each run)|target tokens/s|host page faults per step (median)"
     "|kernel time per step|peak resident memory (median)"
   )
-  rows = [
-    row("kept (the default on CPU)", kept),
-    row("returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)", returned),
-  ]
   return (
-    table(headers, rows) + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
+    table(headers, [row(_KEPT, kept), row(_RETURNED, returned)])
+    + f"\n\nKept, the step takes {100 * gain:.0f}% less time, for "
     f"{100 * (memory - 1):.0f}% more peak resident memory.\n\n" + source("cpu", kept + returned)
   )
 
@@ -376,13 +366,14 @@ def host_memory() -> str:
 def host_memory_input_pipeline() -> str:
   pipelines = _by_label("host_memory", "input_pipeline")
   kept, returned = pipelines["default-retain_freed_memory"], pipelines["default-glibc_default"]
-  kept_median = statistics.median(kept["tokens_per_sec_runs"])
-  returned_median = statistics.median(returned["tokens_per_sec_runs"])
+  less = 1 - statistics.median(kept["tokens_per_sec_runs"]) / statistics.median(
+    returned["tokens_per_sec_runs"]
+  )
   return (
     f"The default's input pipeline delivered {_runs(kept['tokens_per_sec_runs'], _thousands)}"
     f" tokens/s with the options and {_runs(returned['tokens_per_sec_runs'], _thousands)} "
-    f"without: {100 * (1 - kept_median / returned_median):.0f}% less with the single "
-    "arena.\n\n" + source("host_memory", [kept, returned])
+    f"without: {100 * less:.0f}% less with the single arena.\n\n"
+    + source("host_memory", [kept, returned])
   )
 
 
@@ -391,21 +382,14 @@ def train_loop() -> str:
   records = one_sitting([r for r in read_records("host_memory") if r["name"] == "train_loop"])
   rows = []
   for label, what in (
-    ("default-train_loop", "kept (the default on CPU)"),
-    ("default-train_loop-glibc_default", "returned (`TRANSFORMER_RETAIN_FREED_MEMORY=0`)"),
+    ("default-train_loop", _KEPT),
+    ("default-train_loop-glibc_default", _RETURNED),
   ):
     runs = [r for r in records if r["label"] == label]
     ratios = sorted(r["efficiency"] for r in runs)
-    rows.append(
-      (
-        what,
-        len(runs),
-        f"{statistics.median(r['loop_steps_per_sec'] for r in runs):.2f}",
-        f"{statistics.median(r['bare_steps_per_sec'] for r in runs):.2f}",
-        f"{100 * statistics.median(ratios):.0f}% ({100 * ratios[0]:.0f}% to "
-        f"{100 * ratios[-1]:.0f}%)",
-      )
-    )
+    loop, bare = _median(runs, "loop_steps_per_sec"), _median(runs, "bare_steps_per_sec")
+    ratio = f"{_median(runs, 'efficiency'):.0%} ({ratios[0]:.0%} to {ratios[-1]:.0%})"
+    rows.append((what, len(runs), f"{loop:.2f}", f"{bare:.2f}", ratio))
   headers = (
     "freed host memory|runs|loop, steps/s (median)|bare step, steps/s (median)"
     "|loop / bare: median (range)"
@@ -419,28 +403,27 @@ def restore_memory() -> str:
   parameters alone against whole train states, the newest sitting's processes."""
   sitting = one_sitting(read_records("restore_memory"))
   records = [r for r in sitting if r["num_params"] == sitting[-1]["num_params"]]
-  gib = 2**30
-  by_way: dict[str, list[Record]] = {}
-  for r in records:
-    by_way.setdefault(r["way"], []).append(r)
-  names = {
+  ways = {
     "params_only": "parameters only, part by part, into one running sum (today)",
     "full_state": "whole train states, moments thrown away (before)",
   }
-  rows = [
-    (
-      names[way],
-      _runs([r["held_by_restore_bytes"] / gib for r in runs], lambda v: f"{v:.2f}", "GiB"),
-      _runs([r["peak_rss_bytes"] / gib for r in runs], lambda v: f"{v:.2f}", "GiB"),
-      _runs([r["restore_s"] for r in runs], lambda v: f"{v:.1f}", "s"),
+  rows = []
+  for way in dict.fromkeys(r["way"] for r in records):
+    runs = [r for r in records if r["way"] == way]
+    gib = lambda key, runs=runs: _runs([r[key] / 2**30 for r in runs], ".2f", "GiB")
+    rows.append(
+      (
+        ways[way],
+        gib("held_by_restore_bytes"),
+        gib("peak_rss_bytes"),
+        _runs([r["restore_s"] for r in runs], ".1f", "s"),
+      )
     )
-    for way, runs in by_way.items()
-  ]
-  first = records[0]
+  r = records[0]
   return (
-    f"The mean of {first['average_last']} checkpoints of a {first['num_params'] / 1e6:,.1f}M-"
-    f"parameter model (parameters {first['params_bytes'] / gib:.2f} GiB, train state "
-    f"{first['state_bytes'] / gib:.2f} GiB, float32), each way in a fresh process:\n\n"
+    f"The mean of {r['average_last']} checkpoints of a {r['num_params'] / 1e6:,.1f}M-"
+    f"parameter model (parameters {r['params_bytes'] / 2**30:.2f} GiB, train state "
+    f"{r['state_bytes'] / 2**30:.2f} GiB, float32), each way in a fresh process:\n\n"
     + table("restore|held by the restore at its peak|peak resident|time", rows)
     + "\n\n"
     + source("restore_memory", records)
@@ -454,20 +437,13 @@ def checkpoint_saves() -> str:
   models: dict[int, Record] = {}
   for r in one_sitting(read_records("restore_memory")):
     models.setdefault(r["num_params"], r)  # the same checkpoints for both ways
-  rows = [
-    (
-      f"{r['num_params'] / 1e6:,.1f}M",
-      f"{r['state_bytes'] / 2**30:.2f}",
-      _runs(r["save_s"], lambda v: f"{v:.1f}", "s"),
-      f"{r['state_bytes'] / statistics.median(r['save_s']) / 1e6:,.0f}",
-    )
-    for r in models.values()
-  ]
-  return (
-    table("parameters|train state (GiB)|one save: median (each)|MB/s", rows)
-    + "\n\n"
-    + source("restore_memory", list(models.values()))
-  )
+  cells = {
+    "parameters": lambda r: f"{r['num_params'] / 1e6:,.1f}M",
+    "train state (GiB)": lambda r: f"{r['state_bytes'] / 2**30:.2f}",
+    "one save: median (each)": lambda r: _runs(r["save_s"], ".1f", "s"),
+    "MB/s": lambda r: f"{r['state_bytes'] / statistics.median(r['save_s']) / 1e6:,.0f}",
+  }
+  return columns(models.values(), cells) + "\n\n" + source("restore_memory", list(models.values()))
 
 
 @view
@@ -489,19 +465,18 @@ def memory_per_mesh() -> str:
 def _side_by_side(kind: str) -> str:
   records = [r for r in read_records("flax_side_by_side") if r["kind"] == kind]
   chosen = [r for r in records if r["sitting"] == max(r["sitting"] for r in records)]
-  fmt = _thousands if kind == "train_step" else (lambda v: f"{v:.2f}")
+  fmt = _thousands if kind == "train_step" else ".2f"
   rows = []
   for r in chosen:
-    ours, flax = statistics.median(r["project_runs"]), statistics.median(r["flax_runs"])
-    row = [f"{r['layers']}", _runs(r["project_runs"], fmt), _runs(r["flax_runs"], fmt)]
-    row.append(f"**{ours / flax:.2f}x**")
+    ours = statistics.median(r["project_runs"])
+    row = [r["layers"], _runs(r["project_runs"], fmt), _runs(r["flax_runs"], fmt)]
+    row.append(f"**{ours / statistics.median(r['flax_runs']):.2f}x**")
     if "flax_same_glibc_runs" in r:
       same = statistics.median(r["flax_same_glibc_runs"])
       row += [_runs(r["flax_same_glibc_runs"], fmt), f"{ours / same:.2f}x"]
     rows.append(row)
   headers = ["layers", f"this project, {chosen[0]['unit']}", "Flax example", "ratio"]
-  if len(rows[0]) > len(headers):
-    headers += ["Flax example, same glibc options", "ratio"]
+  headers += ["Flax example, same glibc options", "ratio"] if len(rows[0]) > 4 else []
   return table(headers, rows) + "\n\n" + source("flax_side_by_side", chosen)
 
 
@@ -513,6 +488,60 @@ def flax_train_step() -> str:
 @view
 def flax_beam_search() -> str:
   return _side_by_side("beam_search")
+
+
+# bench/gpu.sh's labels: what each row changes from the WMT config as it is.
+_GPU_ROWS = {
+  "base": "base, the config (`auto`)",
+  "big": "big, the config (`auto`)",
+  "base-f32": "base, `model.dtype=float32`",
+  "big-f32": "big, `model.dtype=float32`",
+  "base-bf16-einsum": "base, bf16, `model.attention_kernel=einsum`",
+  "big-bf16-einsum": "big, bf16, `model.attention_kernel=einsum`",
+  "big-noremat": "big, the config, `model.remat=none`",
+}
+
+
+@view
+def gpu_train_step() -> str:
+  """bench/gpu.sh's newest sitting: the WMT steps on one GPU at the paper's batch, with
+  the TPU prediction for the same configs beside them."""
+  sitting = one_sitting(read_records("gpu"))
+  steps = [r for r in sitting if r["name"] == "train_step"]
+  beams = [r for r in sitting if r["name"] == "beam_search"]
+  peak = {r["label"]: r for r in sitting if r["name"] == "peak"}[steps[0]["label"]]
+  cells = {
+    "run": lambda r: _GPU_ROWS.get(r["label"], r["label"]),
+    "dtype, attention": lambda r: f"{r['dtype']}, {r['attention_kernel']}",
+    "step (median)": lambda r: _ms(r["step_time_s"]),
+    "target tokens/s": lambda r: _thousands(r["tokens_per_sec"]),
+    "MFU": lambda r: _percent(r["mfu"]),
+    "peak GPU memory": lambda r: f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
+    "compile": lambda r: f"{r['compile_s']:.0f} s",
+  }
+  beam_lines = "".join(
+    _beam_search(b, b["label"], 1, ".0f", ", untrained parameters") + "\n\n" for b in beams
+  )
+  profiles = _v5e8_profiles()
+  predicted = "; ".join(
+    f"{_model(p)} {_thousands(p['rows'] * p['seq_len'] / p['profile']['step_s'] / p['chips'])}"
+    f" target tokens/s per chip ({p['profile']['mfu']:.0%} MFU)"
+    for p in profiles
+  )
+  versions = steps[0]["versions"]
+  return (
+    f"One {peak['device']}, the paper's batch (96 x 256 target tokens a step), "
+    f"jax {versions['jax']} and flax {versions['flax']}; MFU against the datasheet's dense "
+    f"bf16 peak, {peak['peak_flops_per_sec'] / 1e12:.0f} TFLOP/s; measured:\n\n"
+    + columns(steps, cells)
+    + "\n\n"
+    + beam_lines
+    + "Beside them, predicted for a TPU by the per-op profile (v5e-8, float32, the "
+    f"config's mesh; not measured): {predicted}.\n\n"
+    + source("gpu", steps + beams)  # a peak record's "source" names its peak's, not a page
+    + "\n"
+    + source("compile_check", profiles)
+  )
 
 
 # docs/reproduce.md: the paper's tables, and the sweeps at CPU scale.
@@ -529,6 +558,15 @@ def _paper_rows(sweep: str) -> dict[str, Any]:
   return {row.name: row for row in load_sweep(f"configs/sweeps/{sweep}.py").rows}
 
 
+_PPL = {"validation ppl": lambda r: f"{r['ppl']:.2f}"}
+
+
+def _bleu(records: list[Record]) -> dict[str, Callable[[Record], str]]:
+  """A sweep's BLEU column, over the first validation sentences its records name."""
+  header = f"BLEU (first {records[0]['bleu_sentences']} validation sentences)"
+  return {header: lambda r: f"{r['bleu']:.2f}"}
+
+
 @view
 def table3() -> str:
   paper = _paper_rows("table3")
@@ -537,8 +575,8 @@ def table3() -> str:
   cells = {
     "row": lambda r: r["name"],
     "train.py overrides of `configs/wmt14.py:base`": lambda r: f"`{overrides(r)}`",
-    "paper PPL": lambda r: _optional(paper[r["name"]].paper_ppl, lambda v: f"{v:.2f}"),
-    "paper BLEU": lambda r: _optional(paper[r["name"]].paper_bleu, lambda v: f"{v:.1f}"),
+    "paper PPL": lambda r: _optional(paper[r["name"]].paper_ppl, ".2f"),
+    "paper BLEU": lambda r: _optional(paper[r["name"]].paper_bleu, ".1f"),
     "paper params": lambda r: _optional(r["paper_params_m"], lambda v: f"{v}M"),
     "our params": lambda r: f"{r['num_params'] / 1e6:.1f}M",
     "FLOPs / target token": lambda r: _scientific(r["flops_per_token"]),
@@ -566,10 +604,10 @@ def table3_cost() -> str:
   # config's num_train_steps.
   gpu = {r["label"]: r for r in one_sitting(read_records("gpu")) if r["name"] == "train_step"}
   hours = {
-    model: config_lib.load_config(f"configs/wmt14.py:{model}").num_train_steps
-    * gpu[model]["step_time_s"]
+    m: config_lib.load_config(f"configs/wmt14.py:{m}").num_train_steps
+    * gpu[m]["step_time_s"]
     / 3600
-    for model in ("base", "big")
+    for m in ("base", "big")
   }
   device = read_records("gpu")[-1]["machine"].split(" (")[0].removeprefix("one ")
   return (
@@ -594,22 +632,17 @@ def table3_small() -> str:
   paper = _paper_rows("table3_small")
   records = latest(read_records("table3_small"), key=lambda r: r["row"])
   base = next(r for r in records if r["row"] == "base")
-
-  def change(value: float | None, reference: float | None) -> str:
-    return "" if value is None or reference is None else f"{100 * (value / reference - 1):+.0f}%"
-
+  change = lambda v, ref: "" if v is None or ref is None else f"{100 * (v / ref - 1):+.0f}%"
   cells = {
     "row": lambda r: r["row"],
     "changed values": lambda r: r["changed"],
     "params (M)": lambda r: f"{r['num_params'] / 1e6:.1f}",
-    "validation ppl": lambda r: f"{r['ppl']:.2f}",
+    **_PPL,
     "ppl vs base": lambda r: change(r["ppl"], base["ppl"]),
-    f"BLEU (first {records[0]['bleu_sentences']} validation sentences)": lambda r: (
-      f"{r['bleu']:.2f}"
-    ),
-    "paper ppl": lambda r: _optional(paper[r["row"]].paper_ppl, lambda v: f"{v:.2f}"),
+    **_bleu(records),
+    "paper ppl": lambda r: _optional(paper[r["row"]].paper_ppl, ".2f"),
     "paper ppl vs base": lambda r: change(paper[r["row"]].paper_ppl, paper["base"].paper_ppl),
-    "paper BLEU": lambda r: _optional(paper[r["row"]].paper_bleu, lambda v: f"{v:.1f}"),
+    "paper BLEU": lambda r: _optional(paper[r["row"]].paper_bleu, ".1f"),
   }
   return columns(records, cells) + "\n\n" + source("table3_small", records)
 
@@ -617,14 +650,9 @@ def table3_small() -> str:
 @view
 def decoder_only_vs_encoder_decoder() -> str:
   records = latest(read_records("decoder_only_vs_encoder_decoder"), key=lambda r: r["row"])
-  rows = [
-    (r["row"], _thousands(r["num_params"]), f"{r['ppl']:.2f}", f"{r['bleu']:.2f}") for r in records
-  ]
-  headers = (
-    f"row|parameters|validation ppl|BLEU (first {records[0]['bleu_sentences']} validation "
-    "sentences)"
-  )
-  return table(headers, rows) + "\n\n" + source("decoder_only_vs_encoder_decoder", records)
+  cells = {"row": lambda r: r["row"], "parameters": lambda r: _thousands(r["num_params"])}
+  cells |= {**_PPL, **_bleu(records)}
+  return columns(records, cells) + "\n\n" + source("decoder_only_vs_encoder_decoder", records)
 
 
 @view
@@ -633,7 +661,6 @@ def mixed_precision() -> str:
   the same seed (the sweep's criterion: within 2%), each row at its own commit."""
   every = read_records("mixed_precision")
   records = latest(every, key=lambda r: r["row"])
-  by_row = {r["row"]: r for r in records}
 
   def against_float32(record: Record) -> str:
     """Against float32's perplexity at the record's seed, from a run of the same commit
@@ -641,19 +668,13 @@ def mixed_precision() -> str:
     if record["row"].startswith("float32"):
       return ""
     name = "float32_seed1" if "seed1" in record["row"] else "float32"
-    same = [r for r in every if r["row"] == name and r["commit"] == record["commit"]]
-    return f"{100 * (record['ppl'] / (same or [by_row[name]])[-1]['ppl'] - 1):+.1f}%"
+    float32 = [r for r in every if r["row"] == name]
+    same = [r for r in float32 if r["commit"] == record["commit"]] or float32
+    return f"{100 * (record['ppl'] / same[-1]['ppl'] - 1):+.1f}%"
 
-  cells = {
-    "run": lambda r: r["row"],
-    "changed values": lambda r: f"`{r['changed']}`",
-    "validation ppl": lambda r: f"{r['ppl']:.2f}",
-    "ppl vs float32, same seed": against_float32,
-    f"BLEU (first {records[0]['bleu_sentences']} validation sentences)": lambda r: (
-      f"{r['bleu']:.2f}"
-    ),
-    "commit": lambda r: r["commit"],
-  }
+  cells = {"run": lambda r: r["row"], "changed values": lambda r: f"`{r['changed']}`", **_PPL}
+  cells |= {"ppl vs float32, same seed": against_float32, **_bleu(records)}
+  cells["commit"] = lambda r: r["commit"]
   return columns(records, cells) + "\n\n" + source("mixed_precision", records)
 
 
@@ -728,33 +749,28 @@ def speculative() -> str:
   # bench also prints its peak record (name "peak") before the speculative ones.
   records = [r for r in read_records("speculative") if r["name"] == "speculative"]
   records = latest(records, key=lambda r: r["batch_size"])
-  rows = []
-  for r in records:
-    a, k, c = r["acceptance_rate"], r["draft_len"], r["draft_cost_ratio"]
-    with_check = speculative_lib.expected_speedup(a, k, c, check_cost=r["check_cost_ratio"])
-    rows.append(
-      (
-        r["batch_size"],
-        f"{r['greedy_ms_per_sentence']:.1f}",
-        f"{r['speculative_ms_per_sentence']:.1f}",
-        f"{r['speedup']:.2f}x",
-        f"{a:.3f}",
-        f"{c:.3f}",
-        f"{r['check_cost_ratio']:.2f}",
-        f"{r['expected_speedup']:.2f}x",
-        f"{with_check:.2f}x",
-        f"{r['target_passes_greedy']:,} → {r['target_passes_speculative']:,}",
-      )
-    )
+  with_check = lambda r: speculative_lib.expected_speedup(
+    r["acceptance_rate"], r["draft_len"], r["draft_cost_ratio"], check_cost=r["check_cost_ratio"]
+  )
+  cells = {
+    "batch": lambda r: r["batch_size"],
+    "greedy ms/sentence": lambda r: f"{r['greedy_ms_per_sentence']:.1f}",
+    "speculative ms/sentence": lambda r: f"{r['speculative_ms_per_sentence']:.1f}",
+    "measured speed-up": lambda r: f"{r['speedup']:.2f}x",
+    "a": lambda r: f"{r['acceptance_rate']:.3f}",
+    "c": lambda r: f"{r['draft_cost_ratio']:.3f}",
+    "(k + 1)-token check / target pass": lambda r: f"{r['check_cost_ratio']:.2f}",
+    "predicted (1 - a^(k+1)) / ((1 - a)(k c + 1))": lambda r: f"{r['expected_speedup']:.2f}x",
+    "predicted with the check's cost": lambda r: f"{with_check(r):.2f}x",
+    "target passes, greedy → speculative": lambda r: (
+      f"{r['target_passes_greedy']:,} → {r['target_passes_speculative']:,}"
+    ),
+  }
   first, k = records[0], records[0]["draft_len"]
   needed = 1.5 * (k * first["draft_cost_ratio"] + first["check_cost_ratio"])
-  headers = (
-    "batch|greedy ms/sentence|speculative ms/sentence|measured speed-up|a|c"
-    "|(k + 1)-token check / target pass|predicted (1 - a^(k+1)) / ((1 - a)(k c + 1))"
-    "|predicted with the check's cost|target passes, greedy → speculative"
-  )
   return (
-    table(headers, rows) + f"\n\n{first['sentences']} test sentences, k = {k}; the target trained "
+    columns(records, cells)
+    + f"\n\n{first['sentences']} test sentences, k = {k}; the target trained "
     f"{first['target_steps']:,} steps (validation ppl {first['target_validation_ppl']:.2f}), "
     f"the draft {first['draft_steps']:,} (ppl {first['draft_validation_ppl']:.2f}, scored over "
     f"the whole vocabulary). At these costs 1.5x one sentence at a time needs "
@@ -769,6 +785,9 @@ def speculative() -> str:
   )
 
 
+_SYSTEMS = {"ours": "ours (JAX)", "float32": "CTranslate2 float32", "int8": "CTranslate2 int8"}
+
+
 @view
 def ctranslate2_quality() -> str:
   """The exported model's outputs and BLEU beside the run's own (compare_ctranslate2)."""
@@ -780,18 +799,15 @@ def ctranslate2_quality() -> str:
     if gaps
     else "None differs."
   )
-  b = r["bleu"]
+  beam = f"beam {r['beam_size']}, alpha {r['length_penalty_alpha']}"
   rows = [
-    (search, *(f"{b[f'{system}_{key}']:.2f}" for system in ("ours", "float32", "int8")))
-    for search, key in (
-      ("greedy", "greedy"),
-      (f"beam {r['beam_size']}, alpha {r['length_penalty_alpha']}", "beam"),
-    )
+    (search, *(f"{r['bleu'][f'{system}_{key}']:.2f}" for system in _SYSTEMS))
+    for search, key in (("greedy", "greedy"), (beam, "beam"))
   ]
   return (
     f"Greedy: {r['greedy_identical']:,} of {r['num_sentences']:,} {r['split']} sentences "
     f"({r['greedy_identical_share']:.1%}) identical to ours token for token. {differing}\n\n"
-    + table("sacreBLEU|ours|CTranslate2 float32|CTranslate2 int8", rows)
+    + table(["sacreBLEU", "ours", *list(_SYSTEMS.values())[1:]], rows)
     + f"\n\nStep {r['step']:,} of `{r['workdir']}`, CTranslate2 {r['ctranslate2']}.\n\n"
     + source("ctranslate2", [r])
   )
@@ -803,10 +819,9 @@ def ctranslate2_speed() -> str:
   r = read_records("ctranslate2")[-1]
   rates = {(x["system"], x["search"], x["batch"]): x["sentences_per_sec"] for x in r["speed"]}
   batches = sorted({x["batch"] for x in r["speed"]})
-  names = {"ours": "ours (JAX)", "float32": "CTranslate2 float32", "int8": "CTranslate2 int8"}
   rows = [
-    (names[system], search, *(f"{rates[(system, search, b)]:.1f}" for b in batches))
-    for system in ("ours", "float32", "int8")
+    (name, search, *(f"{rates[(system, search, b)]:.1f}" for b in batches))
+    for system, name in _SYSTEMS.items()
     for search in ("greedy", "beam")
   ]
   return (
@@ -819,8 +834,7 @@ def ctranslate2_speed() -> str:
   )
 
 
-# docs/performance.md and reproduce.md: compile_check's predictions for TPU slices, and
-# the GPU measured.
+# docs/performance.md and reproduce.md: compile_check's predictions for TPU slices.
 
 
 def _flag(command: str, flag: str) -> str | None:
@@ -843,11 +857,10 @@ def _launch_key(record: Record) -> tuple:
   """What a compile_check record is about: model, slice, slices, mesh asked, batch asked."""
   command = record["command"]
   mesh = "search" if "--search_mesh" in command.split() else _flag(command, "mesh")
-  slices = record.get("num_slices", 1)
   return (
     _flag(command, "config"),
     record["topology"],
-    slices,
+    record.get("num_slices", 1),
     mesh,
     _flag(command, "batch_tokens"),
   )
@@ -871,14 +884,6 @@ def _v5e8_profiles() -> list[Record]:
   return sorted(profiled, key=lambda r: _flag(r["command"], "config") or "")
 
 
-def _predicted_step(r: Record) -> tuple[float, float, str]:
-  """(step seconds, MFU, which predictor) of a compile_check record: the per-op profile's
-  where the record has one, else the roofline's of an older record."""
-  if "profile" in r:
-    return r["profile"]["step_s"], r["profile"]["mfu"], "per-op"
-  return r["step_s"], r["mfu"], f"roofline, {r['bound']}"
-
-
 def _launch_mesh(record: Record) -> str:
   """The mesh column: the in-slice mesh "data x fsdp x tensor" (the mesh over every slice,
   divided by the slices' dcn_* split) and who chose it (the config, --mesh or --search_mesh)."""
@@ -888,8 +893,7 @@ def _launch_mesh(record: Record) -> str:
       return f"--search_mesh ({searched} tried)"
     return "the config's" if asked is None else f"{asked.replace(',', 'x')} (--mesh)"
   dcn = record.get("dcn_mesh") or {}
-  axes = ("data", "fsdp", "tensor")
-  mesh = "x".join(str(record["mesh"][a] // dcn.get(a, 1)) for a in axes)
+  mesh = "x".join(str(record["mesh"][a] // dcn.get(a, 1)) for a in ("data", "fsdp", "tensor"))
   if asked == "search":
     return f"{mesh} (--search_mesh, best of {searched})"
   return f"{mesh} ({'the config' + chr(39) + 's' if asked is None else '--mesh'})"
@@ -898,18 +902,23 @@ def _launch_mesh(record: Record) -> str:
 _SLICE_ORDER = ("v5e-8", "v4-32", "v5p-128", "v5e-256")
 
 
+def _memory(r: Record) -> str:
+  return f"fits, {r['total'] / r['hbm']:.0%} of {r['hbm'] / 2**30:.0f} GiB"
+
+
 @view
 def before_you_launch() -> str:
   """compile_check's records: each WMT model on each slice, with the config's mesh and
   the best of --search_mesh (or a --mesh recorded where no search was), every figure a
   prediction of XLA's TPU compiler."""
   records = latest(_configs_as_they_are(), key=_launch_key)
-  searched = {key[:3] + key[4:] for key in map(_launch_key, records) if key[3] == "search"}
-  records = [  # a search compiled each mesh a --mesh record would show
+  without_mesh = lambda key: key[:3] + key[4:]
+  searched = {without_mesh(key) for key in map(_launch_key, records) if key[3] == "search"}
+  # A search compiled each mesh a --mesh record would show.
+  records = [
     r
     for r in records
-    if _launch_key(r)[3] in (None, "search")
-    or _launch_key(r)[:3] + _launch_key(r)[4:] not in searched
+    if _launch_key(r)[3] in (None, "search") or without_mesh(_launch_key(r)) not in searched
   ]
 
   def order(record: Record) -> tuple:
@@ -922,48 +931,32 @@ def before_you_launch() -> str:
     slices = f"{r['num_slices']} x " if r.get("num_slices", 1) > 1 else ""
     asked_tokens = _flag(r["command"], "batch_tokens")
     batch_note = f" (--batch_tokens {int(asked_tokens):,})" if asked_tokens else ""
-    head = (_model(r), f"{slices}{r['topology']}", _launch_mesh(r))
+    head = [_model(r), f"{slices}{r['topology']}", _launch_mesh(r)]
     if "error" in r:
-      rows.append((*head, batch_note.strip(), f"no: {r['error']}", "", "", "", "", ""))
+      rows.append(head + [batch_note.strip(), f"no: {r['error']}"] + [""] * 5)
       continue
     batch = f"{r['rows']} x {r['seq_len']}{batch_note}"
     if "oom" in r:
-      rows.append((*head, batch, r["oom"].split(" (predicted")[0], "", "", "", "", ""))
+      rows.append(head + [batch, r["oom"].split(" (predicted")[0]] + [""] * 5)
       continue
-    per_op = r.get("profile")
-    rows.append(
-      (
-        *head,
-        batch,
-        f"{'fits' if r['fits'] else 'does not fit'}, {r['total'] / r['hbm']:.0%} of "
-        f"{r['hbm'] / 2**30:.0f} GiB",
-        _ms(per_op["step_s"]) if per_op else "(older record)",
-        f"{per_op['mfu']:.0%}" if per_op else "",
-        f"{per_op['tokens_per_s']:,.0f}" if per_op else "",
-        f"{r['step_s'] * 1e3:,.0f} ms ({r['bound']}), {r['mfu']:.0%}",
-        f"{r['flops_vs_formula']:+.1%}",
-      )
-    )
+    p = r.get("profile")
+    per_op = [_ms(p["step_s"]), f"{p['mfu']:.0%}", f"{p['tokens_per_s']:,.0f}"] if p else []
+    roofline = f"{r['step_s'] * 1e3:,.0f} ms ({r['bound']}), {r['mfu']:.0%}"
+    per_op = per_op or ["(older record)", "", ""]
+    rows.append(head + [batch, _memory(r), *per_op, roofline, f"{r['flops_vs_formula']:+.1%}"])
   headers = (
     "model|slice|mesh|batch|memory per chip|step (per-op)|MFU (per-op)|target tokens/s (slice)"
     "|roofline step, MFU (not a bound)|XLA FLOPs vs formula"
   )
-  return (
-    "Per chip, every figure predicted by XLA's TPU compiler (libtpu), none measured; "
-    "mesh data x fsdp x tensor in each slice, batch rows x tokens (the paper's 25,000 "
-    "tokens a step unless --batch_tokens says otherwise). The step, its MFU and tokens/s "
-    "are the per-op profile's (the compiler's estimated cycles per op; records made before "
-    "it existed show only the roofline):\n\n"
-    + table(headers, rows)
-    + "\n\n"
-    + source("compile_check", records)
-  )
+  return table(headers, rows) + "\n\n" + source("compile_check", records)
 
 
 @view
 def tpu_step_profile() -> str:
   """Where a v5e-8 step's time goes, by model part, for each WMT model: the per-op
   profile of compile_check's newest record of it (the config's mesh, the paper's batch)."""
+  from transformer.tools import op_profile
+
   records = _v5e8_profiles()
   profiles = [r["profile"] for r in records]
   parts = list(dict.fromkeys(part for p in profiles for part in p["by_part_s"]))
@@ -971,31 +964,21 @@ def tpu_step_profile() -> str:
   rows = [(part, *(share(p["by_part_s"].get(part, 0.0), p) for p in profiles)) for part in parts]
   rows.append(("**step**", *(f"**{p['step_s'] * 1e3:.1f} ms**" for p in profiles)))
   rows.append(("**MFU**", *(f"**{p['mfu']:.0%}**" for p in profiles)))
+  # An op JAX gave no source path (a collective the partitioner made) goes by its own name.
+  op = lambda o: (
+    f"{o['part']} {o['seconds'] * 1e3:.2f} ms "
+    f"(`{o['op_name'].rsplit(')/', 1)[-1][-60:] or o['name']}`"
+    + (f", x{o['runs']}" if o["runs"] > 1 else "")
+    + ")"
+  )
   top = []
   for r, p in zip(records, profiles):
-    ops = "; ".join(
-      # An op JAX gave no source path (a collective the partitioner made) by its own name.
-      f"{o['part']} {o['seconds'] * 1e3:.2f} ms "
-      f"(`{o['op_name'].rsplit(')/', 1)[-1][-60:] or o['name']}`"
-      + (f", x{o['runs']}" if o["runs"] > 1 else "")
-      + ")"
-      for o in p["top_ops"][:5]
-    )
-    top.append(f"- {_model(r)}'s five longest ops: {ops}.")
-    uncosted = p.get("uncosted", [])[:3]  # records before it have none
-    if uncosted:
-      from transformer.tools import op_profile
-
-      top.append(
-        f"- {_model(r)}'s ops with no estimate, not timed (the most bytes): "
-        + op_profile.uncosted_text(uncosted)
-        + "."
-      )
+    top.append(f"- {_model(r)}'s five longest ops: {'; '.join(map(op, p['top_ops'][:5]))}.")
+    if p.get("uncosted"):  # records before it have none
+      text = op_profile.uncosted_text(p["uncosted"][:3])
+      top.append(f"- {_model(r)}'s ops with no estimate, not timed (the most bytes): {text}.")
   return (
-    "The per-op profile of the train step on a v5e-8 (the config's mesh, the paper's batch; "
-    "`python -m transformer.tools.compile_check --config configs/wmt14.py:MODEL --topology "
-    "v5e-8 --json`), per chip, predicted by the compiler's own estimates, not measured:\n\n"
-    + table(("part", *map(_model, records)), rows)
+    table(("part", *map(_model, records)), rows)
     + "\n\n"
     + "\n".join(top)
     + "\n\n"
@@ -1010,21 +993,18 @@ def tpu_step_experiments() -> str:
   overrides before it), by the per-op profile: dated, each row at its commits."""
   reference, against = None, {}
   for r in read_records("compile_check"):  # in the order made
-    if not (
-      r["topology"] == "v5e-8"
-      and "profile" in r
-      and _flag(r["command"], "config") == "configs/wmt14.py:base"
-      and _flag(r["command"], "mesh") is None
-    ):
+    command = r["command"]
+    what = (r["topology"], _flag(command, "config"), _flag(command, "mesh"), "profile" in r)
+    if what != ("v5e-8", "configs/wmt14.py:base", None, True):
       continue
-    if not _overrides(r["command"]):
+    if not _overrides(command):
       reference = r
     elif reference is not None:
-      against[_overrides(r["command"])] = (r, reference)
+      against[_overrides(command)] = (r, reference)
   if reference is None:
     return "No per-op record of the base step on a v5e-8 yet."
-  now = reference["profile"]
   hbm = lambda r: f"{r['total'] / r['hbm']:.0%}"
+  now = reference["profile"]
   rows = [
     (
       "the config as it is now",
@@ -1041,6 +1021,7 @@ def tpu_step_experiments() -> str:
     p, b = r["profile"]["by_part_s"], before["profile"]["by_part_s"]
     step, step_before = r["profile"]["step_s"], before["profile"]["step_s"]
     moved = sorted(set(p) | set(b), key=lambda k: -abs(p.get(k, 0) - b.get(k, 0)))[:3]
+    commits = dict.fromkeys((before["commit"], r["commit"]))
     rows.append(
       (
         ", ".join(f"`{o}`" for o in overrides),
@@ -1049,7 +1030,7 @@ def tpu_step_experiments() -> str:
         f"{r['profile']['mfu']:.1%}",
         ", ".join(f"{k} {(p.get(k, 0) - b.get(k, 0)) * 1e3:+.2f} ms" for k in moved),
         f"{hbm(r)} (from {hbm(before)})",
-        r["commit"] if r["commit"] == before["commit"] else f"{before['commit']}, {r['commit']}",
+        ", ".join(commits),
       )
     )
     history += [r, before]
@@ -1058,17 +1039,24 @@ def tpu_step_experiments() -> str:
     "|compiled at (before, with it)"
   )
   return (
-    "Transformer-base's train step on a v5e-8 (the paper's batch, the config's mesh), "
-    "compiled with config overrides (`python -m transformer.tools.compile_check --config "
-    "configs/wmt14.py:base --topology v5e-8 --config.KEY=VALUE --json`) and set against the "
-    "step as the config stood when each was compiled, per chip, by the per-op profile "
-    "(predicted, not measured):\n\n"
-    + table(headers, rows)
+    table(headers, rows)
     + "\n\n"
     + source("compile_check", [reference])
     + "\n"
     + source("compile_check", list({id(r): r for r in history}.values()), history=True)
   )
+
+
+def _priced(r: Record, steps: int) -> tuple[list[str], float]:
+  """The step, MFU, time to `steps` and chip-hours of a compile_check record on a v5e-8
+  (the per-op profile's step, or an older record's roofline, which it names); the hours."""
+  if "profile" in r:
+    step_s, mfu, how = r["profile"]["step_s"], r["profile"]["mfu"], "per-op"
+  else:
+    step_s, mfu, how = r["step_s"], r["mfu"], f"roofline, {r['bound']}"
+  hours = step_s * steps / 3600
+  cells = [f"{steps // 1000}K", f"{1000 * step_s:.1f} ms ({how})", f"{100 * mfu:.0f}%"]
+  return cells + [f"{hours:.1f} hours", f"{hours * r['chips']:.0f}"], hours
 
 
 @view
@@ -1078,29 +1066,10 @@ def table2_predicted_time() -> str:
   from transformer import config as config_lib
 
   records = [r for r in _v5e8() if "error" not in r]
-  rows = []
-  for r in records:
-    steps = config_lib.load_config(_flag(r["command"], "config") or "").num_train_steps
-    step_s, mfu, how = _predicted_step(r)
-    hours = step_s * steps / 3600
-    rows.append(
-      (
-        _model(r),
-        f"{steps // 1000}K",
-        f"{1000 * step_s:.1f} ms ({how})",
-        f"{100 * mfu:.0f}%",
-        f"{hours:.1f} hours",
-        f"{hours * r['chips']:.0f}",
-      )
-    )
+  steps = lambda r: config_lib.load_config(_flag(r["command"], "config") or "").num_train_steps
+  rows = [[_model(r), *_priced(r, steps(r))[0]] for r in records]
   return (
-    "Predicted by XLA's TPU compiler for a v5e-8 at the paper's batch (the config's mesh; "
-    "`python -m transformer.tools.compile_check --config configs/wmt14.py:MODEL --topology "
-    "v5e-8`), not measured: the compiled step's per-op profile (the compiler's own estimated "
-    "cycles per op; an older record's roofline where it has no profile, which says so), "
-    'times the steps (docs/performance.md, "Before you launch"), without input, '
-    "checkpoints or evaluation.\n\n"
-    + table("model|steps|step|MFU|time to its steps|chip-hours", rows)
+    table("model|steps|step|MFU|time to its steps|chip-hours", rows)
     + "\n\n"
     + source("compile_check", records)
   )
@@ -1109,105 +1078,25 @@ def table2_predicted_time() -> str:
 @view
 def table3_predicted_time() -> str:
   """Table 3's rows priced on a v5e-8: each row's train step compiled by
-  `sweeps --compile_check v5e-8` (XLA's TPU compiler's roofline, not a measurement),
-  times the row's steps."""
+  `sweeps --compile_check v5e-8`, times the row's steps; the rows' total."""
   order = list(_paper_rows("table3"))
   records = latest(read_records("table3_compile_check"), key=lambda r: (r["row"], r["topology"]))
   by_row = {r["row"]: r for r in records if r["topology"] == "v5e-8"}
-  records = list(by_row.values())
-  rows, hours_total, chip_hours_total = [], 0.0, 0.0
-  for name in [n for n in order if n in by_row]:
-    r = by_row[name]
-    steps = r["num_train_steps"]
+  rows, hours, chip_hours = [], 0.0, 0.0
+  for r in (by_row[name] for name in order if name in by_row):
     if not r["fits"]:
       why = r.get("error") or r["oom"].split(" (predicted")[0]
-      rows.append((name, f"{steps // 1000}K", f"no: {why}", "", "", "", ""))
+      rows.append([r["row"], f"{r['num_train_steps'] // 1000}K", f"no: {why}"] + [""] * 4)
       continue
-    step_s, mfu, how = _predicted_step(r)
-    hours = step_s * steps / 3600
-    hours_total += hours
-    chip_hours_total += hours * r["chips"]
-    rows.append(
-      (
-        name,
-        f"{steps // 1000}K",
-        f"fits, {r['total'] / r['hbm']:.0%} of {r['hbm'] / 2**30:.0f} GiB",
-        f"{1000 * step_s:.0f} ms ({how})",
-        f"{100 * mfu:.0f}%",
-        f"{hours:.1f} hours",
-        f"{hours * r['chips']:.0f}",
-      )
-    )
+    cells, row_hours = _priced(r, r["num_train_steps"])
+    rows.append([r["row"], cells[0], _memory(r), *cells[1:]])
+    hours, chip_hours = hours + row_hours, chip_hours + row_hours * r["chips"]
   missing = [n for n in order if n not in by_row]
   return (
-    "Predicted by XLA's TPU compiler for a v5e-8 at the paper's batch (the config's mesh; "
-    "`python -m transformer.sweeps --sweep configs/sweeps/table3.py --compile_check v5e-8 "
-    "--json --only ROW`), not measured: each row's compiled train step, its per-op profile "
-    "(or, in a record older than it, a roofline of its FLOPs, bytes and collectives, which "
-    "the step column names), times its steps; without input, checkpoints or "
-    "evaluation.\n\n"
-    + table("row|steps|memory per chip|step|MFU|time to its steps|chip-hours", rows)
-    + f"\n\nThe {len(by_row)} rows priced take {hours_total:.0f} hours "
-    f"({chip_hours_total:,.0f} chip-hours) one after another on one v5e-8"
+    table("row|steps|memory per chip|step|MFU|time to its steps|chip-hours", rows)
+    + f"\n\nThe {len(by_row)} rows priced take {hours:.0f} hours "
+    f"({chip_hours:,.0f} chip-hours) one after another on one v5e-8"
     + (f"; not yet compiled: {', '.join(missing)}" if missing else "")
     + ".\n\n"
-    + source("table3_compile_check", records)
-  )
-
-
-# bench/gpu.sh's labels: what each row changes from the WMT config as it is.
-_GPU_ROWS = {
-  "base": "base, the config (`auto`)",
-  "big": "big, the config (`auto`)",
-  "base-f32": "base, `model.dtype=float32`",
-  "big-f32": "big, `model.dtype=float32`",
-  "base-bf16-einsum": "base, bf16, `model.attention_kernel=einsum`",
-  "big-bf16-einsum": "big, bf16, `model.attention_kernel=einsum`",
-  "big-noremat": "big, the config, `model.remat=none`",
-}
-
-
-@view
-def gpu_train_step() -> str:
-  """bench/gpu.sh's newest sitting: the WMT steps on one GPU at the paper's batch, with
-  the TPU prediction for the same configs beside them."""
-  sitting = one_sitting(read_records("gpu"))
-  steps = [r for r in sitting if r["name"] == "train_step"]
-  beams = [r for r in sitting if r["name"] == "beam_search"]
-  peak = {r["label"]: r for r in sitting if r["name"] == "peak"}[steps[0]["label"]]
-  cells = {
-    "run": lambda r: _GPU_ROWS.get(r["label"], r["label"]),
-    "dtype, attention": lambda r: f"{r['dtype']}, {r['attention_kernel']}",
-    "step (median)": lambda r: _ms(r["step_time_s"]),
-    "target tokens/s": lambda r: _thousands(r["tokens_per_sec"]),
-    "MFU": lambda r: _percent(r["mfu"]),
-    "peak GPU memory": lambda r: f"{r['peak_memory_bytes'] / 2**30:.1f} GiB",
-    "compile": lambda r: f"{r['compile_s']:.0f} s",
-  }
-  beam_lines = "\n".join(
-    f"Beam search on {b['label']} (beam {b['beam_size']}, {b['sentences']} sentences, "
-    f"{b['steps']} output tokens each, with the cache, untrained parameters): "
-    f"{_ms(b['step_time_s'])} per step, {_thousands(b['tokens_per_sec'])} output "
-    f"tokens/s, {b['sentences_per_sec']:.0f} sentences/s."
-    for b in beams
-  )
-  profiles = _v5e8_profiles()
-  predicted = "; ".join(
-    f"{_model(p)} {_thousands(p['rows'] * p['seq_len'] / p['profile']['step_s'] / p['chips'])}"
-    f" target tokens/s per chip ({p['profile']['mfu']:.0%} MFU)"
-    for p in profiles
-  )
-  versions = steps[0]["versions"]
-  return (
-    f"One {peak['device']}, the paper's batch (96 x 256 target tokens a step), "
-    f"jax {versions['jax']} and flax {versions['flax']}; MFU against the datasheet's dense "
-    f"bf16 peak, {peak['peak_flops_per_sec'] / 1e12:.0f} TFLOP/s; measured:\n\n"
-    + columns(steps, cells)
-    + "\n\n"
-    + (beam_lines + "\n\n" if beams else "")
-    + "Beside them, predicted for a TPU by the per-op profile (v5e-8, float32, the "
-    f"config's mesh; not measured): {predicted}.\n\n"
-    + source("gpu", steps + beams)  # a peak record's "source" names its peak's, not a page
-    + "\n"
-    + source("compile_check", profiles)
+    + source("table3_compile_check", list(by_row.values()))
   )

@@ -1,41 +1,26 @@
 """The figures of README, docs/ and the configs' docstrings, rendered from result records.
 
-    make docs                                          # render every region
+    make docs                                    # render every region
     python -m docs.render.render_docs --check    # exit 1 if a region or a record is stale
     python -m docs.render.render_docs --record docs/results/cpu.jsonl -- \\
         python -m transformer.tools.bench --config configs/default.py --json --label default
     python -m docs.render.render_docs --record docs/results/make_train.jsonl \\
         --from_workdir workdirs/default --wall_time_s 658 --command "make train"
-    python -m docs.render.render_docs --record docs/results/cpu.jsonl \\
-        --from_json bench/results/cpu.jsonl --command "bash bench/cpu.sh"
 
 A record is one JSON object per line of `docs/results/NAME.jsonl`: what one of the
-project's commands printed or wrote (`bench --json`, `memory --json`, `sweeps --dry_run
---json`, eval.py's `eval/<split>-<step>.json`), with its version and where it came from:
+project's commands printed or wrote, plus its producer's `record_version` and its
+`machine`, `date`, `commit` and `command` (docs/results/README.md). Records are appended,
+never edited; `--record` runs the command (or reads `--from_json`, `--from_workdir`) and
+appends what it printed with those fields.
 
-  record_version  its producer's RECORD_VERSION when it ran (record_sources.py)
-  machine         the hardware it ran on, in words
-  date            YYYY-MM-DD (UTC)
-  commit          the code that ran (`git rev-parse --short HEAD`, `-dirty` if it had changes)
-  command         the command line, as run (a row of --from_json that names its own keeps it)
-  source          only on a figure that earlier docs quoted and that was turned into a
-                  record afterwards: where it was quoted
-
-Records are appended, never edited: a newer record of the same fact replaces the older
-one in the docs, and the older one stays as history. `--record` runs the command (or
-reads `--from_json`), attaches the version and the four fields and appends what it printed.
-
-A rendered region is everything between a start marker naming a view and the end
-marker, in a Markdown file or a Python docstring:
+A region, in a Markdown file or a Python docstring, is rendered by the view it names (a
+function of doc_views.py decorated with @view); `--check` and a test fail when a region
+no longer matches its records, or shows as current a record of another version than its
+producer's (record_sources.py):
 
     <!-- results:VIEW -->
     (replaced by `make docs`)
     <!-- /results -->
-
-VIEW names a function of `docs/render/doc_views.py` (one decorated with @view), which
-reads the records and turns them into Markdown. Rendering is deterministic, so `--check`
-(and a test) fail when a region no longer matches its records, or when a record shown as
-a current figure is of another version than its producer's (record_sources.py).
 """
 
 from __future__ import annotations
@@ -172,7 +157,6 @@ def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
   step. wall_time_s is the command's own time, measured outside it."""
   import statistics
 
-  from transformer import storage
   from transformer.training import reporting
 
   records = reporting.read_metrics(workdir)
@@ -188,51 +172,26 @@ def make_train_record(workdir: str, wall_time_s: float) -> dict[str, Any]:
     return statistics.median(values) if values else None
 
   tokens_per_sec = [r["tokens_per_sec"] for r in windows]
-  return {
-    "name": "make_train",
-    "workdir": workdir,
-    "num_train_steps": step,
-    "wall_time_s": round(wall_time_s),
-    "train_time_s": round(windows[-1]["elapsed_s"]),
-    "tokens_per_sec": median("tokens_per_sec"),
-    "steps_per_sec": median("steps_per_sec"),
-    "tokens_per_sec_windows": [min(tokens_per_sec), max(tokens_per_sec)],
-    "mfu": median("mfu"),
-    "hfu": median("hfu"),
-    "padding_efficiency": median("padding_efficiency"),
-    "validation_ppl": validations[-1]["ppl"],
-    **{
-      key: scores[key]
-      for key in (
-        "split",
-        "num_sentences",
-        "beam_size",
-        "alpha",
-        "bleu",
-        "bleu_tok",
-        "chrf",
-        "ppl",  # the split's (test), as eval.py prints it
-        "bleu_signature",
-        "sentences_per_sec",
-      )
-      if key in scores
-    },
-  }
+  # eval.py's figures of the split (its ppl is the test split's).
+  evaluated = "split num_sentences beam_size alpha bleu bleu_tok chrf ppl bleu_signature"
+  record = {"name": "make_train", "workdir": workdir, "num_train_steps": step}
+  record |= {"wall_time_s": round(wall_time_s), "train_time_s": round(windows[-1]["elapsed_s"])}
+  record |= {k: median(k) for k in ("tokens_per_sec", "steps_per_sec")}
+  record["tokens_per_sec_windows"] = [min(tokens_per_sec), max(tokens_per_sec)]
+  record |= {k: median(k) for k in ("mfu", "hfu", "padding_efficiency")}
+  record["validation_ppl"] = validations[-1]["ppl"]
+  return record | {k: scores[k] for k in evaluated.split() + ["sentences_per_sec"] if k in scores}
 
 
 def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
   """The lines that are JSON objects (a command's other output is left out)."""
   found = []
-  for line in lines:
-    line = line.strip()
-    if line.startswith("{"):
-      try:
-        value = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(value, dict):
-        found.append(value)
-  return found
+  for line in (line.strip() for line in lines if line.strip().startswith("{")):
+    try:
+      found.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return [value for value in found if isinstance(value, dict)]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -250,102 +209,85 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--record",
     metavar="FILE.jsonl",
-    help="Append records to this file: the JSON lines the command after "
-    "-- prints, or the object in --from_json.",
+    help="Append to this file the JSON lines that the "
+    "command after -- prints, or the records of --from_json or --from_workdir.",
   )
   parser.add_argument(
     "--from_json",
     metavar="FILE",
-    help="With --record: a JSON file a command wrote (e.g. eval.py's "
+    help="A JSON file a command wrote (eval.py's "
     "eval/<split>-<step>.json), or JSON lines (bench/results/cpu.jsonl).",
   )
   parser.add_argument(
     "--from_workdir",
     metavar="WORKDIR",
-    help="With --record: the make_train record of this `make train` run "
-    "(metrics.jsonl and eval/test-<step>.json); needs --wall_time_s.",
+    help="The make_train record of this `make train` "
+    "run (metrics.jsonl and eval/test-<step>.json); needs --wall_time_s.",
   )
   parser.add_argument(
-    "--wall_time_s", type=float, help="With --from_workdir: how long `make train` took, in seconds."
+    "--wall_time_s", type=float, help="With --from_workdir: how long `make train` took (s)."
   )
   parser.add_argument(
     "--command",
-    help="With --from_json or --from_workdir: the command that wrote the file(s) (a row "
-    "of --from_json that names its own command keeps it).",
+    help="With --from_json or --from_workdir: the command that wrote the "
+    "file(s) (a row of --from_json that names its own command keeps it).",
   )
   parser.add_argument(
-    "--machine",
-    help="With --record: the hardware, in words (default: the CPU's model and core count).",
+    "--machine", help="The hardware, in words (default: the CPU's model and core count)."
   )
   return parser
 
 
-def _record(args: argparse.Namespace, parser: argparse.ArgumentParser, command: list[str]) -> int:
-  """--record: appends the records of a command's output, a JSON file or a workdir."""
-  if sum(map(bool, (command, args.from_json, args.from_workdir))) != 1:
-    parser.error("--record takes one of: a command after --, --from_json, --from_workdir")
-  if (args.from_json or args.from_workdir) and not args.command:
-    parser.error("--from_json and --from_workdir need --command: the command that ran")
+def _records(args: argparse.Namespace, command: list[str]) -> tuple[list[dict], dict]:
+  """--record: the records of a workdir, a JSON file or a command's output, and where
+  they came from."""
   if args.from_workdir:
-    if args.wall_time_s is None:
-      parser.error("--from_workdir needs --wall_time_s: how long the command took")
-    try:
-      records = [make_train_record(args.from_workdir, args.wall_time_s)]
-    except (RecordError, OSError, KeyError) as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 1
-    where = provenance(args.command, args.machine)
+    records = [make_train_record(args.from_workdir, args.wall_time_s)]
   elif args.from_json:
     text = storage.read_text(args.from_json)  # eval.py's file may be in a gs:// workdir
     try:
       records = [json.loads(text)]
     except json.JSONDecodeError:
       records = json_objects(text.splitlines())
-    where = provenance(args.command, args.machine)
   else:
-    where = provenance(" ".join(command), args.machine)
     process = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     sys.stdout.write(process.stdout)
     if process.returncode != 0:
-      print(
-        f"error: the command exited with code {process.returncode}; nothing recorded",
-        file=sys.stderr,
-      )
-      return 1
+      raise RecordError(f"the command exited with code {process.returncode}; nothing recorded")
     records = json_objects(process.stdout.splitlines())
     if not records:
-      print("error: the command printed no JSON object; nothing recorded", file=sys.stderr)
-      return 1
-  append_records(args.record, records, where)
-  print(f"appended {len(records)} record(s) to {args.record}; run `make docs` to render them")
-  return 0
+      raise RecordError("the command printed no JSON object; nothing recorded")
+  return records, provenance(args.command or " ".join(command), args.machine)
 
 
 def main(argv: list[str]) -> int:
-  command = []
-  if "--" in argv:
-    command = argv[argv.index("--") + 1 :]
-    argv = argv[: argv.index("--")]
+  split = argv.index("--") if "--" in argv else len(argv)
+  argv, command = argv[:split], argv[split + 1 :]
   parser = _parser()
   args = parser.parse_args(argv)
   if args.record:
-    return _record(args, parser, command)
-
+    if sum(map(bool, (command, args.from_json, args.from_workdir))) != 1:
+      parser.error("--record takes one of: a command after --, --from_json, --from_workdir")
+    if (args.from_json or args.from_workdir) and not args.command:
+      parser.error("--from_json and --from_workdir need --command: the command that ran")
+    if args.from_workdir and args.wall_time_s is None:
+      parser.error("--from_workdir needs --wall_time_s: how long the command took")
   try:
+    if args.record:
+      records, where = _records(args, command)
+      append_records(args.record, records, where)
+      print(f"appended {len(records)} record(s) to {args.record}; run `make docs` to render them")
+      return 0
     changed = render(check=args.check)
     outdated = record_sources.outdated() if args.check else []
-  except RecordError as e:
+  except (RecordError, OSError, KeyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  if args.check:
-    for relative in changed:
-      print(f"stale: {relative} (run `make docs`)")
-    for line in outdated:
-      print(f"outdated: {line}")
-    return 1 if changed or outdated else 0
   for relative in changed:
-    print(f"rendered {relative}")
-  return 0
+    print(f"stale: {relative} (run `make docs`)" if args.check else f"rendered {relative}")
+  for line in outdated:
+    print(f"outdated: {line}")
+  return 1 if args.check and (changed or outdated) else 0
 
 
 if __name__ == "__main__":
