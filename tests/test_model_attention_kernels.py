@@ -263,7 +263,11 @@ def test_every_kernel_decodes_as_the_forward_pass(name, decoder_only):
   "name, overrides, problem",
   [
     ("xla", {"d_v": D_K + 2}, "xla needs d_k == d_v, got 4 and 6; use einsum"),
-    ("tpu_flash", {"attention_dropout_rate": 0.1}, "tpu_flash has no attention dropout"),
+    (
+      "tpu_flash",
+      {"d_v": D_K, "attention_dropout_rate": 0.1},
+      "tpu_flash has no attention dropout",
+    ),
     ("cudnn", {"d_v": D_K}, "cudnn computes in bfloat16 only, not float32"),
     ("splash", {}, "'splash' is not one of einsum, xla, cudnn, tpu_flash"),
   ],
