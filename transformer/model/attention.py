@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
 from transformer.model import parts
-from transformer.model.attention_kernels import DEFAULT, AttentionMask, Kernel, kernel_for
+from transformer.model.attention_kernels import AttentionMask, Kernel, kernel_for
 from transformer.model.primitives import (
   BATCH,
   BLD,
@@ -156,14 +156,15 @@ class MultiHeadAttention(nn.Module):
       if use_cache:  # K [R, H, K, S] and V [R, H, S, E], as the cache stores them
         if not self.self_attention:
           cache_mask_Bx1xLxC = mask.dense()
-        decode = kernel.decode or DEFAULT.decode
-        out_BxLxHxE = decode(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC)
+        out_BxLxHxE = kernel.decode_or_default()(
+          q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC
+        )
       elif needs_weights:
         out_BxLxHxE = self._attend_with_weights(
           kernel, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, deterministic
         )
       else:  # V [B, S, H, E+1] with_ones, else [B, S, H, E]
-        attend = kernel.attend_with_ones if with_ones else kernel.attend
+        attend = (kernel.attend_with_ones if with_ones else None) or kernel.attend
         out_BxLxHxE = attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask)
       out_BxLxHxE = constrain(out_BxLxHxE, BLHK)
     with parts.scope(parts.PROJECTIONS):
@@ -289,5 +290,5 @@ class MultiHeadAttention(nn.Module):
           )
       return weights_BxHxLxS
 
-    attend = kernel.attend_with_weights or DEFAULT.attend_with_weights
+    attend = kernel.attend_with_weights_or_default()
     return attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, on_weights)

@@ -41,9 +41,11 @@ kernel does not take.
               only inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`
               (its record's `cpu_interpreter`), as the tests do.
 
-Adding a kernel is its functions and one entry in KERNELS, whose name a config may then
-choose once config.py's ATTENTION_KERNELS lists it; tests/test_model_attention_kernels.py
-holds every kernel that can run on the CPU to the einsum path's outputs and gradients.
+Adding a kernel is its functions, one entry in KERNELS, and its name among config.py's
+ATTENTION_KERNELS (the choices a config is checked against; config.py sits below the
+model and cannot read KERNELS, and a test keeps the two equal). The tests over every
+kernel (tests/test_model_attention_kernels.py) then hold it to the einsum path's
+outputs, gradients and decoding wherever its record says it can run.
 """
 
 from __future__ import annotations
@@ -436,6 +438,14 @@ class Kernel:
   dtypes: tuple[str, ...] | None = None  # the compute dtypes it takes; None: any
   # Where it runs on a CPU only emulated: a context manager the call runs inside.
   cpu_interpreter: Callable[[], contextlib.AbstractContextManager] | None = None
+
+  def decode_or_default(self) -> Decode:
+    """`decode`, or the default kernel's where this kernel has none."""
+    return self.decode or cached_attention
+
+  def attend_with_weights_or_default(self) -> AttendWithWeights:
+    """`attend_with_weights`, or the default kernel's where this kernel has none."""
+    return self.attend_with_weights or einsum_attention
 
   def unsupported(self, cfg: ModelConfig) -> str | None:
     """Why this kernel cannot serve a model of `cfg` (one line), or None if it can."""
