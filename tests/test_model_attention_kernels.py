@@ -50,6 +50,17 @@ def test_every_kernel_a_config_may_name_is_implemented():
   assert KERNELS[config_lib.model_config().attention_kernel] is DEFAULT
 
 
+def test_a_kernel_lends_the_default_kernels_forms_it_lacks():
+  """Where a record has no weights' or decoding form, the default kernel's stands in,
+  whichever kernel DEFAULT is."""
+  for kernel in KERNELS.values():
+    assert kernel.decode_or_default() is (kernel.decode or DEFAULT.decode)
+    assert kernel.attend_with_weights_or_default() is (
+      kernel.attend_with_weights or DEFAULT.attend_with_weights
+    )
+  assert DEFAULT.decode is not None and DEFAULT.attend_with_weights is not None
+
+
 def _where_it_runs(kernel: Kernel) -> contextlib.AbstractContextManager:
   """The context the kernel runs in here (its CPU interpreter on a CPU that is not one of
   its platforms), or skip: the registry says it cannot run on this machine."""

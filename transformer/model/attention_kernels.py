@@ -20,10 +20,10 @@ may also have
                        attention dropout need them;
   decode               one decoding step's attention over the cache (`Decode`, below).
 
-What a kernel lacks, MultiHeadAttention takes from the default kernel (DEFAULT, einsum):
-attention maps and cached decoding. What cannot fall back is refused when the model is
-built (`kernel_for`): attention dropout in training, d_k != d_v, a compute dtype the
-kernel does not take.
+What a kernel lacks for attention maps and cached decoding it takes from the default
+kernel (DEFAULT, einsum: `Kernel.attend_with_weights_or_default`, `decode_or_default`).
+What cannot fall back is refused when the model is built (`kernel_for`): attention
+dropout, d_k != d_v, a compute dtype the kernel does not take.
 
   einsum      written out in XLA ops: the f32 scores [B, H, L, S] are formed, soft-maxed
               and multiplied by V (`softmax_attention`, below, for training and
@@ -424,9 +424,9 @@ def _per_device(kernel):
 @dataclasses.dataclass(frozen=True)
 class Kernel:
   """One attention kernel: its functions (the module docstring's forms) and what it can
-  do. A form it lacks is None; MultiHeadAttention takes the default kernel's instead
-  where it may (attention maps, decoding) and `kernel_for` refuses the model where it
-  may not (attention dropout)."""
+  do. A form it lacks is None: the `_or_default` methods lend the default kernel's
+  where that may stand in (attention maps, decoding), and `kernel_for` refuses the model
+  where it may not (attention dropout)."""
 
   name: str  # as model.attention_kernel names it
   attend: Attend
@@ -440,7 +440,7 @@ class Kernel:
   cpu_interpreter: Callable[[], contextlib.AbstractContextManager] | None = None
 
   def decode_or_default(self) -> Decode:
-    """`decode`, or the default kernel's where this kernel has none."""
+    """`decode`, or the default kernel's (DEFAULT.decode) where this kernel has none."""
     return self.decode or cached_attention
 
   def attend_with_weights_or_default(self) -> AttendWithWeights:
