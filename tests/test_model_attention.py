@@ -1,8 +1,9 @@
-"""transformer/model/attention.py: shapes, the decoding cache, the fused kernels."""
+"""transformer/model/attention.py: shapes, the decoding cache, the model part scopes, the
+scores in f32 (every kernel against einsum: test_model_attention_kernels.py)."""
 
 from __future__ import annotations
 
-import functools
+import re
 
 import chex
 import flax.linen as nn
@@ -29,7 +30,7 @@ from tests.helpers.model_helpers import (
   run,
   tiny_config,
 )
-from transformer.model import Transformer
+from transformer.model import Transformer, parts
 from transformer.model.attention import MultiHeadAttention, Projection
 from transformer.model.attention_kernels import AttentionMask, attention_scores
 
@@ -134,28 +135,38 @@ def test_projection_with_a_ones_column_is_the_projection_and_a_column_of_ones():
   chex.assert_trees_all_close(backward(cotangent), plain_backward(cotangent[..., :-1]), atol=1e-6)
 
 
-@pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
-def test_dot_product_attention_kernel_matches_einsum(decoder_only):
-  einsum = tiny_config(decoder_only=decoder_only, d_v=D_K)
-  fused = tiny_config(decoder_only=decoder_only, d_v=D_K, attention_kernel="xla")
-  params = random_params(einsum)
-  batch = packed_batch(decoder_only)  # segments and padding exercise the mask
+@pytest.mark.parametrize("attention_dropout_rate", [0.0, 0.1], ids=["ones_column", "dropout"])
+def test_attention_ops_run_under_the_model_part_scopes(attention_dropout_rate):
+  """Every op of the attention modules in a training step, forward and backward, names
+  its part on its source path (parts.py): the matmuls of Q, K, V and the output are
+  projections, those of the scores and the weights attention core, and the weights'
+  dropout dropout, inside attention core."""
+  cfg = tiny_config(num_layers=1, attention_dropout_rate=attention_dropout_rate)
+  params = random_params(cfg)
+  batch = packed_batch(decoder_only=False)
 
-  def loss(cfg, p):
-    return jnp.sum(run(cfg, p, **batch) ** 2)
+  def loss(params):
+    rngs = {"dropout": jax.random.key(0)}
+    return jnp.sum(run(cfg, params, **batch, deterministic=False, rngs=rngs) ** 2)
 
-  np.testing.assert_allclose(
-    run(fused, params, **batch), run(einsum, params, **batch), rtol=1e-5, atol=1e-5
-  )
-  chex.assert_trees_all_close(
-    jax.grad(functools.partial(loss, fused))(params),
-    jax.grad(functools.partial(loss, einsum))(params),
-    rtol=1e-4,
-    atol=1e-4,
-  )
-  # Asking for the weights falls back to einsum, which sows them.
-  _, state = run(fused, params, **batch, mutable=["intermediates"])
-  assert "attention_weights" in state["intermediates"]["decoder"]["layer_0"]["self_attention"]
+  text = jax.jit(jax.grad(loss)).lower(params).as_text(debug_info=True)
+  op_names = set(re.findall(r'loc\("([^"]+)"', text))
+  in_attention = {name for name in op_names if re.search(r"/(self|cross)_attention/", name)}
+  matmuls = {name for name in in_attention if name.endswith("dot_general")}
+  assert {parts.part_of_op_name(name) for name in matmuls} == {
+    parts.PROJECTIONS,
+    parts.ATTENTION_CORE,
+  }
+  assert {name for name in in_attention if parts.part_of_op_name(name) is None} == set()
+  for name in matmuls:
+    projection = re.search(r"/(qkv|query|kv|out)/", name) is not None
+    assert parts.part_of_op_name(name) == (
+      parts.PROJECTIONS if projection else parts.ATTENTION_CORE
+    ), name
+  dropout = {name for name in in_attention if "Dropout" in name}
+  assert bool(dropout) == (attention_dropout_rate > 0)
+  assert {parts.part_of_op_name(name) for name in dropout} <= {parts.DROPOUT}
+  assert all("part.attention_core" in name for name in dropout)
 
 
 def _bf16_rounded(x):

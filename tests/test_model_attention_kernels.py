@@ -1,14 +1,17 @@
 """transformer/model/attention_kernels.py: every kernel computes the einsum path's
 attention, forward and gradient, with padding, packed segments and the causal mask.
 
-The TPU kernel (tpu_flash, Pallas FlashAttention) runs here in Pallas's TPU interpret
-mode, which executes the kernel's own program on the CPU, tile by tile. Padding queries
-have no defined output (no loss reads one), so outputs and losses are compared at real
+The tests over every kernel take each one the registry says can run here: on this
+platform, or on a CPU inside its `cpu_interpreter` (tpu_flash, Pallas FlashAttention,
+runs in Pallas's TPU interpret mode, which executes the kernel's own program on the CPU,
+tile by tile). A new entry in KERNELS is tested by them as it is. Padding queries have
+no defined output (no loss reads one), so outputs and losses are compared at real
 positions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -17,23 +20,66 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pallas_tpu
 
-from tests.helpers.model_helpers import D_K, packed_batch, random_params, run, tiny_config
+from tests.helpers.model_helpers import (
+  D_K,
+  packed_batch,
+  random_params,
+  random_tokens,
+  run,
+  tiny_config,
+)
 from transformer import config as config_lib
-from transformer.inference import sharding
-from transformer.model import attention_kernels
+from transformer.model import Transformer, attention_kernels, incremental
 from transformer.model.attention_kernels import (
+  DEFAULT,
   KERNELS,
   AttentionMask,
+  Kernel,
   einsum_attention,
+  kernel_for,
   softmax_attention,
-  tpu_flash_attention,
 )
+from transformer.model.primitives import current_platform
+from transformer.inference import sharding
 
 
 def test_every_kernel_a_config_may_name_is_implemented():
   assert set(KERNELS) == set(config_lib.ATTENTION_KERNELS)
+  assert all(name == kernel.name for name, kernel in KERNELS.items())
+  assert KERNELS[config_lib.model_config().attention_kernel] is DEFAULT
+
+
+def test_a_kernel_lends_the_default_kernels_forms_it_lacks():
+  """Where a record has no weights' or decoding form, the default kernel's stands in,
+  whichever kernel DEFAULT is."""
+  for kernel in KERNELS.values():
+    assert kernel.decode_or_default() is (kernel.decode or DEFAULT.decode)
+    assert kernel.attend_with_weights_or_default() is (
+      kernel.attend_with_weights or DEFAULT.attend_with_weights
+    )
+  assert DEFAULT.decode is not None and DEFAULT.attend_with_weights is not None
+
+
+def _where_it_runs(kernel: Kernel) -> contextlib.AbstractContextManager:
+  """The context the kernel runs in here (its CPU interpreter on a CPU that is not one of
+  its platforms), or skip: the registry says it cannot run on this machine."""
+  platform = current_platform()
+  if platform in kernel.platforms:
+    return contextlib.nullcontext()
+  if platform == "cpu" and kernel.cpu_interpreter is not None:
+    return kernel.cpu_interpreter()
+  pytest.skip(f"{kernel.name} runs on {', '.join(kernel.platforms)}, not {platform}")
+
+
+def _in_float32(kernel: Kernel) -> Kernel:
+  if kernel.dtypes is not None and "float32" not in kernel.dtypes:
+    pytest.skip(f"{kernel.name} computes in {', '.join(kernel.dtypes)} only")
+  return kernel
+
+
+# Every kernel but the default, the reference the others are held to.
+OTHER_KERNELS = [name for name in KERNELS if name != DEFAULT.name]
 
 
 def _segments(length: int, rng) -> np.ndarray:
@@ -89,7 +135,7 @@ def test_einsum_kernel_matches_the_written_out_weights_forward_and_gradient(
   def loss(kernel, q, k, v):
     return jnp.sum(kernel(q, k, v, mask) * weights)
 
-  assert KERNELS["einsum"] is softmax_attention
+  assert DEFAULT.attend is softmax_attention
   np.testing.assert_allclose(
     jax.jit(softmax_attention)(q, k, v, mask), _weights_written_out(q, k, v, mask), atol=1e-5
   )
@@ -126,30 +172,47 @@ def test_einsum_model_with_the_ones_column_matches_the_weights_written_out(decod
   chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-5)
 
 
+def _forms(kernel: Kernel):
+  """Each of the kernel's forms as attend(q, k, v, mask): V's ones column appended for
+  attend_with_ones, the weights cast to V's dtype for attend_with_weights."""
+  forms = {"attend": kernel.attend}
+  if kernel.attend_with_ones is not None:
+    ones = lambda v: jnp.ones(v.shape[:-1] + (1,), v.dtype)
+    forms["attend_with_ones"] = lambda q, k, v, mask: kernel.attend_with_ones(
+      q, k, jnp.concatenate([v, ones(v)], axis=-1), mask
+    )
+  if kernel.attend_with_weights is not None:
+    forms["attend_with_weights"] = lambda q, k, v, mask: kernel.attend_with_weights(
+      q, k, v, mask, lambda weights: weights.astype(v.dtype)
+    )
+  return forms
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
 @pytest.mark.parametrize(
   "length, source_len, causal",
   [(6, 7, False), (6, 6, True), (136, 136, True)],
   ids=["cross-short", "causal-short", "causal-two-tiles"],
 )
-def test_tpu_flash_kernel_matches_einsum_forward_and_gradient(length, source_len, causal):
-  """Lengths that are not a multiple of the kernel's tiles (padded inside), and one that
-  spans two 128-row tiles of queries and of keys."""
+def test_every_kernel_matches_einsum_forward_and_gradient(name, length, source_len, causal):
+  """Every form of every kernel against the weights written out, at the real positions,
+  to 1e-5 in float32. Lengths that are not a multiple of 8 or of a tiled kernel's tiles
+  (padded inside), and one that spans two 128-row tiles of queries and of keys."""
+  kernel = _in_float32(KERNELS[name])
   q, k, v, q_ids, mask, loss = _attention_case(length, source_len, causal, 2, 16, jnp.float32)
-  with pallas_tpu.force_tpu_interpret_mode():
-    flash = jax.jit(tpu_flash_attention)(q, k, v, mask)
-    flash_grads = jax.jit(jax.grad(functools.partial(loss, tpu_flash_attention), (0, 1, 2)))(
-      q, k, v
-    )
   real = q_ids != 0
-  np.testing.assert_allclose(
-    np.asarray(flash)[real], np.asarray(einsum_attention(q, k, v, mask))[real], atol=1e-5
-  )
-  einsum_grads = jax.grad(functools.partial(loss, einsum_attention), (0, 1, 2))(q, k, v)
-  for name, got, want in zip("qkv", flash_grads, einsum_grads):
-    np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"d loss / d {name}")
+  want = np.asarray(_weights_written_out(q, k, v, mask))[real]
+  want_grads = jax.grad(functools.partial(loss, _weights_written_out), (0, 1, 2))(q, k, v)
+  for form, attend in _forms(kernel).items():
+    with _where_it_runs(kernel):
+      got = jax.jit(attend)(q, k, v, mask)
+      got_grads = jax.jit(jax.grad(functools.partial(loss, attend), (0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(np.asarray(got)[real], want, atol=1e-5, err_msg=form)
+    for grad_of, got_grad, want_grad in zip("qkv", got_grads, want_grads):
+      np.testing.assert_allclose(got_grad, want_grad, atol=1e-5, err_msg=f"{form} d/d{grad_of}")
   # The mask matters: without the segment ids, attention crosses the packed pairs.
   unpacked = AttentionMask(jnp.ones_like(mask.q_segment_ids_BxL), mask.kv_segment_ids_BxS, causal)
-  assert not np.allclose(np.asarray(einsum_attention(q, k, v, unpacked))[real], flash[real])
+  assert not np.allclose(np.asarray(_weights_written_out(q, k, v, unpacked))[real], want)
 
 
 def _real_loss(cfg, batch, params):
@@ -159,24 +222,91 @@ def _real_loss(cfg, batch, params):
   return jnp.sum(jnp.where(real_BxTx1, logits_BxTxV, 0.0) ** 2)
 
 
+@pytest.mark.parametrize("name", OTHER_KERNELS)
 @pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
-def test_tpu_flash_model_matches_einsum(decoder_only):
+def test_every_kernel_runs_the_model_as_einsum(name, decoder_only):
   """The whole model: encoder self-attention, causal decoder self-attention and
-  cross-attention over packed pairs with padding, logits and every parameter's gradient."""
+  cross-attention over packed pairs with padding, logits and every parameter's gradient;
+  and asking for attention maps, which a kernel without the weights' form lends from
+  the default kernel."""
   einsum = tiny_config(decoder_only=decoder_only, d_v=D_K, num_layers=1)
-  flash = dataclasses.replace(einsum, attention_kernel="tpu_flash")
+  other = dataclasses.replace(einsum, attention_kernel=_in_float32(KERNELS[name]).name)
   params = random_params(einsum)
   batch = packed_batch(decoder_only)
   real = np.asarray(batch["target_segment_ids"] != 0)
-  with pallas_tpu.force_tpu_interpret_mode():
-    flash_logits = jax.jit(lambda p: run(flash, p, **batch))(params)
-    flash_grads = jax.jit(jax.grad(functools.partial(_real_loss, flash, batch)))(params)
+  with _where_it_runs(KERNELS[name]):
+    logits = jax.jit(lambda p: run(other, p, **batch))(params)
+    grads = jax.jit(jax.grad(functools.partial(_real_loss, other, batch)))(params)
+    _, maps = run(other, params, **batch, mutable=["intermediates"])
   np.testing.assert_allclose(
-    np.asarray(flash_logits)[real], np.asarray(run(einsum, params, **batch))[real], atol=1e-5
+    np.asarray(logits)[real], np.asarray(run(einsum, params, **batch))[real], atol=1e-5
   )
   chex.assert_trees_all_close(
-    flash_grads, jax.grad(functools.partial(_real_loss, einsum, batch))(params), atol=1e-5
+    grads, jax.grad(functools.partial(_real_loss, einsum, batch))(params), atol=1e-5
   )
+  assert "attention_weights" in maps["intermediates"]["decoder"]["layer_0"]["self_attention"]
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["encoder_decoder", "decoder_only"])
+def test_every_kernel_decodes_as_the_forward_pass(name, decoder_only):
+  """Prefill and two calls feeding tokens (one, then two per row) give the forward
+  pass's logits at those positions: with the kernel's own `decode`, or the default
+  kernel's where its record has none."""
+  kernel = _in_float32(KERNELS[name])
+  cfg = tiny_config(decoder_only=decoder_only, d_v=D_K, num_layers=1, attention_kernel=name)
+  params = random_params(cfg)
+  prompt_BxP = random_tokens(5, (2, 3)).at[:, 0].set(config_lib.BOS_ID)
+  fed_BxL = random_tokens(6, (2, 3))
+  source_BxS = None if decoder_only else random_tokens(7, (2, 5))
+  model, prepared = incremental.of(Transformer(cfg)).prepare(params)
+  with _where_it_runs(kernel):
+    prefilled = model.prefill(prepared, prompt_BxP, cache_len=8, source_BxS=source_BxS)
+    first_Bx1xV, state = model.feed(prepared, prefilled.state, fed_BxL[:, :1])
+    rest_Bx2xV, _ = model.feed(prepared, state, fed_BxL[:, 1:])
+    want_BxTxV = run(cfg, params, source_BxS, jnp.concatenate([prompt_BxP, fed_BxL], axis=1))
+  np.testing.assert_allclose(prefilled.logits_BxV, want_BxTxV[:, 2], atol=1e-5)
+  np.testing.assert_allclose(first_Bx1xV[:, 0], want_BxTxV[:, 3], atol=1e-5)
+  np.testing.assert_allclose(rest_Bx2xV, want_BxTxV[:, 4:], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "name, overrides, problem",
+  [
+    ("xla", {"d_v": D_K + 2}, "xla needs d_k == d_v, got 4 and 6; use einsum"),
+    (
+      "tpu_flash",
+      {"d_v": D_K, "attention_dropout_rate": 0.1},
+      "tpu_flash has no attention dropout",
+    ),
+    ("cudnn", {"d_v": D_K}, "cudnn computes in bfloat16 only, not float32"),
+    ("splash", {}, "'splash' is not one of einsum, xla, cudnn, tpu_flash"),
+  ],
+  ids=["d_k_not_d_v", "attention_dropout", "dtype", "unknown"],
+)
+def test_a_kernel_that_cannot_serve_the_model_is_refused_naming_the_key(name, overrides, problem):
+  cfg = tiny_config(attention_kernel=name, **overrides)
+  with pytest.raises(config_lib.ConfigError, match="config.model.attention_kernel: ") as error:
+    kernel_for(cfg)
+  assert problem in str(error.value)
+  # The model is refused as it is built, before anything runs.
+  with pytest.raises(config_lib.ConfigError, match="attention_kernel"):
+    random_params(cfg)
+  assert kernel_for(tiny_config(**overrides)) is DEFAULT  # einsum serves every model
+
+
+@pytest.mark.parametrize("d_k", [64, 128, 256])
+@pytest.mark.parametrize("attention_dropout_rate", [0.0, 0.1])
+def test_auto_picks_only_a_kernel_that_can_serve_the_model(d_k, attention_dropout_rate):
+  """resolve_auto (config/policy.py, below the model) names cudnn by its measured speed; the
+  kernel it picks must be one whose record accepts the model."""
+  model = config_lib.model_config()
+  model.update(dtype="auto", attention_kernel="auto", d_k=d_k, d_v=d_k)
+  model.attention_dropout_rate = attention_dropout_rate
+  for platform in config_lib.PLATFORMS:
+    resolved = config_lib.resolve_auto(model, platform)
+    cfg = tiny_config(d_k=d_k, d_v=d_k, attention_dropout_rate=attention_dropout_rate, **resolved)
+    assert platform in kernel_for(cfg).platforms
 
 
 def test_tpu_flash_runs_per_device_on_a_mesh(monkeypatch):
@@ -199,7 +329,7 @@ def test_tpu_flash_runs_per_device_on_a_mesh(monkeypatch):
   on_mesh = jax.device_put((params, batch), jax.sharding.NamedSharding(mesh, jax.P()))
   with (
     sharding.activation_sharding(mesh, config_lib.logical_axis_rules()),
-    pallas_tpu.force_tpu_interpret_mode(),
+    _where_it_runs(KERNELS["tpu_flash"]),
   ):
     logits = jax.jit(lambda p, b: run(flash, p, **b))(*on_mesh)
   # [B, L, H, K] = [2, 6 or 7, 2, 4]: a row and a head per device, lengths whole.
@@ -239,7 +369,7 @@ def test_cudnn_kernel_matches_einsum_on_an_nvidia_gpu(length, source_len, causal
   gpu = _nvidia_gpu()
   with jax.default_device(gpu):
     q, k, v, q_ids, mask, loss = _attention_case(length, source_len, causal, 4, 64, jnp.bfloat16)
-    cudnn = KERNELS["cudnn"]
+    cudnn = KERNELS["cudnn"].attend
     got = jax.jit(cudnn)(q, k, v, mask)
     want = jax.jit(einsum_attention)(q, k, v, mask)
     got_grads = jax.jit(jax.grad(functools.partial(loss, cudnn), (0, 1, 2)))(q, k, v)

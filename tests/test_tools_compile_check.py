@@ -178,7 +178,8 @@ def test_the_tpu_flash_kernel_compiles_per_device_and_every_kernel_is_costed_and
   kernels = profile["custom_calls"]
   assert len(kernels) == 9, [k["name"] for k in kernels]
   assert all(
-    k["target"] == "tpu_custom_call" and "_attend/shard_map" in k["op_name"] for k in kernels
+    k["target"] == "tpu_custom_call" and "part.attention_core/shard_map" in k["op_name"]
+    for k in kernels
   )
   costed_by = collections.Counter(
     "own"

@@ -84,18 +84,8 @@ def _check_model(m: ml_collections.ConfigDict, flat: dict) -> None:
     _check_choice(flat, key, (*DTYPES, AUTO) if key == "model.dtype" else DTYPES)
   _check_choice(flat, "model.remat", REMAT_POLICIES)
   _check_choice(flat, "model.attention_kernel", (*ATTENTION_KERNELS, AUTO))
-  if m.attention_kernel not in ("einsum", AUTO):  # auto falls back to einsum by itself
-    _check(
-      m.d_k == m.d_v,
-      "model.attention_kernel",
-      f"{m.attention_kernel} needs d_k == d_v, got {m.d_k} and {m.d_v}; use einsum",
-    )
-    _check(
-      m.attention_dropout_rate == 0,
-      "model.attention_kernel",
-      f"{m.attention_kernel} has no attention dropout; use einsum or set "
-      "model.attention_dropout_rate=0",
-    )
+  # Whether the kernel can serve this model (d_k != d_v, attention dropout, dtype) is
+  # asked of its record when the model is built (model/attention_kernels.py, kernel_for).
   _check(
     m.d_model % 2 == 0 or m.positional != "sinusoidal",
     "model.d_model",

@@ -11,28 +11,27 @@ The cache keeps K as [B, H, K, C] and V as [B, H, C, E] ('key', 'value'; 'cross_
 K/V may hold one row per group of G query rows (beam search: one per sentence for its
 G hypotheses).
 
-Without the cache, softmax(Q K^T / sqrt(d_k)) V is computed by the kernel the config
-names (attention_kernels.py), which reads the mask as an AttentionMask (segment ids and
-causality). Q, K, V, the attention logits and the output carry sharding constraints (`constrain`):
-rows over the batch axes, heads over the tensor axis, under the config's rules.
+softmax(Q K^T / sqrt(d_k)) V is computed by the kernel the config names, through its
+record (attention_kernels.Kernel): its `attend` (or the form of it that takes V's ones
+column, or forms the weights for attention maps and dropout) without the cache, reading
+the mask as an AttentionMask (segment ids and causality); its `decode` over the cache. A
+kernel without a form this call needs lends it from the default kernel. Q, K, V, the
+attention logits and the output carry sharding constraints (`constrain`): rows over the
+batch axes, heads over the tensor axis, under the config's rules. The projections run
+under the model part scope PROJECTIONS, the kernel under ATTENTION_CORE (parts.py).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from transformer.model.attention_kernels import (
-  KERNELS,
-  AttentionMask,
-  einsum_attention,
-  softmax_attention_with_ones,
-)
+from transformer.model import parts
+from transformer.model.attention_kernels import AttentionMask, Kernel, kernel_for
 from transformer.model.primitives import (
   BATCH,
   BLD,
@@ -40,7 +39,6 @@ from transformer.model.primitives import (
   HEADS,
   KV,
   LENGTH,
-  MASKED_LOGIT,
   Array,
   Dropout,
   ModelConfig,
@@ -69,7 +67,7 @@ class Projection(nn.Module):
   axes: tuple[str, ...]  # the kernel's logical axes: contracted dimensions, then features
   num_in: int = 1
   # One more output feature along the last axis, always 1 (the kernel is unchanged):
-  # V with the ones column that attention_kernels.softmax_attention_with_ones takes.
+  # V with the ones column that a kernel's `attend_with_ones` takes.
   ones_column: bool = False
 
   @nn.compact
@@ -138,27 +136,40 @@ class MultiHeadAttention(nn.Module):
     use_cache: bool = False,
     cache_position: Array | None = None,
   ) -> Array:
-    # V comes with a column of ones for the einsum kernel's own form (see _attend).
-    with_ones = not use_cache and self._einsum_without_weights(deterministic)
-    if self.self_attention:
-      q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC = self._self_qkv(
-        x_BxLxD, positions_BxL, use_cache, cache_position, with_ones
-      )
-    else:
-      q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(x_BxLxD, memory_BxSxD, use_cache, with_ones)
-      cache_mask_Bx1xLxC = mask.dense() if use_cache else None
+    kernel = kernel_for(self.config)
+    # The kernel's form is chosen first: the one that takes V with a column of ones
+    # has the projection write that column.
+    needs_weights = not use_cache and self._needs_weights(deterministic)
+    with_ones = not (use_cache or needs_weights) and kernel.attend_with_ones is not None
+    with parts.scope(parts.PROJECTIONS):
+      if self.self_attention:
+        q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC = self._self_qkv(
+          x_BxLxD, positions_BxL, use_cache, cache_position, with_ones
+        )
+      else:
+        q_BxLxHxK, k_BxSxHxK, v_BxSxHxE = self._cross_qkv(
+          x_BxLxD, memory_BxSxD, use_cache, with_ones
+        )
     if q_BxLxHxK is None:  # the call that creates the cache only sizes it
       return jnp.zeros_like(x_BxLxD)
-    if use_cache:  # K [R, H, K, S] and V [R, H, S, E], as the cache stores them
-      out_BxLxHxE = self._attend_cached(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC)
-    elif with_ones:  # V [B, S, H, E+1]
-      out_BxLxHxE = softmax_attention_with_ones(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask)
-    else:
-      out_BxLxHxE = self._attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, deterministic)
-    out_BxLxHxE = constrain(out_BxLxHxE, BLHK)
-    out_BxLxD = self._dense(self.config.d_model, ("heads", "kv", "embed"), "out", axis=(-2, -1))(
-      out_BxLxHxE
-    )
+    with parts.scope(parts.ATTENTION_CORE):
+      if use_cache:  # K [R, H, K, S] and V [R, H, S, E], as the cache stores them
+        if not self.self_attention:
+          cache_mask_Bx1xLxC = mask.dense()
+        out_BxLxHxE = kernel.decode_or_default()(
+          q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, cache_mask_Bx1xLxC
+        )
+      elif needs_weights:
+        out_BxLxHxE = self._attend_with_weights(
+          kernel, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, deterministic
+        )
+      else:  # V [B, S, H, E+1] with_ones, else [B, S, H, E]
+        attend = (kernel.attend_with_ones if with_ones else None) or kernel.attend
+        out_BxLxHxE = attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask)
+      out_BxLxHxE = constrain(out_BxLxHxE, BLHK)
+    with parts.scope(parts.PROJECTIONS):
+      project_out = self._dense(self.config.d_model, ("heads", "kv", "embed"), "out", (-2, -1))
+      out_BxLxD = project_out(out_BxLxHxE)
     return constrain(out_BxLxD, BLD)
 
   def _dense(
@@ -168,15 +179,11 @@ class MultiHeadAttention(nn.Module):
     num_in = len(axis) if isinstance(axis, tuple) else 1
     return Projection(self.config, features, axes, num_in, ones_column, name=name)
 
-  def _einsum_without_weights(self, deterministic: bool) -> bool:
-    """Whether the einsum kernel runs without forming the attention weights: none of
-    their uses (attention maps in 'intermediates', attention dropout applied) is asked
-    for."""
-    cfg = self.config
-    return (
-      cfg.attention_kernel == "einsum"
-      and (cfg.attention_dropout_rate == 0 or deterministic)
-      and not self.is_mutable_collection("intermediates")
+  def _needs_weights(self, deterministic: bool) -> bool:
+    """Whether this call uses the attention weights themselves: attention maps (the
+    'intermediates' collection) or attention dropout applied."""
+    return self.is_mutable_collection("intermediates") or (
+      self.config.attention_dropout_rate > 0 and not deterministic
     )
 
   def _self_qkv(self, x_BxLxD, positions_BxL, use_cache, cache_position, with_ones=False):
@@ -193,7 +200,7 @@ class MultiHeadAttention(nn.Module):
     if not use_cache:
       return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, None
     # The buffers are stored as the cached attention's matmuls read them (see
-    # `_attend_cached`): K as [B, H, K, C] and V as [B, H, C, E].
+    # `attention_kernels.Decode`): K as [B, H, K, C] and V as [B, H, C, E].
     batch, length = k_BxSxHxK.shape[:2]
     k_BxHxKxL = jnp.transpose(k_BxSxHxK, (0, 2, 3, 1))
     v_BxHxLxE = jnp.transpose(v_BxSxHxE, (0, 2, 1, 3))
@@ -248,7 +255,7 @@ class MultiHeadAttention(nn.Module):
       return q_BxLxHxK, k_BxSxHxK, v_BxSxHxE
     if not self.has_variable("cache", "cross_key"):
       # K/V depend on the source only: projected once, when the cache is created, and
-      # stored as `_attend_cached` reads them, so no step splits or transposes them.
+      # stored as a kernel's `decode` reads them, so no step splits or transposes them.
       kv_BxSxHxKE = constrain(project_kv(memory_BxSxD), BLHK)
       k_BxSxHxK, v_BxSxHxE = jnp.split(kv_BxSxHxKE, [k], axis=-1)
       self.variable(
@@ -264,57 +271,24 @@ class MultiHeadAttention(nn.Module):
       self.get_variable("cache", "cross_value"),
     )
 
-  def _attend_cached(self, q_BxLxHxK, k_RxHxKxS, v_RxHxSxE, mask_Bx1xLxS):
-    """softmax(Q K^T / sqrt(d_k)) V over the cache, whose K [R, H, K, S] and V
-    [R, H, S, E] are laid out as the two matmuls read them (batch dimensions first,
-    the contracted one next): stored [B, S, H, K] instead, XLA:CPU copied every
-    layer's K and V transposed at every decoding step, which took longer than the
-    step's matmuls (docs/performance.md). Decoding has no dropout, and the written-out
-    form serves every attention_kernel (a step's attention is small).
-
-    The cache may have fewer rows than the queries, R = B / W: then each of its rows
-    serves W adjacent query rows. Beam search keeps the cross-attention K/V once per
-    sentence for its W hypotheses (rows b * W + w), so each sentence's W x L queries
-    meet them in one matmul, M = W x L rows against the sentence's S slots; repeated
-    per hypothesis, they were read W times over at every step.
+  def _attend_with_weights(
+    self, kernel: Kernel, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask: AttentionMask, deterministic
+  ):
+    """softmax(Q K^T / sqrt(d_k)) V by a form that hands over the f32 weights [B, H, L, S]:
+    sown for attention maps, then attention dropout. A kernel without that form lends
+    the default kernel's for attention maps (kernel_for refuses its attention dropout).
     """
     cfg = self.config
-    batch, length, heads, _ = q_BxLxHxK.shape
-    rows, source_len = k_RxHxKxS.shape[0], k_RxHxKxS.shape[-1]
-    group_rows = batch // rows * length  # M
-    q_RxHxMxK = q_BxLxHxK.reshape(rows, group_rows, heads, -1).transpose(0, 2, 1, 3)
-    logits_RxHxMxS = jnp.einsum(
-      "rhmk,rhks->rhms", q_RxHxMxK, k_RxHxKxS, preferred_element_type=jnp.float32
-    ) / math.sqrt(cfg.d_k)
-    mask_Rx1xMxS = jnp.broadcast_to(mask_Bx1xLxS, (batch, 1, length, source_len)).reshape(
-      rows, 1, group_rows, source_len
-    )
-    logits_RxHxMxS = jnp.where(mask_Rx1xMxS, logits_RxHxMxS, MASKED_LOGIT)
-    weights_RxHxMxS = jax.nn.softmax(logits_RxHxMxS, axis=-1).astype(cfg.dtype)
-    out_RxHxMxE = jnp.einsum("rhms,rhse->rhme", weights_RxHxMxS, v_RxHxSxE)
-    return out_RxHxMxE.transpose(0, 2, 1, 3).reshape(batch, length, heads, -1)
-
-  def _attend(self, q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask: AttentionMask, deterministic):
-    """softmax(Q K^T / sqrt(d_k)) V by the config's kernel (attention_kernels.py).
-
-    Attention maps (the 'intermediates' collection) need the weights themselves, which
-    only the einsum kernel forms: those calls take it. (Attention dropout needs them
-    too; config/validation.py allows it with the einsum kernel only.) The einsum kernel without
-    them does not come here: its V is projected with a column of ones
-    (`Projection.ones_column`) and goes to attention_kernels.softmax_attention_with_ones,
-    whose matmul with that column gives the softmax's denominator.
-    """
-    cfg = self.config
-    if cfg.attention_kernel != "einsum" and not self.is_mutable_collection("intermediates"):
-      return KERNELS[cfg.attention_kernel](q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask)
 
     def on_weights(weights_BxHxLxS):
       self.sow("intermediates", "attention_weights", weights_BxHxLxS)
       weights_BxHxLxS = weights_BxHxLxS.astype(v_BxSxHxE.dtype)
       if cfg.attention_dropout_rate > 0:
-        weights_BxHxLxS = Dropout(cfg.attention_dropout_rate, (BATCH, HEADS, LENGTH, None))(
-          weights_BxHxLxS, deterministic=deterministic
-        )
+        with parts.scope(parts.DROPOUT):
+          weights_BxHxLxS = Dropout(cfg.attention_dropout_rate, (BATCH, HEADS, LENGTH, None))(
+            weights_BxHxLxS, deterministic=deterministic
+          )
       return weights_BxHxLxS
 
-    return einsum_attention(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, on_weights)
+    attend = kernel.attend_with_weights_or_default()
+    return attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask, on_weights)

@@ -1,20 +1,35 @@
 """softmax(Q K^T / sqrt(d_k)) V: one interface, several kernels (`model.attention_kernel`).
 
-Every kernel is a function
+Each kernel is one record, a `Kernel` in KERNELS: its functions and what it can do. Every
+kernel has
 
-    kernel(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask: AttentionMask) -> out_BxLxHxE
+    attend(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask: AttentionMask) -> out_BxLxHxE
 
 taking Q, K and V in the compute dtype and returning the heads' outputs in V's dtype.
 Scores are accumulated and soft-maxed in f32 whatever the compute dtype (mixed precision
 keeps the softmax statistics in f32), and the weights meet V in V's dtype. Where a query
 has no key it may attend to (a padding query), its output is unspecified: no loss or
-later layer reads it (a real query never attends to padding, segment id 0).
+later layer reads it (a real query never attends to padding, segment id 0). A kernel
+may also have
+
+  attend_with_ones     the same from V with a column of ones appended, [B, S, H, E+1],
+                       which MultiHeadAttention's projection writes itself
+                       (`Projection.ones_column`): it saves a copy of V;
+  attend_with_weights  the same, handing the f32 weights [B, H, L, S] to `on_weights`
+                       and multiplying V by what it returns: attention maps and
+                       attention dropout need them;
+  decode               one decoding step's attention over the cache (`Decode`, below).
+
+What a kernel lacks for attention maps and cached decoding it takes from the default
+kernel (DEFAULT, einsum: `Kernel.attend_with_weights_or_default`, `decode_or_default`).
+What cannot fall back is refused when the model is built (`kernel_for`): attention
+dropout, d_k != d_v, a compute dtype the kernel does not take.
 
   einsum      written out in XLA ops: the f32 scores [B, H, L, S] are formed, soft-maxed
               and multiplied by V (`softmax_attention`, below, for training and
-              scoring). The one kernel with attention dropout and attention maps
-              (`einsum_attention` with `on_weights`, which forms the weights
-              themselves); the others fall back to it for those.
+              scoring). The one kernel with every form: attention dropout and maps
+              (`einsum_attention`), the ones column, and cached decoding
+              (`cached_attention`).
   xla         jax.nn.dot_product_attention's XLA form, from the dense mask.
   cudnn       cuDNN's flash attention on GPU (jax.nn.dot_product_attention), same mask.
   tpu_flash   the Pallas FlashAttention kernel for TPU
@@ -23,20 +38,20 @@ later layer reads it (a real query never attends to padding, segment id 0).
               (FlashAttention, Dao et al. 2022). It reads the mask as segment ids and
               causality, never as a dense [B, 1, L, S] array, and runs per device under
               shard_map (a custom call is opaque to XLA's partitioner). On CPU it runs
-              only inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`,
-              as the tests do.
+              only inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`
+              (its record's `cpu_interpreter`), as the tests do.
 
-Adding a kernel is one function below and one entry in KERNELS (config/schema.py's
-ATTENTION_KERNELS lists the names a config may choose). The einsum kernel also takes V
-with a column of ones appended (`softmax_attention_with_ones`): MultiHeadAttention's
-projection writes that column itself (`Projection.ones_column`), which saves a copy of
-V. The cached decoding path (MultiHeadAttention._attend_cached) keeps its own
-written-out form: its K/V live in the cache's layouts ([R, H, K, C] and [R, H, C, E])
-and a step's attention is one query row.
+Adding a kernel is its functions, one entry in KERNELS, and its name among config/schema.py's
+ATTENTION_KERNELS (the choices a config is checked against; config sits below the
+model and cannot read KERNELS, and a test keeps the two equal). The tests over every
+kernel (tests/test_model_attention_kernels.py) then hold it to the einsum path's
+outputs, gradients and decoding wherever its record says it can run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -45,12 +60,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from transformer.config import ConfigError
 from transformer.model.primitives import (
   BATCH,
   HEADS,
   LENGTH,
   MASKED_LOGIT,
   Array,
+  ModelConfig,
   attention_mask,
   constrain,
 )
@@ -74,7 +91,15 @@ class AttentionMask:
     return attention_mask(self.q_segment_ids_BxL, self.kv_segment_ids_BxS, self.causal)
 
 
-Kernel = Callable[[Array, Array, Array, AttentionMask], Array]
+Attend = Callable[[Array, Array, Array, AttentionMask], Array]
+AttendWithWeights = Callable[
+  [Array, Array, Array, AttentionMask, Callable[[Array], Array] | None], Array
+]
+# decode(q_BxLxHxK, k_RxHxKxS, v_RxHxSxE, mask_Bx1xLxS) -> out_BxLxHxE: attention over
+# the decoding cache, laid out as attention.py stores it (K [R, H, K, S], V [R, H, S, E],
+# R = B / W rows each serving W adjacent query rows), with the slots each query sees as a
+# dense bool mask (a row's position may differ from its neighbours').
+Decode = Callable[[Array, Array, Array, Array], Array]
 
 
 # ----------------------------------------------------------------------------------
@@ -102,6 +127,37 @@ def einsum_attention(
   else:
     weights_BxHxLxS = on_weights(weights_BxHxLxS)
   return jnp.einsum("bhls,bshe->blhe", weights_BxHxLxS, v_BxSxHxE)
+
+
+def cached_attention(
+  q_BxLxHxK: Array, k_RxHxKxS: Array, v_RxHxSxE: Array, mask_Bx1xLxS: Array
+) -> Array:
+  """The einsum kernel's `decode`: softmax(Q K^T / sqrt(d_k)) V over the cache, whose K
+  [R, H, K, S] and V [R, H, S, E] are laid out as the two matmuls read them (batch
+  dimensions first, the contracted one next): stored [B, S, H, K] instead, XLA:CPU
+  copied every layer's K and V transposed at every decoding step, which took longer
+  than the step's matmuls (docs/performance.md). Decoding has no dropout.
+
+  The cache may have fewer rows than the queries, R = B / W: then each of its rows
+  serves W adjacent query rows. Beam search keeps the cross-attention K/V once per
+  sentence for its W hypotheses (rows b * W + w), so each sentence's W x L queries
+  meet them in one matmul, M = W x L rows against the sentence's S slots; repeated
+  per hypothesis, they were read W times over at every step.
+  """
+  batch, length, heads, d_k = q_BxLxHxK.shape
+  rows, source_len = k_RxHxKxS.shape[0], k_RxHxKxS.shape[-1]
+  group_rows = batch // rows * length  # M
+  q_RxHxMxK = q_BxLxHxK.reshape(rows, group_rows, heads, -1).transpose(0, 2, 1, 3)
+  logits_RxHxMxS = jnp.einsum(
+    "rhmk,rhks->rhms", q_RxHxMxK, k_RxHxKxS, preferred_element_type=jnp.float32
+  ) / math.sqrt(d_k)
+  mask_Rx1xMxS = jnp.broadcast_to(mask_Bx1xLxS, (batch, 1, length, source_len)).reshape(
+    rows, 1, group_rows, source_len
+  )
+  logits_RxHxMxS = jnp.where(mask_Rx1xMxS, logits_RxHxMxS, MASKED_LOGIT)
+  weights_RxHxMxS = jax.nn.softmax(logits_RxHxMxS, axis=-1).astype(v_RxHxSxE.dtype)
+  out_RxHxMxE = jnp.einsum("rhms,rhse->rhme", weights_RxHxMxS, v_RxHxSxE)
+  return out_RxHxMxE.transpose(0, 2, 1, 3).reshape(batch, length, heads, -1)
 
 
 # ----------------------------------------------------------------------------------
@@ -247,7 +303,7 @@ attention_scores.defvjp(_attention_scores_forward, _attention_scores_backward)
 # jax.nn.dot_product_attention: XLA's fused form, or cuDNN's flash attention on GPU.
 
 
-def _dot_product_attention(implementation: str) -> Kernel:
+def _dot_product_attention(implementation: str) -> Attend:
   def kernel(q_BxLxHxK, k_BxSxHxK, v_BxSxHxE, mask):
     # No precision argument, and none is needed: the xla form takes bf16 Q K^T with
     # preferred_element_type=f32 (the BF16_BF16_F32 dot algorithm) and a f32 softmax,
@@ -362,10 +418,89 @@ def _per_device(kernel):
 
 
 # ----------------------------------------------------------------------------------
+# The kernels and what each can do.
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One attention kernel: its functions (the module docstring's forms) and what it can
+  do. A form it lacks is None: the `_or_default` methods lend the default kernel's
+  where that may stand in (attention maps, decoding), and `kernel_for` refuses the model
+  where it may not (attention dropout)."""
+
+  name: str  # as model.attention_kernel names it
+  attend: Attend
+  platforms: tuple[str, ...]  # where it runs, as config.PLATFORMS names them
+  attend_with_ones: Attend | None = None
+  attend_with_weights: AttendWithWeights | None = None  # attention maps and dropout
+  decode: Decode | None = None
+  any_value_size: bool = False  # d_v may differ from d_k
+  dtypes: tuple[str, ...] | None = None  # the compute dtypes it takes; None: any
+  # Where it runs on a CPU only emulated: a context manager the call runs inside.
+  cpu_interpreter: Callable[[], contextlib.AbstractContextManager] | None = None
+
+  def decode_or_default(self) -> Decode:
+    """`decode`, or the default kernel's (DEFAULT.decode) where this kernel has none."""
+    return self.decode or cached_attention
+
+  def attend_with_weights_or_default(self) -> AttendWithWeights:
+    """`attend_with_weights`, or the default kernel's where this kernel has none."""
+    return self.attend_with_weights or einsum_attention
+
+  def unsupported(self, cfg: ModelConfig) -> str | None:
+    """Why this kernel cannot serve a model of `cfg` (one line), or None if it can."""
+    if cfg.d_k != cfg.d_v and not self.any_value_size:
+      return f"{self.name} needs d_k == d_v, got {cfg.d_k} and {cfg.d_v}; use {DEFAULT.name}"
+    if cfg.attention_dropout_rate > 0 and self.attend_with_weights is None:
+      return (
+        f"{self.name} has no attention dropout; use {DEFAULT.name} or set "
+        "model.attention_dropout_rate=0"
+      )
+    if self.dtypes is not None and cfg.dtype.name not in self.dtypes:
+      return f"{self.name} computes in {' or '.join(self.dtypes)} only, not {cfg.dtype.name}"
+    return None
+
+
+def _pallas_interpret_mode() -> contextlib.AbstractContextManager:
+  # Imported here: Pallas's TPU modules are needed only by the tpu_flash kernel.
+  from jax.experimental.pallas import tpu as pallas_tpu
+
+  return pallas_tpu.force_tpu_interpret_mode()
+
+
+_EVERYWHERE = ("cpu", "tpu", "cuda", "rocm")
+
+DEFAULT = Kernel(
+  "einsum",
+  softmax_attention,
+  _EVERYWHERE,
+  attend_with_ones=softmax_attention_with_ones,
+  attend_with_weights=einsum_attention,
+  decode=cached_attention,
+  any_value_size=True,
+)
 
 KERNELS: dict[str, Kernel] = {
-  "einsum": softmax_attention,
-  "xla": _dot_product_attention("xla"),
-  "cudnn": _dot_product_attention("cudnn"),
-  "tpu_flash": tpu_flash_attention,
+  kernel.name: kernel
+  for kernel in (
+    DEFAULT,
+    Kernel("xla", _dot_product_attention("xla"), _EVERYWHERE),
+    # cuDNN's flash attention takes 16-bit inputs only (float16 is no model dtype).
+    Kernel("cudnn", _dot_product_attention("cudnn"), ("cuda",), dtypes=("bfloat16",)),
+    Kernel("tpu_flash", tpu_flash_attention, ("tpu",), cpu_interpreter=_pallas_interpret_mode),
+  )
 }
+
+
+def kernel_for(cfg: ModelConfig) -> Kernel:
+  """The kernel `cfg.attention_kernel` names; a ConfigError naming the key if there is
+  none of that name or it cannot serve this model (Kernel.unsupported)."""
+  if cfg.attention_kernel not in KERNELS:
+    raise ConfigError(
+      f"config.model.attention_kernel: {cfg.attention_kernel!r} is not one of {', '.join(KERNELS)}"
+    )
+  kernel = KERNELS[cfg.attention_kernel]
+  problem = kernel.unsupported(cfg)
+  if problem is not None:
+    raise ConfigError(f"config.model.attention_kernel: {problem}")
+  return kernel

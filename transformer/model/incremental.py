@@ -79,7 +79,7 @@ def _key(path) -> str | None:
 
 def _is_per_sentence(path) -> bool:
   """Cross-attention K/V depend on the source only: kept one per sentence (its
-  hypotheses' queries meet them together, MultiHeadAttention._attend_cached)."""
+  hypotheses' queries meet them together, attention_kernels.cached_attention)."""
   return any(getattr(key, "key", None) in ("cross_key", "cross_value") for key in path)
 
 

@@ -10,7 +10,7 @@ Generation (transformer/model/decoding) adds:
   G chunks of a row  U entries per chunk (beam.top_k)
 and the sums O1 = O + 1 (a BOS slot, then the outputs), J1 = J + 1. Letters written
 together are a product (BL = B * L rows). The cached attention
-(MultiHeadAttention._attend_cached) adds R cache rows, and there M counts the query rows
+(attention_kernels.cached_attention) adds R cache rows, and there M counts the query rows
 that meet one cache row; the shallow draft (draft.py) adds Z, its shortlist's length.
 
 Every parameter names logical axes (`vocab`, `embed`, `heads`, `kv`, `mlp`, `length`),

@@ -203,29 +203,9 @@ class Decoder(nn.Module):
     cfg = self.config
     cache_position = None
     if use_cache:
-      # One counter for the whole stack: where the next token goes in every layer's
-      # K/V buffer, and that token's position for the position encoding. A scalar
-      # (created so) serves the whole batch; a caller may replace it by an int32 [B]
-      # vector, one per row, and set it back to roll a row back (speculative.py).
-      is_created = self.has_variable("cache", "position")
-      position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
-      cache_position = position.value
-      if is_created:
-        length = decoder_input_BxT.shape[1]
-        if cache_position.ndim == 0 and length == 1:
-          target_positions_BxT = jnp.full_like(decoder_input_BxT, cache_position)
-        else:
-          # L tokens per row: token i of row b sits at position_b + i.
-          target_positions_BxT = jnp.broadcast_to(
-            jnp.reshape(cache_position, (-1, 1)) + jnp.arange(length, dtype=jnp.int32),
-            decoder_input_BxT.shape,
-          )
-          if cfg.positional == "learned":
-            # A speculative round may score draft tokens past the table, tokens it never
-            # emits; an out-of-range lookup would put NaN in their K/V slots, and a NaN
-            # V poisons later queries even where its attention weight is 0.
-            target_positions_BxT = jnp.minimum(target_positions_BxT, cfg.max_position - 1)
-        position.value = cache_position + length
+      cache_position, target_positions_BxT = self._advance_cache(
+        decoder_input_BxT, target_positions_BxT
+      )
     y_BxTxD = InputEmbedding(cfg, self.embed, name="input")(
       decoder_input_BxT, target_positions_BxT, deterministic
     )
@@ -247,6 +227,42 @@ class Decoder(nn.Module):
     )
     if cfg.norm == "pre":
       y_BxTxD = constrain(layer_norm(cfg, "final_norm")(y_BxTxD), BLD)
+    return self._output(y_BxTxD, features_only)
+
+  def _advance_cache(self, decoder_input_BxL, positions_BxL):
+    """(where this call's tokens go in every layer's K/V buffer, their positions [B, L])
+    with the cache; moves the cache's position on by L. The call that creates the cache
+    keeps the given positions."""
+    # One counter for the whole stack: where the next token goes in every layer's K/V
+    # buffer, and that token's position for the position encoding. A scalar (created
+    # so) serves the whole batch; a caller may replace it by an int32 [B] vector, one
+    # per row, and set it back to roll a row back (speculative.py).
+    is_created = self.has_variable("cache", "position")
+    position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+    cache_position = position.value
+    if not is_created:
+      return cache_position, positions_BxL
+    length = decoder_input_BxL.shape[1]
+    if cache_position.ndim == 0 and length == 1:
+      positions_BxL = jnp.full_like(decoder_input_BxL, cache_position)
+    else:
+      # L tokens per row: token i of row b sits at position_b + i.
+      positions_BxL = jnp.broadcast_to(
+        jnp.reshape(cache_position, (-1, 1)) + jnp.arange(length, dtype=jnp.int32),
+        decoder_input_BxL.shape,
+      )
+      if self.config.positional == "learned":
+        # A speculative round may score draft tokens past the table, tokens it never
+        # emits; an out-of-range lookup would put NaN in their K/V slots, and a NaN V
+        # poisons later queries even where its attention weight is 0.
+        positions_BxL = jnp.minimum(positions_BxL, self.config.max_position - 1)
+    position.value = cache_position + length
+    return cache_position, positions_BxL
+
+  def _output(self, y_BxTxD, features_only):
+    """f32 logits [B, T, V] of the final decoder states; with `features_only`, (the
+    states, the pre-softmax weight, whether it is [V, D])."""
+    cfg = self.config
     if features_only:
       # The final hidden states and the pre-softmax weight, both in the compute dtype
       # (the matmul's inputs), for a loss that fuses the projection
