@@ -30,6 +30,7 @@ from tests.helpers.model_helpers import (
   tiny_config,
 )
 from transformer import config as config_lib
+from transformer.inference import sharding
 from transformer.model import Transformer, attention_kernels, incremental
 from transformer.model.attention_kernels import (
   DEFAULT,
@@ -41,7 +42,6 @@ from transformer.model.attention_kernels import (
   softmax_attention,
 )
 from transformer.model.primitives import current_platform
-from transformer.inference import sharding
 
 
 def test_every_kernel_a_config_may_name_is_implemented():

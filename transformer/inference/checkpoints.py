@@ -1,14 +1,14 @@
 """The read side of a run's Orbax checkpoints: what serving a trained run needs.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data_iterator, config}, written by training
-(transformer/training/checkpoints.py: `Checkpointer`, this module's `CheckpointReader` plus
-the asynchronous saves and the full restore of a resumed run), or once by `write_served`
-(an averaged run, which has no optimizer state). The `state` item is the whole train state, {step, params, opt_state};
-`restore_params` reads its `params` alone (a partial restore), sharded straight onto the
-mesh, so that serving a run never reads, or holds, the optimizer's moments: with Adam they
-are two thirds of the bytes. Every read is bounded by `timeout_s` (config.storage_timeout_s)
-and is a `CheckpointTimeout` naming the checkpoint after it, instead of a hang on a stalled
-bucket.
+(transformer/training/checkpoints.py: `Checkpointer`, this module's `CheckpointReader`
+plus the asynchronous saves and the full restore of a resumed run), or once by
+`write_served` (an averaged run, which has no optimizer state). The `state` item is the
+whole train state, {step, params, opt_state}; `restore_params` reads its `params` alone
+(a partial restore), sharded straight onto the mesh, so that serving a run never reads,
+or holds, the optimizer's moments: with Adam they are two thirds of the bytes. Every
+read is bounded by `timeout_s` (config.storage_timeout_s) and is a `CheckpointTimeout`
+naming the checkpoint after it, instead of a hang on a stalled bucket.
 """
 
 from __future__ import annotations

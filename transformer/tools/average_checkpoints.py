@@ -1,15 +1,16 @@
 r"""Write the mean of a run's last k checkpoints as a new run directory.
 
-    python -m transformer.tools.average_checkpoints --workdir RUN --average_last 5 \
-        --output_workdir RUN-avg5
+python -m transformer.tools.average_checkpoints --workdir RUN --average_last 5 \
+--output_workdir RUN-avg5
 
 The paper evaluates base models on the average of the last 5 checkpoints (written every
 10 minutes) and big models on the last 20. The output holds one checkpoint, at the
-newest averaged step, whose parameters are the element-wise mean (read one checkpoint
-at a time, parameters only: `transformer.inference.restore`) and whose data-iterator
-state is the newest checkpoint's (written by `inference.checkpoints.write_served`), plus the run's config.json and vocab.model, so
-`eval.py --workdir RUN-avg5`, generate.py and the export work on it unchanged. It holds
-no optimizer state: it is a run to serve, not one to resume training from.
+newest averaged step, whose parameters are the element-wise mean (read one checkpoint at
+a time, parameters only: `transformer.inference.restore`) and whose data-iterator state
+is the newest checkpoint's (written by `inference.checkpoints.write_served`), plus the
+run's config.json and vocab.model, so `eval.py --workdir RUN-avg5`, generate.py and the
+export work on it unchanged. It holds no optimizer state: it is a run to serve, not one
+to resume training from.
 """
 
 from absl import flags
