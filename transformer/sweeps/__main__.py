@@ -1,4 +1,4 @@
-"""Ablation sweeps: named rows of config overrides, run one after another or on a cluster.
+r"""Ablation sweeps: named rows of config overrides, run one after another or on a cluster.
 
   python -m transformer.sweeps --sweep configs/sweeps/table3.py --dry_run [--json]
       Each row's parameters and training FLOPs per target token; trains nothing.
