@@ -26,7 +26,6 @@ producer's (record_sources.py):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -39,6 +38,7 @@ from docs.render import record_sources
 from docs.render.doc_views import REPO_ROOT, RecordError
 from docs.render.doc_views import views as all_views
 from transformer import storage
+from transformer.versions import provenance
 
 # The files that hold rendered regions: README, every page of docs/ (not the history
 # under docs/notes/), and the configs' docstrings.
@@ -101,38 +101,6 @@ def render(
 
 
 # Making records.
-
-
-def provenance(command: str, machine: str | None = None) -> dict[str, str]:
-  """machine, date, commit and command for a record made now, from this checkout."""
-
-  def git(*args: str) -> str:
-    return subprocess.run(
-      ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-  commit = git("rev-parse", "--short", "HEAD")
-  if git("status", "--porcelain", "--untracked-files=no"):
-    commit += "-dirty"
-  return {
-    "machine": machine or describe_machine(),
-    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-    "commit": commit,
-    "command": command,
-  }
-
-
-def describe_machine() -> str:
-  """e.g. '2-core AMD EPYC CPU' (accelerators are named with --machine)."""
-  model = "CPU"
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      names = re.findall(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)
-    if names:
-      model = names[0].strip() + " CPU"
-  except OSError:
-    pass
-  return f"{os.cpu_count()}-core {model}"
 
 
 def append_records(path: str, records: list[dict[str, Any]], where: dict[str, str]) -> None:

@@ -12,11 +12,9 @@ FILE lacks.
 
 from __future__ import annotations
 
-import datetime
 import gzip
 import json
 import os
-import platform
 import subprocess
 import time
 
@@ -73,35 +71,6 @@ def epochs_trained(workdir: str, step: int, train_pairs: int) -> float:
   return int(state["epoch"]) + int(state["pairs_read"]) / train_pairs
 
 
-def machine() -> str:
-  """e.g. '2-core AMD EPYC 7B13 CPU': the machine the sweep ran on."""
-  model = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    model = names[0] if names else model
-  except OSError:
-    pass
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return f"{cores}-core {model} CPU"
-
-
-def commit() -> str:
-  """The repository's commit, '-dirty' when the package or configs differ from it."""
-
-  def git(*args: str) -> str:
-    return subprocess.run(
-      ["git", *args], cwd=config_lib.REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-  try:
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = git("status", "--porcelain", "--", "transformer", "configs", "train.py", "eval.py")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return head + ("-dirty" if dirty else "")
-
-
 def make_record(
   sweep: Sweep,
   run: Run,
@@ -135,10 +104,7 @@ def make_record(
     "num_sentences": final.get("num_sentences"),
     "average_last": sweep.average_last,
     "seconds": seconds,
-    "command": command,
-    "commit": commit(),
-    "machine": machine(),
-    "date": datetime.date.today().isoformat(),
+    **versions.provenance(command),
     "versions": versions.library_versions(),
     "record_version": RECORD_VERSION,
   }
