@@ -22,8 +22,9 @@ def test_interval_is_the_range_for_two_and_a_t_interval_for_three():
   assert aggregate.interval([1.0]) is None
   assert aggregate.interval([3.0, 1.0]) == (1.0, 3.0)
   low, high = aggregate.interval([1.0, 2.0, 3.0])
-  # mean 2, sd 1: 2 -/+ 4.303 / sqrt(3)
-  assert low == pytest.approx(2.0 - 4.303 / 3**0.5) and high == pytest.approx(2.0 + 4.303 / 3**0.5)
+  # mean 2, sd 1: 2 -/+ t(0.975, 2 df) / sqrt(3), t = 4.302653
+  half = 4.302653 / 3**0.5
+  assert low == pytest.approx(2.0 - half) and high == pytest.approx(2.0 + half)
 
 
 @pytest.mark.parametrize(

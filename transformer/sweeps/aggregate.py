@@ -28,8 +28,6 @@ import statistics
 from transformer import storage
 from transformer.sweeps import records, report, spec
 
-# Two-sided 95% quantiles of Student's t by degrees of freedom (seeds - 1).
-_T95 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 METRICS = (("ppl", "perplexity", -1), ("bleu", "BLEU", +1))  # key, name, better sign
 
 
@@ -53,7 +51,10 @@ def interval(deltas: list[float]) -> tuple[float, float] | None:
     return None
   if len(deltas) == 2:
     return (min(deltas), max(deltas))
-  half = _T95.get(len(deltas) - 1, 1.96) * statistics.stdev(deltas) / math.sqrt(len(deltas))
+  from scipy import stats  # type: ignore[import-untyped]  # JAX's own dependency
+
+  t95 = float(stats.t.ppf(0.975, df=len(deltas) - 1))  # two-sided 95%
+  half = t95 * statistics.stdev(deltas) / math.sqrt(len(deltas))
   mean = statistics.fmean(deltas)
   return (mean - half, mean + half)
 
