@@ -11,9 +11,9 @@ vocabulary), 1,000 steps of about 1,000 real target tokens. The corpus ships in 
 Expected result:
 
 <!-- results:make_train_expected -->
-sacreBLEU 27.56 (tokenized BLEU 27.97) on the 1,992-sentence test split, perplexity 9.68
-there; 1,000 steps in 6m01s on a 2-core AMD EPYC CPU, no accelerator, otherwise idle
-(2026-12-05, commit f65b7e4; docs/results/make_train.jsonl).
+sacreBLEU 28.38 (tokenized BLEU 28.81) on the 1,992-sentence test split, perplexity 9.62
+there; 1,000 steps in 7m12s on a 2-core AMD EPYC CPU (2026-12-05, commit b826233-dirty;
+docs/results/make_train.jsonl).
 <!-- /results -->
 
 `configs/default.py:draft` is the same model with one encoder and one decoder layer: a

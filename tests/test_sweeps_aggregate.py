@@ -66,15 +66,16 @@ def test_runs_have_a_directory_and_a_seed_each(tmp_path, small_corpus):
     write_sweep(tmp_path, small_corpus, '[Row("base", {}, seeds=(0, 2)), Row("A", {})]')
   )
   runs = spec.runs(sweep.rows)
+  # One pass over the rows per seed: a study stopped part way has every row once.
   assert [(r.name, r.directory("W")) for r in runs] == [
     ("base seed 0", "W/base/seed0"),
-    ("base seed 2", "W/base/seed2"),
     ("A", "W/A"),
+    ("base seed 2", "W/base/seed2"),
   ]
-  args = spec.train_args(sweep, runs[1], "W/base/seed2", "c.py")
+  args = spec.train_args(sweep, runs[2], "W/base/seed2", "c.py")
   assert "--config.seed=2" in args
   assert not any(
-    a.startswith("--config.seed") for a in spec.train_args(sweep, runs[2], "W/A", "c.py")
+    a.startswith("--config.seed") for a in spec.train_args(sweep, runs[1], "W/A", "c.py")
   )
 
 
@@ -127,19 +128,19 @@ def test_a_recorded_study_skips_what_it_holds_and_aggregates_its_seeds(tmp_path,
   runner.run_local(sweep, sweep.rows, configs, workdir, recording=recording)
 
   found = records.read_records(path)
-  assert [(r["row"], r["seed"]) for r in found] == [("base", 0), ("base", 1), ("D1", 0), ("D1", 1)]
+  assert [(r["row"], r["seed"]) for r in found] == [("base", 0), ("D1", 0), ("base", 1), ("D1", 1)]
   for r in found:
     assert r["steps"] == 6 and r["average_last"] == 2 and r["record_version"] == 1
     assert [h["step"] for h in r["ppl_history"]] == [2, 4, 6]
     assert r["ppl"] > 1.0 and r["epochs"] > 0
     assert {"command", "commit", "machine", "date"} <= set(r)
   # Seeds differ: the same row at two seeds trains two different models.
-  assert found[0]["ppl_history"] != found[1]["ppl_history"]
+  assert found[0]["ppl_history"] != found[2]["ppl_history"]
   # The final evaluation averaged the last two checkpoints, and its files sit beside
   # the records: hypotheses per run, the references once.
   with open(os.path.join(tmp_path, "results/study/base-seed1/final_eval.json")) as f:
     final = json.load(f)
-  assert final["step"] == 6 and final["ppl"] == found[1]["ppl"]
+  assert final["step"] == 6 and final["ppl"] == found[2]["ppl"]
   with gzip.open(tmp_path / "results/study/validation.ref.txt.gz", "rt") as f:
     assert len(f.read().splitlines()) == final["num_sentences"]
 
@@ -152,8 +153,8 @@ def test_a_recorded_study_skips_what_it_holds_and_aggregates_its_seeds(tmp_path,
   done = runner.run_local(sweep, sweep.rows, configs, workdir, recording=recording)
   assert [(d["row"], d["seed"], d["phase"]) for d in done] == [
     ("base", 0, "skipped"),
-    ("base", 1, "skipped"),
     ("D1", 0, "skipped"),
+    ("base", 1, "skipped"),
     ("D1", 1, "train"),
     ("D1", 1, "eval"),
   ]
@@ -167,7 +168,37 @@ def test_a_recorded_study_skips_what_it_holds_and_aggregates_its_seeds(tmp_path,
   assert "| base | (base) | 0,1 |" in table and "| D1 | P_drop=0.0 | 0,1 |" in table
   summaries = aggregate.summarize(sweep, again, path)
   d1 = summaries[1]
-  assert d1["ppl"].deltas == {s: again[2 + s]["ppl"] - again[s]["ppl"] for s in (0, 1)}
+  ppl = {(r["row"], r["seed"]): r["ppl"] for r in again}
+  assert d1["ppl"].deltas == {s: ppl["D1", s] - ppl["base", s] for s in (0, 1)}
   assert d1["ppl"].paper_delta == pytest.approx(0.5)
   assert 0.0 <= d1["bleu"].p_value <= 1.0
   assert os.path.getsize(written[2]) > 1000  # the curves
+
+  # A longer study: D1 seed 1 resumes from its checkpoint at step 6 and its record is
+  # replaced; the records file keeps one line per run.
+  with open(sweep_file) as f:
+    text = f.read().replace(
+      '"eval_every_steps": 2,', '"eval_every_steps": 2, "num_train_steps": 8,', 1
+    )
+  with open(sweep_file, "w") as f:
+    f.write(text)
+  longer = spec.load_sweep(sweep_file)
+  d1_longer = [row for row in longer.rows if row.name == "D1"]
+  longer_configs = {"D1": spec.row_config(longer, d1_longer[0])}
+  done = runner.run_local(longer, d1_longer, longer_configs, workdir, recording=recording)
+  assert [(d["seed"], d["phase"], d.get("resumed")) for d in done] == [
+    (0, "train", False),
+    (0, "eval", False),
+    (1, "train", True),
+    (1, "eval", False),
+  ]
+  extended = records.read_records(path)
+  assert [(r["row"], r["seed"], r["steps"]) for r in extended] == [
+    ("base", 0, 6),
+    ("D1", 0, 8),
+    ("base", 1, 6),
+    ("D1", 1, 8),
+  ]
+  # Resumed, not retrained: the first six steps' history is the shorter run's.
+  assert extended[3]["ppl_history"][:3] == again[3]["ppl_history"]
+  assert [h["step"] for h in extended[3]["ppl_history"]] == [2, 4, 6, 8]

@@ -648,6 +648,25 @@ def table3_small() -> str:
 
 
 @view
+def table3_converged() -> str:
+  """Each row of the converged study over its seeds (transformer/sweeps/aggregate.py, as
+  `--collect --records` writes it): mean and spread, the change against base at the same
+  seed with its interval, the paired bootstrap of BLEU, and whether it agrees with the
+  paper; the runs not recorded yet named below."""
+  from transformer.sweeps import aggregate, spec
+
+  sweep = spec.load_sweep(os.path.join(REPO_ROOT, "configs/sweeps/table3_converged.py"))
+  records = [r for r in read_records("table3_converged") if r["sweep"] == sweep.name]
+  missing = aggregate.missing_runs(sweep, records)
+  if not records:
+    return f"No run recorded yet: {len(missing)} runs to go."
+  path = os.path.join(RESULTS_DIR, "table3_converged.jsonl")
+  summaries = aggregate.summarize(sweep, records, path)
+  note = f"Not recorded yet: {', '.join(missing)}.\n\n" if missing else ""
+  return aggregate.markdown_table(summaries) + "\n" + note + source("table3_converged", records)
+
+
+@view
 def decoder_only_vs_encoder_decoder() -> str:
   records = latest(read_records("decoder_only_vs_encoder_decoder"), key=lambda r: r["row"])
   cells = {"row": lambda r: r["row"], "parameters": lambda r: _thousands(r["num_params"])}

@@ -20,8 +20,10 @@ r"""Ablation sweeps: named rows of config overrides, run one after another or on
   python -m transformer.sweeps --sweep configs/sweeps/table3_converged.py --workdir W \
       --records docs/results/table3_converged.jsonl [--commit_records]
       Also records each finished (row, seed) in the records file, with its small files
-      beside it (records.py), and commits them with --commit_records; a run the file
-      holds is skipped, so a study restarted anywhere trains only what is missing.
+      beside it (records.py), and commits them with --commit_records. The runs go one
+      pass over the rows per seed; a run the file holds at this step count is skipped, so
+      a study restarted anywhere trains only what is missing, and one the file holds at
+      fewer steps resumes to the new count (raise the sweep's steps to extend a study).
   python -m transformer.sweeps --sweep ... --records FILE --collect --output_dir DIR
       Each row over its seeds, from the records alone: mean, spread, change against
       base at the same seed with an interval, a paired bootstrap of BLEU, and whether it

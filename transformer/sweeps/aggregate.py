@@ -273,6 +273,15 @@ def plot_curves(found: list[dict], title: str, path: str) -> None:
   storage.write_bytes(path, png.getvalue())
 
 
+def missing_runs(sweep: spec.Sweep, found: list[dict]) -> list[str]:
+  """The names of the sweep's runs (row and seed) that no record in `found` is of."""
+  return [
+    run.name
+    for run in spec.runs(sweep.rows)
+    if not any(r["row"] == run.row.name and r["seed"] == run.seed for r in found)
+  ]
+
+
 def collect(sweep: spec.Sweep, records_path: str, output_dir: str) -> list[str]:
   """Writes <sweep>.md, .csv and .png (curves) to output_dir from the records; returns
   their paths, the table first."""
@@ -280,11 +289,7 @@ def collect(sweep: spec.Sweep, records_path: str, output_dir: str) -> list[str]:
   if not found:
     raise spec.SweepError(f"{records_path} holds no record of sweep {sweep.name}")
   summaries = summarize(sweep, found, records_path)
-  missing = [
-    run.name
-    for run in spec.runs(sweep.rows)
-    if not any(r["row"] == run.row.name and r["seed"] == run.seed for r in found)
-  ]
+  missing = missing_runs(sweep, found)
   storage.makedirs(output_dir)
   stem = storage.join(output_dir, sweep.name)
   note = f"\nNot recorded yet: {', '.join(missing)}.\n" if missing else ""

@@ -6,8 +6,10 @@ run finishes (its final evaluation written), and copies beside it, to FILE's ste
 workdir: the validation history (metrics.jsonl's validation lines), the final
 evaluation's scores (.json) and hypotheses (.hyp.txt.gz; the references are written once,
 as FILE's stem/validation.ref.txt.gz). Checkpoints never go there. A run already in FILE
-is skipped, so a study restarted on a new machine, its workdirs lost, trains only what
-FILE lacks.
+at the sweep's step count is skipped, so a study restarted on a new machine, its workdirs
+lost, trains only what FILE lacks. A run recorded at fewer steps than the sweep now asks
+for is extended: resumed from its last checkpoint (the learning rate depends only on the
+step) and its record replaced.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def read_records(records_path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def recorded(records_path: str, run: Run) -> bool:
-  """Whether FILE already holds this run's record."""
-  return any(
-    r.get("row") == run.row.name and r.get("seed") == run.seed for r in read_records(records_path)
-  )
+def _same_run(record: dict, run: Run) -> bool:
+  return record.get("row") == run.row.name and record.get("seed") == run.seed
+
+
+def recorded(records_path: str, run: Run, steps: int) -> bool:
+  """Whether FILE already holds this run's record at `steps` steps (a record of fewer
+  steps is of a shorter study, and the run is extended)."""
+  return any(_same_run(r, run) and r.get("steps") == steps for r in read_records(records_path))
 
 
 def validation_history(workdir: str) -> list[dict]:
@@ -111,8 +116,9 @@ def make_record(
 
 
 def save(records_path: str, record: dict, run: Run, workdir: str, eval_stem: str) -> list[str]:
-  """Appends the record to FILE and copies the run's small files beside it; returns the
-  paths written (for a commit)."""
+  """Writes the record to FILE, in place of an earlier record of the same run (a shorter
+  study's), and copies the run's small files beside it; returns the paths written (for a
+  commit)."""
   out = artefact_dir(records_path, run)
   os.makedirs(out, exist_ok=True)
   history = os.path.join(out, "validation_metrics.jsonl")
@@ -129,8 +135,12 @@ def save(records_path: str, record: dict, run: Run, workdir: str, eval_stem: str
     with gzip.open(references, "wt", encoding="utf-8") as f:
       f.write(storage.read_text(eval_stem + ".ref.txt"))
     written.append(references)
-  with open(records_path, "a", encoding="utf-8") as f:
-    f.write(json.dumps(record) + "\n")
+  found = read_records(records_path)
+  lines = [record if _same_run(r, run) else r for r in found]
+  if not any(_same_run(r, run) for r in found):
+    lines.append(record)
+  with open(records_path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in lines)
   return written
 
 

@@ -4,8 +4,10 @@ Each row trains in WORKDIR/<row> (a row with seeds: each seed in WORKDIR/<row>/s
 with `train.py`, then beam-searches its whole validation split with `eval.py`, each as a
 child process. A run whose final evaluation exists is skipped; one with checkpoints short
 of its last step resumes. With --records FILE, each finished run is recorded there
-(records.py), and a run FILE holds is skipped even without its workdir. The sweep's workdir may be
-gs://...: rows, their files and the sweep's log all go through `transformer.storage`.
+(records.py), and a run FILE holds at the sweep's step count is skipped even without its
+workdir; one it holds at fewer steps is resumed to the new count and its record replaced.
+The sweep's workdir may be gs://...: rows, their files and the sweep's log all go through
+`transformer.storage`.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def run_local(
   log = storage.AppendLog(storage.join(workdir, "sweep_log.jsonl"))
   done: list[dict[str, Any]] = []
   for run in runs(rows):
-    if recording is not None and records.recorded(recording.path, run):
+    steps = config_lib.final_step(configs[run.row.name])
+    if recording is not None and records.recorded(recording.path, run, steps):
       print(f"[{run.name}] recorded in {recording.path}: skipped", flush=True)
       done.append({"row": run.row.name, "seed": run.seed, "phase": "skipped"})
       continue

@@ -76,8 +76,12 @@ class Run:
 
 
 def runs(rows: list[Row]) -> list[Run]:
-  """Every run of the rows, row by row and seed by seed in the order the row names them."""
-  return [Run(row, seed) for row in rows for seed in (row.seeds or (None,))]
+  """Every run of the rows, a pass over the rows per seed: each row's first seed (or its
+  one run), then each row's second, and so on. A study stopped part way then holds the
+  whole table at fewer seeds, not some rows at every seed and the rest at none."""
+  seeded = [[Run(row, seed) for seed in (row.seeds or (None,))] for row in rows]
+  passes = max((len(r) for r in seeded), default=0)
+  return [r[k] for k in range(passes) for r in seeded if k < len(r)]
 
 
 def split_config_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
