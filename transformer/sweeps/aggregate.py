@@ -276,9 +276,7 @@ def plot_curves(found: list[dict], title: str, path: str) -> None:
 def missing_runs(sweep: spec.Sweep, found: list[dict]) -> list[str]:
   """The names of the sweep's runs (row and seed) that no record in `found` is of."""
   return [
-    run.name
-    for run in spec.runs(sweep.rows)
-    if not any(r["row"] == run.row.name and r["seed"] == run.seed for r in found)
+    run.name for run in spec.runs(sweep.rows) if not any(records.is_of(r, run) for r in found)
   ]
 
 

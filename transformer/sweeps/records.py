@@ -44,14 +44,15 @@ def read_records(records_path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def _same_run(record: dict, run: Run) -> bool:
+def is_of(record: dict, run: Run) -> bool:
+  """Whether `record` is of this run (its row and seed), at any step count."""
   return record.get("row") == run.row.name and record.get("seed") == run.seed
 
 
 def recorded(records_path: str, run: Run, steps: int) -> bool:
   """Whether FILE already holds this run's record at `steps` steps (a record of fewer
   steps is of a shorter study, and the run is extended)."""
-  return any(_same_run(r, run) and r.get("steps") == steps for r in read_records(records_path))
+  return any(is_of(r, run) and r.get("steps") == steps for r in read_records(records_path))
 
 
 def validation_history(workdir: str) -> list[dict]:
@@ -135,9 +136,10 @@ def save(records_path: str, record: dict, run: Run, workdir: str, eval_stem: str
     with gzip.open(references, "wt", encoding="utf-8") as f:
       f.write(storage.read_text(eval_stem + ".ref.txt"))
     written.append(references)
+  # FILE is the repository's own (docs/results/), committed by git: never in a workdir.
   found = read_records(records_path)
-  lines = [record if _same_run(r, run) else r for r in found]
-  if not any(_same_run(r, run) for r in found):
+  lines = [record if is_of(r, run) else r for r in found]
+  if record not in lines:  # the run's first record
     lines.append(record)
   with open(records_path, "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r) + "\n" for r in lines)
