@@ -136,7 +136,7 @@ def save(records_path: str, record: dict, run: Run, workdir: str, eval_stem: str
     with gzip.open(references, "wt", encoding="utf-8") as f:
       f.write(storage.read_text(eval_stem + ".ref.txt"))
     written.append(references)
-  # FILE is the repository's own (docs/results/), committed by git: never in a workdir.
+  # FILE is local (docs/results/ in the repository, committed by git), so plain open().
   found = read_records(records_path)
   lines = [record if is_of(r, run) else r for r in found]
   if record not in lines:  # the run's first record
